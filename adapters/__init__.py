@@ -1,0 +1,1 @@
+"""mrl-plugins."""

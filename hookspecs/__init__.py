@@ -1,0 +1,34 @@
+"""The mrl-plugins hook contract (installed as ``mrl_plugins.hookspecs``)."""
+
+from . import spec
+from .spec import PROJECT_NAME, STAGE_HOOKS, hookimpl, hookspec
+from .types import (
+    REGISTRATION_HOOKS,
+    STAGES,
+    CommCodec,
+    CommTransport,
+    PublishReport,
+    RolloutEngine,
+    RolloutResult,
+    StageContext,
+    SwitchReport,
+    WeightTransport,
+)
+
+__all__ = [
+    "PROJECT_NAME",
+    "REGISTRATION_HOOKS",
+    "STAGES",
+    "STAGE_HOOKS",
+    "CommCodec",
+    "CommTransport",
+    "PublishReport",
+    "RolloutEngine",
+    "RolloutResult",
+    "StageContext",
+    "SwitchReport",
+    "WeightTransport",
+    "hookimpl",
+    "hookspec",
+    "spec",
+]

@@ -1,0 +1,116 @@
+"""Small value types that cross the hook boundary.
+
+Registration objects follow conda's plugin style: a hook returns small named dataclasses,
+the manager collects them, rejects duplicate names (naming both providers) and the
+configuration picks one by name.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+#: The three stages of an RL loop that plugins can replace.
+STAGES: tuple[str, ...] = ("rollout", "weight_sync", "comm")
+
+
+@dataclass(frozen=True)
+class _Registration:
+    """A named factory. ``name`` is what a config selects; ``factory`` builds the backend."""
+
+    name: str
+    factory: Callable[..., Any]
+    description: str = ""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name or not self.name.replace("_", "-").replace("-", "").isalnum():
+            raise ValueError(f"registration name must be a non-empty [a-z0-9_-] string, got {self.name!r}")
+        if not callable(self.factory):
+            raise TypeError(f"registration {self.name!r}: factory must be callable, got {type(self.factory).__name__}")
+
+
+@dataclass(frozen=True)
+class RolloutEngine(_Registration):
+    """A generation backend (``transformers``, ``vllm``, ...). ``factory(model, tokenizer, config, device)``."""
+
+
+@dataclass(frozen=True)
+class WeightTransport(_Registration):
+    """A weight transport (``broadcast``, ``shm``, ``directory``, ...). ``factory(config, **kwargs)``."""
+
+
+@dataclass(frozen=True)
+class CommTransport(_Registration):
+    """An experience transport (``shm``, ``queue``, ``torch_distributed``, ...). ``factory(config, **kwargs)``."""
+
+
+@dataclass(frozen=True)
+class CommCodec(_Registration):
+    """An experience codec (``raw``, ``fp16``, ...). ``factory(config)`` returns an object with encode/decode."""
+
+
+#: registration hook name -> (stage, registration class, what it is called in errors/config)
+REGISTRATION_HOOKS: dict[str, tuple[str, type[_Registration], str]] = {
+    "mrl_rollout_register_engines": ("rollout", RolloutEngine, "rollout engine"),
+    "mrl_weight_sync_register_transports": ("weight_sync", WeightTransport, "weight-sync transport"),
+    "mrl_comm_register_transports": ("comm", CommTransport, "comm transport"),
+    "mrl_comm_register_codecs": ("comm", CommCodec, "comm codec"),
+}
+
+
+@dataclass
+class RolloutResult:
+    """What the rollout stage returns for one batch of prompts.
+
+    ``prompt_ids``/``completion_ids``/``logprobs`` have one entry per generated sequence
+    (``len(prompts) * num_generations``, prompts repeated in order); ``logprobs[i][t]`` is the
+    sampling log-probability of ``completion_ids[i][t]``. ``weight_version`` is the version of the
+    weights that produced every sequence of this result.
+    """
+
+    prompt_ids: list[list[int]]
+    completion_ids: list[list[int]]
+    logprobs: list[list[float]]
+    weight_version: int
+    model_id: str = "policy"
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class PublishReport:
+    """What publishing one weight version did: bytes moved, seconds spent, shard count."""
+
+    model_id: str
+    version: int
+    nbytes: int
+    seconds: float
+    shards: int = 1
+
+
+@dataclass
+class SwitchReport:
+    """One staging -> active switch (one version-log line)."""
+
+    model_id: str
+    from_version: int
+    to_version: int
+    nbytes: int
+    seconds: float
+
+
+@dataclass
+class StageContext:
+    """Per-run state handed to every stage hook.
+
+    ``config`` is the validated :class:`mrl_plugins.config.MrlConfig`; ``host`` is the trainer
+    (or ``None`` outside a trainer); ``metrics`` collects ``mrl/<stage>/...`` numbers that the
+    adapter forwards to TRL's logs; ``resources`` is where a plugin keeps what it built (keyed by
+    its own name) so that ``mrl_shutdown`` can release it.
+    """
+
+    config: Any
+    host: Any = None
+    metrics: Any = None
+    resources: dict[str, Any] = field(default_factory=dict)
+    backends: Mapping[str, Any] = field(default_factory=dict)
