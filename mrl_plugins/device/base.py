@@ -1,0 +1,229 @@
+"""The :class:`Device` interface shared by the CPU, CUDA and NPU implementations, plus streams and events.
+
+Streams and events are wrapped in :class:`DeviceStream` / :class:`DeviceEvent` so that code written once runs
+on every backend: on CPU they are no-ops that still time work (``perf_counter``), on CUDA/NPU they hold the
+backend's own object in ``.raw`` (pass that to torch functions such as ``Tensor.record_stream``).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import warnings
+from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from mrl_plugins.errors import ConfigError, choices
+
+if TYPE_CHECKING:
+    import torch
+
+DEVICE_TYPES: tuple[str, ...] = ("cpu", "cuda", "npu")
+STREAM_PRIORITIES: tuple[str, ...] = ("high", "normal", "low")
+COLLECTIVE_BACKENDS: dict[str, str] = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
+VISIBLE_DEVICES_ENV: dict[str, str | None] = {
+    "cpu": None,
+    "cuda": "CUDA_VISIBLE_DEVICES",
+    # The runtime variable read by torch_npu/CANN. (ASCEND_VISIBLE_DEVICES is the container-level one that the
+    # Ascend docker runtime uses to mount cards; inside a process ASCEND_RT_VISIBLE_DEVICES picks among them.)
+    "npu": "ASCEND_RT_VISIBLE_DEVICES",
+}
+
+
+class DeviceFallbackWarning(UserWarning):
+    """An accelerator was found but cannot be used; work continues on the next device type (NPU→CUDA→CPU)."""
+
+
+class CoreLimitWarning(DeviceFallbackWarning):
+    """A requested compute limit cannot be applied here (API absent in this torch_npu, or not an NPU)."""
+
+
+_warned: set[tuple[type[Warning], str]] = set()
+_warned_lock = threading.Lock()
+
+
+def warn_once(message: str, category: type[Warning] = DeviceFallbackWarning, stacklevel: int = 3) -> bool:
+    """Emit ``message`` once per process (per category and text). Returns True when it was emitted now."""
+    key = (category, message)
+    with _warned_lock:
+        if key in _warned:
+            return False
+        _warned.add(key)
+    warnings.warn(message, category, stacklevel=stacklevel)
+    return True
+
+
+def _reset_warn_once() -> None:
+    """Forget which warnings were emitted (tests only)."""
+    with _warned_lock:
+        _warned.clear()
+
+
+def check_priority(priority: str) -> str:
+    """Validate a stream priority name; ConfigError naming the valid ones otherwise."""
+    if priority not in STREAM_PRIORITIES:
+        raise ConfigError(f"stream priority {priority!r} is not valid; choose {choices(STREAM_PRIORITIES)}")
+    return priority
+
+
+def check_fraction(fraction: float) -> float:
+    """Validate a memory fraction (0 < fraction <= 1); never clamps."""
+    if isinstance(fraction, bool) or not isinstance(fraction, (int, float)):
+        raise ConfigError(f"memory fraction must be a number in (0, 1], got {type(fraction).__name__}")
+    value = float(fraction)
+    if not (0.0 < value <= 1.0):
+        raise ConfigError(f"memory fraction {value!r} is outside (0, 1]")
+    return value
+
+
+@dataclass
+class DeviceStream:
+    """A stream of one device. ``raw`` is the backend stream (``None`` on CPU).
+
+    ``priority`` is what was asked for; ``hw_priority`` the number passed to the backend; ``priority_honoured``
+    says whether the hardware schedules by it (True only on CUDA, and only for ``high`` vs the others).
+    """
+
+    device_type: str
+    priority: str
+    raw: Any = None
+    hw_priority: int | None = None
+    priority_honoured: bool = False
+
+    def synchronize(self) -> None:
+        """Wait until all work queued on this stream has finished (no-op on CPU)."""
+        if self.raw is not None:
+            self.raw.synchronize()
+
+    def query(self) -> bool:
+        """True when all queued work has finished (always True on CPU)."""
+        return True if self.raw is None else bool(self.raw.query())
+
+    def wait_event(self, event: DeviceEvent) -> None:
+        """Make future work on this stream wait for ``event`` (no-op on CPU)."""
+        if self.raw is not None and event.raw is not None:
+            self.raw.wait_event(event.raw)
+
+    def wait_stream(self, other: DeviceStream) -> None:
+        """Make future work on this stream wait for work already queued on ``other`` (no-op on CPU)."""
+        if self.raw is not None and other.raw is not None:
+            self.raw.wait_stream(other.raw)
+
+
+@dataclass
+class DeviceEvent:
+    """An event of one device. ``raw`` is the backend event (``None`` on CPU, where it records host time)."""
+
+    device_type: str
+    raw: Any = None
+    _host_time: float | None = field(default=None, repr=False)
+
+    def record(self, stream: DeviceStream | None = None) -> None:
+        """Record the event on ``stream`` (the current stream when ``None``)."""
+        if self.raw is None:
+            self._host_time = time.perf_counter()
+        elif stream is None or stream.raw is None:
+            self.raw.record()
+        else:
+            self.raw.record(stream.raw)
+
+    def wait(self, stream: DeviceStream | None = None) -> None:
+        """Make ``stream`` (or the current one) wait for this event without blocking the host."""
+        if self.raw is None:
+            return
+        if stream is None or stream.raw is None:
+            self.raw.wait()
+        else:
+            self.raw.wait(stream.raw)
+
+    def synchronize(self) -> None:
+        """Block the host until the event has happened."""
+        if self.raw is not None:
+            self.raw.synchronize()
+
+    def query(self) -> bool:
+        """True when the event has happened (CPU: once recorded)."""
+        if self.raw is None:
+            return self._host_time is not None
+        return bool(self.raw.query())
+
+    def elapsed_time(self, end: DeviceEvent) -> float:
+        """Milliseconds from this event to ``end`` (both recorded)."""
+        if self.raw is None:
+            if self._host_time is None or end._host_time is None:
+                raise RuntimeError("both events must be recorded before elapsed_time()")
+            return (end._host_time - self._host_time) * 1000.0
+        return float(self.raw.elapsed_time(end.raw))
+
+
+@dataclass(eq=True)
+class Device(ABC):
+    """One device: ``type`` (``cpu``/``cuda``/``npu``) and ``index`` (``None`` for CPU).
+
+    Subclasses implement the backend calls; obtain instances through :func:`mrl_plugins.device.get_device`.
+    ``memory_fraction`` records the last :meth:`set_memory_fraction` (on CPU that is all it does).
+    """
+
+    type: str
+    index: int | None = None
+    memory_fraction: float | None = field(default=None, compare=False)
+
+    # --- facts -------------------------------------------------------------------------------------------------
+    @property
+    def collective_backend(self) -> str:
+        """torch.distributed backend for this device type: ``hccl``, ``nccl`` or ``gloo``."""
+        return COLLECTIVE_BACKENDS[self.type]
+
+    @property
+    def visible_devices_env(self) -> str | None:
+        """Environment variable selecting visible devices (``ASCEND_RT_VISIBLE_DEVICES``/``CUDA_VISIBLE_DEVICES``)."""
+        return VISIBLE_DEVICES_ENV[self.type]
+
+    @property
+    def spec(self) -> str:
+        """The spec string that selects this device (``cpu``, ``cuda:0``, ``npu:1``)."""
+        return self.type if self.index is None else f"{self.type}:{self.index}"
+
+    @property
+    def torch_device(self) -> torch.device:
+        """The matching :class:`torch.device`."""
+        import torch
+
+        return torch.device(self.type) if self.index is None else torch.device(self.type, self.index)
+
+    def __str__(self) -> str:
+        return self.spec
+
+    # --- streams and events --------------------------------------------------------------------------------------
+    def new_stream(self, priority: str = "normal") -> DeviceStream:
+        """A new stream with ``priority`` in ``high``/``normal``/``low`` (see ``DeviceStream.priority_honoured``)."""
+        check_priority(priority)
+        return DeviceStream(self.type, priority)
+
+    @contextmanager
+    def stream_context(self, stream: DeviceStream | None) -> Iterator[DeviceStream | None]:
+        """Context in which work is queued on ``stream`` (``None``: leave the current stream)."""
+        yield stream
+
+    def new_event(self, enable_timing: bool = True) -> DeviceEvent:
+        """A new event (timing enabled by default)."""
+        return DeviceEvent(self.type)
+
+    def synchronize(self) -> None:  # noqa: B027 - a no-op is the right default (CPU); accelerators override it
+        """Wait for all queued work on this device."""
+
+    # --- memory --------------------------------------------------------------------------------------------------
+    def set_memory_fraction(self, fraction: float) -> None:
+        """Cap this process at ``fraction`` of the device's memory (0 < fraction <= 1, never clamped)."""
+        self.memory_fraction = check_fraction(fraction)
+
+    @abstractmethod
+    def memory_stats(self) -> dict[str, int]:
+        """``peak_bytes``, ``allocated_bytes`` and ``total_bytes`` of this device for this process."""
+
+    @abstractmethod
+    def reset_peak_memory(self) -> bool:
+        """Reset the peak so the next :meth:`memory_stats` measures from now. Returns whether it could."""

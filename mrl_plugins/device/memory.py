@@ -1,0 +1,109 @@
+"""Memory reservation sized from a profiling pass: measured peak + headroom (20% by default).
+
+``reservation_fraction(peak_bytes=8 << 30, total_bytes=64 << 30)`` (8 GiB peak on a 64 GiB card) is
+8 * 1.2 / 64 = 0.15; a peak whose reservation would exceed the device is an error, never clamped.
+
+On NPU/CUDA the fraction goes to ``Device.set_memory_fraction`` (the allocator then refuses more); on CPU it is
+recorded and reported, not enforced.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from mrl_plugins.device.base import Device
+from mrl_plugins.errors import ConfigError
+
+T = TypeVar("T")
+
+DEFAULT_HEADROOM = 0.2
+
+
+def reservation_fraction(peak_bytes: int, total_bytes: int, headroom: float = DEFAULT_HEADROOM) -> float:
+    """``peak_bytes * (1 + headroom) / total_bytes``; ConfigError naming the numbers when it exceeds 1 (no clamp)."""
+    if peak_bytes < 0 or total_bytes <= 0:
+        raise ConfigError(f"need peak_bytes >= 0 and total_bytes > 0, got peak={peak_bytes} total={total_bytes}")
+    if headroom < 0:
+        raise ConfigError(f"headroom must be >= 0, got {headroom}")
+    need = peak_bytes * (1.0 + headroom)
+    fraction = need / total_bytes
+    if fraction > 1.0:
+        raise ConfigError(
+            f"memory reservation does not fit: peak {peak_bytes} B x (1 + headroom {headroom:g}) = {need:.0f} B "
+            f"is {fraction:.3f} of the device's {total_bytes} B; lower the batch/model size or use a larger device"
+        )
+    return fraction
+
+
+@dataclass(frozen=True)
+class MemoryProfile:
+    """Memory seen while a callable ran on ``device``.
+
+    ``baseline_bytes``: held just before; ``peak_bytes``: highest held while it ran (absolute, includes the
+    baseline); ``total_bytes``: the device's capacity; ``seconds``: wall time of the call.
+    """
+
+    device: str
+    baseline_bytes: int
+    peak_bytes: int
+    total_bytes: int
+    seconds: float
+    peak_was_reset: bool
+
+    @property
+    def increase_bytes(self) -> int:
+        """Peak above the baseline: what the call itself needed."""
+        return max(0, self.peak_bytes - self.baseline_bytes)
+
+    def reservation_fraction(self, headroom: float = DEFAULT_HEADROOM) -> float:
+        """:func:`reservation_fraction` of this profile's peak."""
+        return reservation_fraction(self.peak_bytes, self.total_bytes, headroom)
+
+    def as_dict(self) -> dict[str, Any]:
+        """Plain dict for reports."""
+        return {
+            "device": self.device,
+            "baseline_bytes": self.baseline_bytes,
+            "peak_bytes": self.peak_bytes,
+            "increase_bytes": self.increase_bytes,
+            "total_bytes": self.total_bytes,
+            "seconds": self.seconds,
+            "peak_was_reset": self.peak_was_reset,
+        }
+
+
+def measure_peak(fn: Callable[[], T], device: Device | None = None) -> tuple[T, MemoryProfile]:
+    """Run ``fn()`` once on ``device`` (default: the ``auto`` device) and return its result and a profile.
+
+    The device is synchronised before and after, and its peak reset first. On CPU, when the kernel does not let
+    the peak be reset, ``peak_bytes`` is the process peak so far (``peak_was_reset`` False).
+    """
+    if device is None:
+        from mrl_plugins.device.select import get_device
+
+        device = get_device("auto")
+    device.synchronize()
+    was_reset = device.reset_peak_memory()
+    before = device.memory_stats()
+    start = time.perf_counter()
+    result = fn()
+    device.synchronize()
+    seconds = time.perf_counter() - start
+    after = device.memory_stats()
+    profile = MemoryProfile(
+        device=device.spec,
+        baseline_bytes=int(before["allocated_bytes"]),
+        peak_bytes=int(max(after["peak_bytes"], after["allocated_bytes"])),
+        total_bytes=int(after["total_bytes"]),
+        seconds=seconds,
+        peak_was_reset=was_reset,
+    )
+    return result, profile
+
+
+def profile_peak(fn: Callable[[], Any], device: Device | None = None) -> int:
+    """Peak bytes held on ``device`` while ``fn()`` ran (see :func:`measure_peak`)."""
+    return measure_peak(fn, device)[1].peak_bytes

@@ -1,0 +1,150 @@
+"""Device discovery and selection: ``get_device("auto" | "cpu" | "cuda[:N]" | "npu[:N]")``.
+
+``auto`` prefers NPU, then CUDA, then CPU. When torch_npu is installed but unusable (import fails, no CANN, no
+card visible) ``auto`` continues on CUDA/CPU with one :class:`DeviceFallbackWarning` per process naming the
+reason; an explicit ``npu`` request raises :class:`~mrl_plugins.errors.DeviceError` instead.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Iterable, MutableMapping
+
+from mrl_plugins.device import probe
+from mrl_plugins.device.base import (
+    COLLECTIVE_BACKENDS,
+    DEVICE_TYPES,
+    VISIBLE_DEVICES_ENV,
+    Device,
+    DeviceFallbackWarning,
+    warn_once,
+)
+from mrl_plugins.device.cpu import CpuDevice
+from mrl_plugins.device.cuda import CudaDevice
+from mrl_plugins.device.npu import NpuDevice
+from mrl_plugins.errors import ConfigError, DeviceError, choices
+
+SPEC_FORMS: tuple[str, ...] = ("auto", "cpu", "cuda", "cuda:N", "npu", "npu:N")
+_SPEC = re.compile(r"^(auto|cpu|cuda|npu)(?::(\d+))?$")
+
+
+def parse_device_spec(spec: str) -> tuple[str, int | None]:
+    """Split a device spec into ``(type, index)``; ConfigError naming the valid forms for anything else.
+
+    ``"auto"`` -> ``("auto", None)``, ``"npu"`` -> ``("npu", None)``, ``"cuda:1"`` -> ``("cuda", 1)``.
+    """
+    if not isinstance(spec, str):
+        raise ConfigError(f"device must be a string, got {type(spec).__name__}; valid forms: {choices(SPEC_FORMS)}")
+    m = _SPEC.match(spec.strip().lower())
+    if m is None or (m.group(2) is not None and m.group(1) in ("auto", "cpu")):
+        raise ConfigError(f"device {spec!r} is not a valid device spec; valid forms: {choices(SPEC_FORMS)}")
+    return m.group(1), None if m.group(2) is None else int(m.group(2))
+
+
+def _device_counts(npu: probe.NpuStatus) -> dict[str, int]:
+    return {"cpu": 1, "cuda": probe.cuda_device_count(), "npu": npu.device_count if npu.usable else 0}
+
+
+def _choices_text(counts: dict[str, int]) -> str:
+    specs = ["auto", "cpu"]
+    for kind in ("cuda", "npu"):
+        specs += [kind] + [f"{kind}:{i}" for i in range(counts[kind])] if counts[kind] else []
+    return choices(specs)
+
+
+def available_device_types() -> list[str]:
+    """Device types usable in this process, CPU first: ``["cpu"]``, ``["cpu", "cuda"]``, ``["cpu", "npu"]``..."""
+    types = ["cpu"]
+    if probe.is_cuda_available():
+        types.append("cuda")
+    if probe.is_torch_npu_available():
+        types.append("npu")
+    return types
+
+
+def _make(kind: str, index: int | None) -> Device:
+    if kind == "cpu":
+        return CpuDevice()
+    if kind == "cuda":
+        return CudaDevice(index=0 if index is None else index)
+    return NpuDevice(index=0 if index is None else index)
+
+
+def get_device(spec: str = "auto") -> Device:
+    """The :class:`Device` for ``spec`` (``auto``, ``cpu``, ``cuda``, ``cuda:N``, ``npu``, ``npu:N``).
+
+    Raises ConfigError for a malformed spec and DeviceError, naming the available choices, for a device that
+    is not present. ``auto`` never raises: NPU, else CUDA, else CPU (see module doc for the fallback warning).
+    """
+    kind, index = parse_device_spec(spec)
+    npu = probe.npu_status()
+    if kind == "auto":
+        if npu.usable:
+            return _make("npu", 0)
+        if npu.installed:
+            nxt = "CUDA" if probe.is_cuda_available() else "CPU"
+            warn_once(f"torch_npu is installed but unusable, continuing on {nxt}: {npu.reason}", DeviceFallbackWarning)
+        return _make("cuda", 0) if probe.is_cuda_available() else _make("cpu", None)
+    if kind == "cpu":
+        return _make("cpu", None)
+    counts = _device_counts(npu)
+    if counts[kind] == 0:
+        if kind == "npu":
+            why = npu.reason if npu.installed else "torch_npu is not installed"
+        else:
+            why = "torch.cuda.is_available() is False"
+        raise DeviceError(f"device {spec!r} is not present ({why}); available: {_choices_text(counts)}")
+    if index is not None and index >= counts[kind]:
+        raise DeviceError(
+            f"device {spec!r} is not present ({counts[kind]} {kind.upper()} visible); "
+            f"available: {_choices_text(counts)}"
+        )
+    return _make(kind, index)
+
+
+def _check_type(device_type: str) -> str:
+    if device_type not in DEVICE_TYPES:
+        raise ConfigError(f"device type {device_type!r} is not valid; choose {choices(DEVICE_TYPES)}")
+    return device_type
+
+
+def collective_backend(device_type: str | None = None) -> str:
+    """torch.distributed backend for ``device_type`` (``hccl``/``nccl``/``gloo``); ``None``: the ``auto`` device's."""
+    if device_type is None:
+        device_type = get_device("auto").type
+    return COLLECTIVE_BACKENDS[_check_type(device_type)]
+
+
+def visible_devices_env(device_type: str) -> str | None:
+    """``ASCEND_RT_VISIBLE_DEVICES`` (npu), ``CUDA_VISIBLE_DEVICES`` (cuda) or ``None`` (cpu)."""
+    return VISIBLE_DEVICES_ENV[_check_type(device_type)]
+
+
+def set_visible_devices(
+    device_type: str, indices: Iterable[int], env: MutableMapping[str, str] | None = None
+) -> str | None:
+    """Set the visible-devices variable of ``device_type`` in ``env`` (default ``os.environ``) to ``indices``.
+
+    Call it before the process (or a child started with ``env``) initialises the device runtime. Returns the
+    variable name, or ``None`` for CPU (nothing to set). Indices must be distinct non-negative integers; for
+    NPU also ascending, because torch_npu counts zero devices when ``ASCEND_RT_VISIBLE_DEVICES`` is not in
+    ascending order.
+    """
+    env = os.environ if env is None else env
+    var = visible_devices_env(device_type)
+    ids = list(indices)
+    for i in ids:
+        if isinstance(i, bool) or not isinstance(i, int) or i < 0:
+            raise ConfigError(f"visible {device_type} device index {i!r} is not a non-negative integer")
+    if len(set(ids)) != len(ids):
+        raise ConfigError(f"visible {device_type} device indices {ids} contain duplicates")
+    if device_type == "npu" and ids != sorted(ids):
+        raise ConfigError(
+            f"visible npu device indices {ids} must be ascending (torch_npu sees no device otherwise); "
+            f"use {sorted(ids)}"
+        )
+    if var is None:
+        return None
+    env[var] = ",".join(str(i) for i in ids)
+    return var
