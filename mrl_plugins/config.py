@@ -1,0 +1,253 @@
+"""Run configuration: typed dataclasses loaded from YAML, a dict or the environment.
+
+Every field carries ``metadata["help"]``; unknown keys and bad values raise
+:class:`~mrl_plugins.errors.ConfigError` naming the key and the valid choices, before anything is
+applied. Stage sections come from the stage packages (``mrl_plugins.comm.config`` ...).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import types
+import typing
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from mrl_plugins.errors import ConfigError, choices
+
+MODES = ("colocate", "disaggregated", "hybrid")
+TRAINERS = ("grpo", "rloo")
+
+
+def _type_ok(value: Any, tp: Any) -> bool:
+    """Loose runtime check of a YAML value against a dataclass field annotation."""
+    if tp is Any:
+        return True
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        return any(_type_ok(value, a) for a in typing.get_args(tp))
+    if tp is type(None):
+        return value is None
+    if origin in (list, tuple):
+        (inner, *_) = typing.get_args(tp) or (Any,)
+        return isinstance(value, list | tuple) and all(_type_ok(v, inner) for v in value)
+    if origin is dict:
+        return isinstance(value, dict)
+    if tp is float:
+        return isinstance(value, int | float) and not isinstance(value, bool)
+    if tp is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if isinstance(tp, type):
+        return isinstance(value, tp)
+    return True
+
+
+def section_from_dict(cls: type, data: Any, path: str) -> Any:
+    """Build dataclass ``cls`` from ``data``, rejecting unknown keys and wrongly typed values."""
+    if data is None:
+        data = {}
+    if dataclasses.is_dataclass(data) and isinstance(data, cls):
+        return data
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping, got {type(data).__name__}")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    hints = typing.get_type_hints(cls)
+    unknown = sorted(set(data) - set(fields))
+    if unknown:
+        raise ConfigError(f"{path}: unknown key {unknown[0]!r}; valid keys: {choices(fields)}")
+    kwargs = {}
+    for key, value in data.items():
+        tp = hints[key]
+        if dataclasses.is_dataclass(tp):
+            kwargs[key] = _nested(tp, value, f"{path}.{key}")
+            continue
+        if not _type_ok(value, tp):
+            raise ConfigError(f"{path}.{key}: expected {getattr(tp, '__name__', tp)}, got {value!r}")
+        kwargs[key] = float(value) if tp is float else value
+    obj = cls(**kwargs)
+    validate = getattr(obj, "validate", None)
+    if validate is not None:
+        try:
+            validate()
+        except ConfigError as exc:
+            if str(exc).startswith(path):
+                raise
+            raise ConfigError(f"{path}: {exc}") from None
+    return obj
+
+
+def _nested(cls: type, value: Any, path: str) -> Any:
+    from_dict = getattr(cls, "from_dict", None)
+    if from_dict is not None and not isinstance(value, cls):
+        try:
+            return from_dict(value or {})
+        except ConfigError as exc:
+            raise ConfigError(f"{path}: {exc}") from None
+    return section_from_dict(cls, value, path)
+
+
+@dataclass
+class PluginsConfig:
+    """Which plugin runs each stage."""
+
+    rollout: str = field(default="mrl", metadata={"help": "plugin for rollout: 'mrl', 'upstream' (TRL's own) or a third-party name"})
+    weight_sync: str = field(default="mrl", metadata={"help": "plugin for weight sync: 'mrl', 'upstream' or a third-party name"})
+    comm: str = field(default="mrl", metadata={"help": "plugin for experience transfer: 'mrl', 'upstream' or a third-party name"})
+
+    def as_dict(self) -> dict[str, str]:
+        return dataclasses.asdict(self)
+
+
+@dataclass
+class TrainConfig:
+    """The GRPO/RLOO run that ``mrl run`` and ``mrl compare`` launch (ignored by ``mrl_plugins.enable``)."""
+
+    trainer: str = field(default="grpo", metadata={"help": "TRL trainer: 'grpo' or 'rloo'"})
+    model: str = field(default="small", metadata={"help": "preset ('tiny', 'small') or a local HF checkpoint folder"})
+    steps: int = field(default=30, metadata={"help": "optimizer steps (max_steps)"})
+    seed: int = field(default=0, metadata={"help": "random seed (same for every compared run)"})
+    learning_rate: float = field(default=3e-3, metadata={"help": "learning rate"})
+    num_prompts: int = field(default=512, metadata={"help": "size of the generated prompt dataset"})
+    threads: int = field(default=0, metadata={"help": "torch threads of the trainer process; 0 = all cores of the budget"})
+    output_dir: str = field(default="mrl-out", metadata={"help": "TRL output_dir"})
+    logging_steps: int = field(default=1, metadata={"help": "TRL logging_steps"})
+    trl_args: dict = field(default_factory=dict, metadata={"help": "extra GRPOConfig/RLOOConfig keyword arguments"})
+
+    def validate(self) -> None:
+        if self.trainer not in TRAINERS:
+            raise ConfigError(f"train.trainer: {self.trainer!r} is not supported; valid: {choices(TRAINERS)}")
+        for key in ("steps", "num_prompts", "logging_steps"):
+            if getattr(self, key) < 1:
+                raise ConfigError(f"train.{key}: must be >= 1, got {getattr(self, key)}")
+        if self.threads < 0:
+            raise ConfigError(f"train.threads: must be >= 0, got {self.threads}")
+
+
+def _stage_classes() -> dict[str, type]:
+    from mrl_plugins.comm.config import CommConfig
+    from mrl_plugins.rollout.config import RolloutConfig
+    from mrl_plugins.weight_sync.config import WeightSyncConfig
+
+    return {"rollout": RolloutConfig, "weight_sync": WeightSyncConfig, "comm": CommConfig}
+
+
+@dataclass
+class MrlConfig:
+    """The whole configuration (top level of the YAML file)."""
+
+    plugins: PluginsConfig = field(default_factory=PluginsConfig, metadata={"help": "plugin per stage"})
+    disable: list[str] = field(default_factory=list, metadata={"help": "plugin names blocked before loading"})
+    autoload: bool = field(default=True, metadata={"help": "load third-party plugins from the 'mrl_plugins' entry points"})
+    mode: str = field(default="colocate", metadata={"help": "deployment: 'colocate', 'disaggregated' or 'hybrid'"})
+    device: str = field(default="auto", metadata={"help": "'auto', 'cpu', 'cuda[:N]' or 'npu[:N]'"})
+    rollout: Any = field(default=None, metadata={"help": "rollout stage section"})
+    weight_sync: Any = field(default=None, metadata={"help": "weight-sync stage section"})
+    comm: Any = field(default=None, metadata={"help": "communication stage section"})
+    train: TrainConfig = field(default_factory=TrainConfig, metadata={"help": "run settings for mrl run/compare"})
+    log_metrics: bool = field(default=True, metadata={"help": "add mrl/<stage>/... keys to TRL's logs"})
+
+    def __post_init__(self) -> None:
+        for name, cls in _stage_classes().items():
+            if getattr(self, name) is None:
+                setattr(self, name, cls())
+
+    @classmethod
+    def from_dict(cls, data: Any) -> MrlConfig:
+        if data is None:
+            data = {}
+        if not isinstance(data, dict):
+            raise ConfigError(f"config: expected a mapping at the top level, got {type(data).__name__}")
+        data = dict(data)
+        stages = _stage_classes()
+        sections = {name: _nested(stages[name], data.pop(name), name) for name in list(stages) if name in data}
+        top = section_from_dict(_TopLevel, data, "config")
+        return cls(**dataclasses.asdict(top) | {"plugins": top.plugins, "train": top.train}, **sections)
+
+    def validate(self) -> None:
+        if self.mode not in MODES:
+            raise ConfigError(f"mode: {self.mode!r} is not a deployment mode; valid: {choices(MODES)}")
+        dev = self.device.split(":")[0]
+        if dev not in ("auto", "cpu", "cuda", "npu"):
+            raise ConfigError(f"device: {self.device!r} is not a device; valid: {choices(['auto', 'cpu', 'cuda', 'npu'])}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclass
+class _TopLevel:
+    plugins: PluginsConfig = field(default_factory=PluginsConfig)
+    disable: list[str] = field(default_factory=list)
+    autoload: bool = True
+    mode: str = "colocate"
+    device: str = "auto"
+    train: TrainConfig = field(default_factory=TrainConfig)
+    log_metrics: bool = True
+
+    def validate(self) -> None:
+        MrlConfig.validate(self)  # type: ignore[arg-type]
+
+
+def load_yaml(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """Read a YAML file into a dict; malformed YAML is a ConfigError naming the file and line."""
+    import yaml
+
+    p = resolve_config_path(path)
+    try:
+        data = yaml.safe_load(p.read_text(encoding="utf-8"))
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" line {mark.line + 1}" if mark is not None else ""
+        raise ConfigError(f"{p}:{where} malformed YAML: {getattr(exc, 'problem', exc)}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{p}: the top level must be a mapping, got {type(data).__name__}")
+    return data
+
+
+def bundled_configs() -> dict[str, Path]:
+    """Names of the YAML files shipped in ``mrl_plugins.configs`` -> their paths."""
+    root = resources.files("mrl_plugins.configs")
+    return {Path(str(f)).stem: Path(str(f)) for f in root.iterdir() if str(f).endswith(".yaml")}
+
+
+def resolve_config_path(path: str | os.PathLike[str]) -> Path:
+    """A path as given, else ``configs/<name>`` shipped with the package (``colocate`` or ``colocate.yaml``)."""
+    p = Path(path)
+    if p.is_file():
+        return p
+    bundled = bundled_configs()
+    stem = p.name[:-5] if p.name.endswith(".yaml") else p.name
+    if stem in bundled and (p.parent == Path(".") or p.parent.name == "configs"):
+        return bundled[stem]
+    raise ConfigError(f"config file {str(path)!r} not found; bundled configs: {choices(bundled)}")
+
+
+def load_config(source: Any = None) -> MrlConfig:
+    """Load and validate a config from a path, a dict, an :class:`MrlConfig` or ``None`` (defaults)."""
+    if isinstance(source, MrlConfig):
+        source.validate()
+        return source
+    if source is None:
+        return MrlConfig.from_dict({})
+    if isinstance(source, str | os.PathLike):
+        return MrlConfig.from_dict(load_yaml(source))
+    if isinstance(source, dict):
+        return MrlConfig.from_dict(source)
+    raise ConfigError(f"config: expected a YAML path, a dict or an MrlConfig, got {type(source).__name__}")
+
+
+def apply_env_overrides(config: MrlConfig, env: typing.Mapping[str, str] | None = None) -> MrlConfig:
+    """Apply ``MRL_DISABLED_PLUGINS=a,b`` and ``MRL_DISABLE_PLUGIN_AUTOLOAD=1`` to ``config``."""
+    env = os.environ if env is None else env
+    disabled = [n.strip() for n in env.get("MRL_DISABLED_PLUGINS", "").split(",") if n.strip()]
+    for name in disabled:
+        if name not in config.disable:
+            config.disable.append(name)
+    if env.get("MRL_DISABLE_PLUGIN_AUTOLOAD", "").strip().lower() in ("1", "true", "yes"):
+        config.autoload = False
+    return config

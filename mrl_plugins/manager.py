@@ -1,0 +1,287 @@
+"""The plugin manager: a typed facade over ``pluggy.PluginManager`` (after tox 4's ``tox.plugin.manager``).
+
+* built-in plugins are registered under short names: ``upstream`` (TRL's own code for every stage)
+  and ``mrl.rollout`` / ``mrl.weight_sync`` / ``mrl.comm`` (selected as ``mrl``);
+* third-party plugins come from the ``mrl_plugins`` entry-point group (unless autoload is off);
+* blocking (config ``disable``, ``MRL_DISABLED_PLUGINS``, ``--disable``) happens before anything is loaded;
+* per stage, exactly one plugin is selected; its stage-operation hooks are the only ones called
+  for that stage (other plugins' hook wrappers still run);
+* registration hooks are collected into name -> registration tables; one name from two providers
+  is an error naming both.
+
+There is no module-level manager: call :func:`get_plugin_manager` for a fresh one.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import pluggy
+
+from mrl_plugins.errors import ConfigError, PluginError, choices
+from mrl_plugins.hookspecs import PROJECT_NAME, REGISTRATION_HOOKS, STAGE_HOOKS, STAGES, spec
+
+ENTRY_POINT_GROUP = "mrl_plugins"
+
+#: short name -> "module:attribute" of the built-in plugin objects (imported lazily)
+BUILTIN_PLUGINS: dict[str, str] = {
+    "upstream": "mrl_plugins.upstream:UpstreamPlugin",
+    "mrl.rollout": "mrl_plugins.rollout.plugin:RolloutPlugin",
+    "mrl.weight_sync": "mrl_plugins.weight_sync.plugin:WeightSyncPlugin",
+    "mrl.comm": "mrl_plugins.comm.plugin:CommPlugin",
+}
+
+#: config section/key that selects a registration of each kind
+_BACKEND_KEYS: dict[str, tuple[str, str]] = {
+    "mrl_rollout_register_engines": ("rollout", "engine"),
+    "mrl_weight_sync_register_transports": ("weight_sync", "transport"),
+    "mrl_comm_register_transports": ("comm", "transport"),
+    "mrl_comm_register_codecs": ("comm", "codec"),
+}
+
+
+@dataclass(frozen=True)
+class PluginInfo:
+    """One row of ``mrl plugins``."""
+
+    name: str
+    stages: tuple[str, ...]
+    source: str  # "builtin" | "entrypoint" | "manual"
+    active_for: tuple[str, ...]
+    blocked: bool = False
+
+
+def _is_blocked(name: str, disabled: Iterable[str]) -> bool:
+    """``mrl`` blocks ``mrl.comm`` too; names are matched exactly otherwise."""
+    return any(name == d or name.startswith(d + ".") for d in disabled)
+
+
+class MrlPluginManager:
+    """Typed facade over pluggy; build with :func:`get_plugin_manager`."""
+
+    def __init__(self) -> None:
+        self.pm = pluggy.PluginManager(PROJECT_NAME)
+        self.pm.add_hookspecs(spec)
+        self._sources: dict[str, str] = {}
+        self._disabled: list[str] = []
+        self._selected: dict[str, str] = {}
+        self._callers: dict[str, Any] = {}
+        self._registry: dict[str, dict[str, Any]] = {}
+        self.config: Any = None
+
+    # ------------------------------------------------------------------ loading
+    def block(self, names: Iterable[str]) -> None:
+        """Block plugin names (and ``name.*``) before loading; already-registered ones are removed."""
+        for name in names:
+            if name not in self._disabled:
+                self._disabled.append(name)
+            self.pm.set_blocked(name)
+            for registered in [n for n, _ in self.pm.list_name_plugin() if _is_blocked(n, [name])]:
+                self.pm.unregister(name=registered)
+                self.pm.set_blocked(registered)
+
+    def register(self, plugin: Any, name: str, *, source: str = "manual") -> None:
+        """Register ``plugin`` under ``name`` unless blocked."""
+        if _is_blocked(name, self._disabled):
+            return
+        if self.pm.get_plugin(name) is not None:
+            raise PluginError(f"plugin name {name!r} is registered twice ({self._sources.get(name)} and {source})")
+        self.pm.register(plugin, name=name)
+        self._sources[name] = source
+
+    def load_builtins(self) -> None:
+        for name, target in BUILTIN_PLUGINS.items():
+            if _is_blocked(name, self._disabled):
+                continue
+            module, _, attr = target.partition(":")
+            self.register(getattr(importlib.import_module(module), attr)(), name, source="builtin")
+
+    def load_entry_points(self) -> None:
+        from importlib.metadata import entry_points
+
+        for ep in entry_points(group=ENTRY_POINT_GROUP):
+            if _is_blocked(ep.name, self._disabled) or self.pm.get_plugin(ep.name) is not None:
+                continue
+            try:
+                plugin = ep.load()
+            except Exception as exc:  # noqa: BLE001 - name the broken plugin, keep the cause
+                raise PluginError(f"entry point {ep.name!r} ({ep.value}) failed to load: {exc}") from exc
+            self.register(plugin, ep.name, source="entrypoint")
+
+    # ------------------------------------------------------------------ introspection
+    def provided_stages(self, plugin: Any) -> tuple[str, ...]:
+        callers = {c.name for c in (self.pm.get_hookcallers(plugin) or [])}
+        return tuple(s for s in STAGES if any(h in callers for h in STAGE_HOOKS[s]))
+
+    def providers(self, stage: str) -> dict[str, Any]:
+        return {n: p for n, p in self.pm.list_name_plugin() if p is not None and stage in self.provided_stages(p)}
+
+    def plugin_infos(self) -> list[PluginInfo]:
+        rows = []
+        for name, plugin in sorted(self.pm.list_name_plugin(), key=lambda x: x[0]):
+            if plugin is None:
+                continue
+            active = tuple(s for s in STAGES if self._selected.get(s) == name)
+            rows.append(PluginInfo(name, self.provided_stages(plugin), self._sources.get(name, "manual"), active))
+        for name in self._disabled:
+            rows.append(PluginInfo(name, (), "blocked", (), blocked=True))
+        return rows
+
+    # ------------------------------------------------------------------ selection
+    def resolve(self, stage: str, name: str) -> str:
+        """The registered plugin name that provides ``stage`` for config value ``name``."""
+        if stage not in STAGES:
+            raise PluginError(f"unknown stage {stage!r}; valid stages: {choices(STAGES)}")
+        providers = self.providers(stage)
+        for candidate in (name, f"{name}.{stage}"):
+            if candidate in providers:
+                return candidate
+        if _is_blocked(name, self._disabled) or _is_blocked(f"{name}.{stage}", self._disabled):
+            raise PluginError(
+                f"plugins.{stage}: {name!r} is blocked (disable list / MRL_DISABLED_PLUGINS); "
+                f"available for {stage}: {choices(self._short_names(providers, stage))}"
+            )
+        raise PluginError(
+            f"plugins.{stage}: unknown plugin {name!r}; available for {stage}: "
+            f"{choices(self._short_names(providers, stage))}"
+        )
+
+    @staticmethod
+    def _short_names(providers: dict[str, Any], stage: str) -> list[str]:
+        return [n[: -len(stage) - 1] if n.endswith("." + stage) else n for n in providers]
+
+    def select(self, selection: dict[str, str]) -> None:
+        """Select one plugin per stage (all stages must be given); errors raise before anything changes."""
+        unknown = sorted(set(selection) - set(STAGES))
+        if unknown:
+            raise PluginError(f"unknown stage {unknown[0]!r}; valid stages: {choices(STAGES)}")
+        resolved = {stage: self.resolve(stage, selection[stage]) for stage in STAGES}
+        self._selected = resolved
+        self._callers.clear()
+
+    @property
+    def selected(self) -> dict[str, str]:
+        return dict(self._selected)
+
+    def is_upstream(self, stage: str) -> bool:
+        return self._selected.get(stage) == "upstream"
+
+    def _caller(self, stage: str, hook: str) -> Callable[..., Any]:
+        key = f"{stage}:{hook}"
+        if key not in self._callers:
+            if stage not in self._selected:
+                raise PluginError(f"no plugin selected for stage {stage!r}; call select() first")
+            others = [p for n, p in self.providers(stage).items() if n != self._selected[stage]]
+            self._callers[key] = self.pm.subset_hook_caller(hook, remove_plugins=others)
+        return self._callers[key]
+
+    # ------------------------------------------------------------------ registrations
+    def registry(self, hook: str) -> dict[str, Any]:
+        """name -> registration for one registration hook; duplicate names raise naming both providers."""
+        if hook not in self._registry:
+            if hook not in REGISTRATION_HOOKS:
+                raise PluginError(f"unknown registration hook {hook!r}; valid: {choices(REGISTRATION_HOOKS)}")
+            _stage, cls, what = REGISTRATION_HOOKS[hook]
+            table: dict[str, Any] = {}
+            owners: dict[str, str] = {}
+            for impl in getattr(self.pm.hook, hook).get_hookimpls():
+                for reg in impl.function() or ():
+                    if not isinstance(reg, cls):
+                        raise PluginError(
+                            f"plugin {impl.plugin_name!r}: {hook} returned {type(reg).__name__}, expected {cls.__name__}"
+                        )
+                    if reg.name in table:
+                        raise PluginError(
+                            f"{what} {reg.name!r} is registered by both {owners[reg.name]!r} and {impl.plugin_name!r}"
+                        )
+                    table[reg.name] = reg
+                    owners[reg.name] = impl.plugin_name
+            self._registry[hook] = table
+        return self._registry[hook]
+
+    def backend(self, hook: str, name: str) -> Any:
+        """The registration called ``name`` (ConfigError naming the valid choices otherwise)."""
+        table = self.registry(hook)
+        if name not in table:
+            section, key = _BACKEND_KEYS[hook]
+            raise ConfigError(f"{section}.{key}: unknown {REGISTRATION_HOOKS[hook][2]} {name!r}; valid: {choices(table)}")
+        return table[name]
+
+    def validate_backends(self, config: Any) -> None:
+        for hook, (section, key) in _BACKEND_KEYS.items():
+            self.backend(hook, getattr(getattr(config, section), key))
+
+    # ------------------------------------------------------------------ lifecycle facade
+    def configure(self, config: Any) -> None:
+        self.config = config
+        self.pm.hook.mrl_configure.call_historic(kwargs={"config": config})
+
+    def shutdown(self, ctx: Any, reason: str = "normal") -> None:
+        self.pm.hook.mrl_shutdown(ctx=ctx, reason=reason)
+
+    # ------------------------------------------------------------------ stage facade
+    def rollout_generate(self, *, ctx: Any, prompts: list[list[int]], num_generations: int, model_id: str = "policy"):
+        return self._caller("rollout", "mrl_rollout_generate")(
+            ctx=ctx, prompts=prompts, num_generations=num_generations, model_id=model_id
+        )
+
+    def weight_sync_publish(self, *, ctx: Any, model_id: str, version: int, named_tensors: Iterable[Any]):
+        return self._caller("weight_sync", "mrl_weight_sync_publish")(
+            ctx=ctx, model_id=model_id, version=version, named_tensors=named_tensors
+        )
+
+    def weight_sync_receive(self, *, ctx: Any, model_id: str, timeout: float):
+        return self._caller("weight_sync", "mrl_weight_sync_receive")(ctx=ctx, model_id=model_id, timeout=timeout)
+
+    def weight_sync_switch(self, *, ctx: Any, model_id: str):
+        return self._caller("weight_sync", "mrl_weight_sync_switch")(ctx=ctx, model_id=model_id)
+
+    def comm_encode(self, *, ctx: Any, batch: Any, meta: Any):
+        return self._caller("comm", "mrl_comm_encode")(ctx=ctx, batch=batch, meta=meta)
+
+    def comm_decode(self, *, ctx: Any, frame: Any):
+        return self._caller("comm", "mrl_comm_decode")(ctx=ctx, frame=frame)
+
+    def comm_send(self, *, ctx: Any, batch: Any, meta: Any, timeout: float):
+        return self._caller("comm", "mrl_comm_send")(ctx=ctx, batch=batch, meta=meta, timeout=timeout)
+
+    def comm_receive(self, *, ctx: Any, timeout: float):
+        return self._caller("comm", "mrl_comm_receive")(ctx=ctx, timeout=timeout)
+
+
+def get_plugin_manager(
+    config: Any = None,
+    *,
+    disable: Iterable[str] = (),
+    autoload: bool | None = None,
+    plugins: Iterable[tuple[str, Any]] = (),
+    select: bool = True,
+) -> MrlPluginManager:
+    """Build a fresh manager for ``config`` (an :class:`~mrl_plugins.config.MrlConfig`, path, dict or None).
+
+    Order: block (config + env + ``disable``) -> built-ins -> ``plugins`` given here -> entry points
+    (unless autoload is off) -> ``check_pending`` -> backend-name validation -> stage selection ->
+    ``mrl_configure``. Every error is raised before the caller has applied anything.
+    """
+    from mrl_plugins.config import apply_env_overrides, load_config
+
+    cfg = apply_env_overrides(load_config(config))
+    mgr = MrlPluginManager()
+    mgr.block([*cfg.disable, *disable])
+    mgr.load_builtins()
+    for name, plugin in plugins:
+        mgr.register(plugin, name)
+    if cfg.autoload if autoload is None else autoload:
+        mgr.load_entry_points()
+    try:
+        mgr.pm.check_pending()
+    except pluggy.PluginValidationError as exc:
+        raise PluginError(f"plugin {exc.plugin!r} implements an unknown hook: {exc}") from exc
+    if select:
+        mgr.validate_backends(cfg)
+        mgr.select(cfg.plugins.as_dict())
+    mgr.configure(cfg)
+    return mgr

@@ -1,0 +1,55 @@
+"""``mrl/<stage>/...`` metrics: stages add numbers, the adapter flushes them into TRL's logs."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import defaultdict
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+
+
+class StageMetrics:
+    """Thread-safe accumulator. Counters and timers sum between flushes; gauges keep the last value.
+
+    ``totals`` keeps run-long sums (for reports); ``flush()`` returns and clears the per-log-step view.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._sums: dict[str, float] = defaultdict(float)
+        self._gauges: dict[str, float] = {}
+        self.totals: dict[str, float] = defaultdict(float)
+
+    def add(self, key: str, value: float) -> None:
+        with self._lock:
+            self._sums[key] += float(value)
+            self.totals[key] += float(value)
+
+    def gauge(self, key: str, value: float) -> None:
+        with self._lock:
+            self._gauges[key] = float(value)
+            self.totals[key] = float(value)
+
+    def update(self, prefix: str, values: Mapping[str, float], *, gauge: bool = False) -> None:
+        for k, v in values.items():
+            if isinstance(v, int | float) and not isinstance(v, bool):
+                (self.gauge if gauge else self.add)(f"{prefix}/{k}", v)
+
+    @contextmanager
+    def timer(self, key: str) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.add(key, time.perf_counter() - start)
+
+    def flush(self) -> dict[str, float]:
+        with self._lock:
+            out = dict(self._sums) | dict(self._gauges)
+            self._sums.clear()
+            return {k if k.startswith("mrl/") else f"mrl/{k}": v for k, v in out.items()}
+
+    def snapshot(self) -> dict[str, float]:
+        with self._lock:
+            return {k if k.startswith("mrl/") else f"mrl/{k}": v for k, v in self.totals.items()}

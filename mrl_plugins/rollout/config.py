@@ -1,0 +1,63 @@
+"""Configuration of the rollout stage and of the deployment modes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from mrl_plugins.errors import ConfigError, choices
+
+PIPELINES = ("async", "sync")
+STALE_POLICIES = ("drop", "keep")
+
+
+@dataclass
+class RolloutConfig:
+    """``rollout:`` section."""
+
+    engine: str = field(default="transformers", metadata={"help": "generation engine: 'transformers' or 'vllm' (or a plugin's)"})
+    workers: int = field(default=1, metadata={"help": "rollout worker processes; 0 = engine inside the trainer process (no overlap)"})
+    colocated_workers: int = field(default=1, metadata={"help": "hybrid mode: how many of the workers share the trainer's device"})
+    pipeline: str = field(default="async", metadata={"help": "'async': generate step k+1 while training step k; 'sync': take turns"})
+    max_staleness: int = field(default=1, metadata={"help": "max weight versions a sample may lag the trainer"})
+    stale_policy: str = field(default="drop", metadata={"help": "samples older than max_staleness: 'drop' (regenerate) or 'keep' (count only)"})
+    engine_threads: int = field(default=1, metadata={"help": "torch threads of each rollout engine"})
+    trainer_threads: int = field(default=1, metadata={"help": "torch threads left to the trainer when an engine shares its cores"})
+    engine_cores: list[int] | None = field(default=None, metadata={"help": "CPU cores for engines (None: split the process's cores)"})
+    trainer_cores: list[int] | None = field(default=None, metadata={"help": "CPU cores for the trainer (None: the rest)"})
+    memory_headroom: float = field(default=0.2, metadata={"help": "memory reservation = profiled peak x (1 + headroom)"})
+    timeout_s: float = field(default=120.0, metadata={"help": "max seconds to wait for a worker's batch or reply"})
+    start_timeout_s: float = field(default=180.0, metadata={"help": "max seconds for a worker to start and load the model"})
+    restart_workers: int = field(default=0, metadata={"help": "restarts allowed for dead workers (0: a dead worker is an error)"})
+    model_priorities: dict = field(default_factory=lambda: {"policy": 0}, metadata={"help": "multi-model pool: model_id -> priority (lower runs first)"})
+    switch_throttle: int = field(default=64, metadata={"help": "max queued requests per model admitted while a weight switch is pending"})
+
+    def validate(self) -> None:
+        if not self.engine:
+            raise ConfigError("rollout.engine: must name an engine")
+        if self.pipeline not in PIPELINES:
+            raise ConfigError(f"rollout.pipeline: {self.pipeline!r} invalid; valid: {choices(PIPELINES)}")
+        if self.stale_policy not in STALE_POLICIES:
+            raise ConfigError(f"rollout.stale_policy: {self.stale_policy!r} invalid; valid: {choices(STALE_POLICIES)}")
+        for key in ("engine_threads", "trainer_threads"):
+            if getattr(self, key) < 1:
+                raise ConfigError(f"rollout.{key}: must be >= 1, got {getattr(self, key)}")
+        for key in ("workers", "max_staleness", "restart_workers", "colocated_workers"):
+            if getattr(self, key) < 0:
+                raise ConfigError(f"rollout.{key}: must be >= 0, got {getattr(self, key)}")
+        if self.colocated_workers > self.workers:
+            raise ConfigError(
+                f"rollout.colocated_workers: {self.colocated_workers} exceeds rollout.workers ({self.workers})"
+            )
+        if not 0 <= self.memory_headroom <= 4:
+            raise ConfigError(f"rollout.memory_headroom: must be in [0, 4], got {self.memory_headroom}")
+        for key in ("timeout_s", "start_timeout_s"):
+            if getattr(self, key) <= 0:
+                raise ConfigError(f"rollout.{key}: must be > 0, got {getattr(self, key)}")
+        if not self.model_priorities or not all(isinstance(v, int) for v in self.model_priorities.values()):
+            raise ConfigError("rollout.model_priorities: a mapping model_id -> int priority is required")
+
+    @classmethod
+    def from_dict(cls, data: dict) -> RolloutConfig:
+        from mrl_plugins.config import section_from_dict
+
+        return section_from_dict(cls, data, "rollout")
