@@ -194,9 +194,11 @@ def cuda_device_count() -> int:
 # ---------------------------------------------------------------------------------------------------------------------
 
 
-def cann_home(env: Mapping[str, str] | None = None, defaults: tuple[str, ...] = DEFAULT_CANN_HOMES) -> str | None:
-    """The CANN toolkit folder: ``ASCEND_TOOLKIT_HOME`` or ``ASCEND_HOME_PATH`` if it exists, else a default path."""
+def cann_home(env: Mapping[str, str] | None = None, defaults: tuple[str, ...] | None = None) -> str | None:
+    """The CANN toolkit folder: ``ASCEND_TOOLKIT_HOME`` or ``ASCEND_HOME_PATH`` if it exists, else a default path
+    (``defaults``, by default :data:`DEFAULT_CANN_HOMES`)."""
     env = os.environ if env is None else env
+    defaults = DEFAULT_CANN_HOMES if defaults is None else defaults
     for var in CANN_ENV_VARS:
         path = env.get(var)
         if path and os.path.isdir(path):
@@ -211,7 +213,7 @@ _INSTALL_INFO = re.compile(r"^ascend_.*_install\.info$")
 _VERSION_LINE = re.compile(r"^\s*(?:version|Version)\s*=\s*(\S+)")
 
 
-def cann_version(env: Mapping[str, str] | None = None, defaults: tuple[str, ...] = DEFAULT_CANN_HOMES) -> str | None:
+def cann_version(env: Mapping[str, str] | None = None, defaults: tuple[str, ...] | None = None) -> str | None:
     """CANN version from the toolkit's ``ascend_*_install.info`` (``version=8.0.RC3``) or ``version.info`` files.
 
     Looks in :func:`cann_home` and at most three folder levels below it (bounded, cheap). ``None`` when no
