@@ -1,0 +1,456 @@
+"""Generation engines that return per-token sampling logprobs.
+
+Two backends, both registered by :func:`engine_registrations`:
+
+* :class:`TransformersEngine` -- a KV-cache decode loop over any Hugging Face causal LM. It samples from the
+  *processed* distribution (repetition penalty -> temperature -> top-k -> top-p -> min-p, the order and the
+  semantics of Hugging Face ``generate``, which TRL's transformers path uses) and returns, for every sampled token,
+  its log-probability under that distribution (vLLM's ``processed_logprobs``). With top-k/top-p/min-p off and no
+  repetition penalty that equals TRL's teacher-forced ``log_softmax(logits / temperature)``.
+  The loop is our own rather than ``model.generate``: it takes a private ``torch.Generator`` (``seed`` makes runs
+  reproducible without touching the global RNG) and skips ``generate``'s per-step bookkeeping (see
+  :func:`mrl_plugins.rollout.bench` notes in the final report for the measured difference).
+* :class:`VLLMEngine` -- delegates to ``vllm.LLM.generate`` (``logprobs=0``). **Unverified**: vLLM is not
+  installed where this package is tested; its tests are skipped there.
+
+Outputs are ordered prompt-major (prompt 0 generation 0..N-1, prompt 1 ...), completions are cut after the first
+EOS (the EOS is kept, as TRL does).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from mrl_plugins.errors import ConfigError
+
+__all__ = [
+    "EngineOutput",
+    "SamplingParams",
+    "TransformersEngine",
+    "VLLMEngine",
+    "engine_registrations",
+    "is_vllm_available",
+    "process_logits",
+]
+
+
+@dataclass
+class SamplingParams:
+    """How completions are sampled (TRL ``GRPOConfig``/``RLOOConfig`` semantics)."""
+
+    max_new_tokens: int = field(default=16, metadata={"help": "max tokens generated per completion"})
+    temperature: float = field(default=1.0, metadata={"help": "softmax temperature (> 0)"})
+    top_p: float = field(default=1.0, metadata={"help": "nucleus sampling mass in (0, 1]; 1.0 = off"})
+    top_k: int | None = field(default=0, metadata={"help": "keep the k most likely tokens; 0 or None = off"})
+    min_p: float | None = field(
+        default=None, metadata={"help": "drop tokens below min_p x top probability; None = off"}
+    )
+    repetition_penalty: float = field(
+        default=1.0, metadata={"help": "HF repetition penalty over prompt+generated tokens (pads excluded); 1.0 = off"}
+    )
+    eos_token_ids: list[int] = field(default_factory=list, metadata={"help": "token ids that end a completion"})
+    pad_token_id: int | None = field(
+        default=None, metadata={"help": "id used to left-pad prompts (None: first EOS or 0)"}
+    )
+
+    def validate(self) -> None:
+        """Raise ConfigError naming the first invalid field and its allowed range."""
+        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+            raise ConfigError(f"sampling.max_new_tokens: must be an int >= 1, got {self.max_new_tokens!r}")
+        if not (
+            isinstance(self.temperature, (int, float)) and self.temperature > 0 and math.isfinite(self.temperature)
+        ):
+            raise ConfigError(f"sampling.temperature: must be a finite number > 0, got {self.temperature!r}")
+        if not 0 < self.top_p <= 1:
+            raise ConfigError(f"sampling.top_p: must be in (0, 1], got {self.top_p!r}")
+        if self.top_k is not None and (not isinstance(self.top_k, int) or self.top_k < 0):
+            raise ConfigError(f"sampling.top_k: must be an int >= 0 (0 or None = off), got {self.top_k!r}")
+        if self.min_p is not None and not 0 <= self.min_p <= 1:
+            raise ConfigError(f"sampling.min_p: must be in [0, 1] or None, got {self.min_p!r}")
+        if not self.repetition_penalty > 0:
+            raise ConfigError(f"sampling.repetition_penalty: must be > 0, got {self.repetition_penalty!r}")
+        if not all(isinstance(t, int) and t >= 0 for t in self.eos_token_ids):
+            raise ConfigError(f"sampling.eos_token_ids: must be non-negative ints, got {self.eos_token_ids!r}")
+
+    @classmethod
+    def from_trainer(cls, trainer: Any) -> SamplingParams:
+        """Read a TRL ``GRPOTrainer``/``RLOOTrainer``'s sampling settings (the ones its generate path uses)."""
+        args = getattr(trainer, "args", None)
+
+        def pick(name: str, default: Any) -> Any:
+            if hasattr(trainer, name):
+                return getattr(trainer, name)
+            return getattr(args, name, default)
+
+        tok = getattr(trainer, "processing_class", None)
+        tok = getattr(tok, "tokenizer", tok)  # processors wrap a tokenizer
+        eos = getattr(trainer, "eos_token_ids", None)
+        if eos is None:
+            eos = [] if getattr(tok, "eos_token_id", None) is None else [tok.eos_token_id]
+        pad = getattr(tok, "pad_token_id", None)
+        max_new = pick("max_completion_length", None)
+        if max_new is None:
+            raise ConfigError("sampling: the trainer has no max_completion_length (trainer or trainer.args)")
+        params = cls(
+            max_new_tokens=int(max_new),
+            temperature=float(pick("temperature", 1.0)),
+            top_p=float(pick("top_p", 1.0)),
+            top_k=pick("top_k", 0),
+            min_p=pick("min_p", None),
+            repetition_penalty=float(pick("repetition_penalty", 1.0)),
+            eos_token_ids=[int(t) for t in eos],
+            pad_token_id=None if pad is None else int(pad),
+        )
+        params.validate()
+        return params
+
+    def resolved_pad(self) -> int:
+        """Pad id used for left padding: ``pad_token_id``, else the first EOS, else 0."""
+        if self.pad_token_id is not None:
+            return self.pad_token_id
+        return self.eos_token_ids[0] if self.eos_token_ids else 0
+
+
+@dataclass
+class EngineOutput:
+    """Completions of one ``generate`` call, prompt-major, one logprob per completion token."""
+
+    prompt_ids: list[list[int]]
+    completion_ids: list[list[int]]
+    logprobs: list[list[float]]
+    seconds: float = 0.0
+
+    @property
+    def num_tokens(self) -> int:
+        """Completion tokens generated (EOS included)."""
+        return sum(len(c) for c in self.completion_ids)
+
+
+def process_logits(scores: Any, params: SamplingParams, seen: Any = None) -> Any:
+    """Apply repetition penalty, temperature, top-k, top-p and min-p to ``scores`` [B, V] (float).
+
+    Same order and semantics as Hugging Face ``generate`` (its ``RepetitionPenaltyLogitsProcessor``,
+    ``TemperatureLogitsWarper``, ``TopKLogitsWarper``, ``TopPLogitsWarper``, ``MinPLogitsWarper``, keeping at least
+    one token). ``seen`` is a bool [B, V] mask of tokens present in prompt (pads excluded) + completion, used only
+    by the repetition penalty. Removed tokens get ``-inf``.
+    """
+    import torch
+
+    neg_inf = float("-inf")
+    if params.repetition_penalty != 1.0 and seen is not None:
+        penalised = torch.where(scores < 0, scores * params.repetition_penalty, scores / params.repetition_penalty)
+        scores = torch.where(seen, penalised, scores)
+    if params.temperature != 1.0:
+        scores = scores / params.temperature
+    if params.top_k:
+        k = min(int(params.top_k), scores.size(-1))
+        kth = torch.topk(scores, k, dim=-1).values[..., -1:]
+        scores = scores.masked_fill(scores < kth, neg_inf)
+    if params.top_p < 1.0:
+        sorted_logits, sorted_idx = torch.sort(scores, descending=False)
+        cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+        remove_sorted = cum <= (1 - params.top_p)
+        remove_sorted[..., -1:] = False
+        remove = remove_sorted.scatter(1, sorted_idx, remove_sorted)
+        scores = scores.masked_fill(remove, neg_inf)
+    if params.min_p is not None:
+        probs = torch.softmax(scores, dim=-1)
+        remove = probs < params.min_p * probs.amax(dim=-1, keepdim=True)
+        remove.scatter_(-1, probs.argmax(dim=-1, keepdim=True), False)
+        scores = scores.masked_fill(remove, neg_inf)
+    return scores
+
+
+def cut_after_eos(tokens: Sequence[int], eos: Iterable[int]) -> int:
+    """Length of ``tokens`` up to and including the first EOS (the whole length when there is none)."""
+    eos_set = set(eos)
+    for i, t in enumerate(tokens):
+        if t in eos_set:
+            return i + 1
+    return len(tokens)
+
+
+def _check_prompts(prompts: Any, num_generations: int) -> None:
+    if not isinstance(num_generations, int) or num_generations < 1:
+        raise ConfigError(f"num_generations: must be an int >= 1, got {num_generations!r}")
+    if not isinstance(prompts, (list, tuple)) or not prompts:
+        raise ConfigError("prompts: must be a non-empty list of token-id lists")
+    for i, p in enumerate(prompts):
+        if not isinstance(p, (list, tuple)) or not p:
+            raise ConfigError(f"prompts[{i}]: must be a non-empty list of token ids, got {p!r}")
+
+
+class TransformersEngine:
+    """KV-cache sampling loop over a Hugging Face causal LM, returning processed sampling logprobs.
+
+    :param model: a ``transformers`` causal LM (``model(input_ids, attention_mask, position_ids,
+        past_key_values, use_cache=True)``); put in eval mode and moved to ``device``.
+    :param tokenizer: optional; fills ``params.eos_token_ids``/``pad_token_id`` when they are unset.
+    :param device: torch device string.
+    :param params: sampling settings (validated here).
+    :param seed: seeds the engine's private ``torch.Generator``; ``None`` uses torch's global RNG.
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        tokenizer: Any = None,
+        *,
+        device: str = "cpu",
+        params: SamplingParams,
+        seed: int | None = None,
+    ) -> None:
+        import torch
+
+        if not isinstance(params, SamplingParams):
+            raise ConfigError(f"params: expected SamplingParams, got {type(params).__name__}")
+        if tokenizer is not None:
+            if not params.eos_token_ids and getattr(tokenizer, "eos_token_id", None) is not None:
+                params.eos_token_ids = [int(tokenizer.eos_token_id)]
+            if params.pad_token_id is None and getattr(tokenizer, "pad_token_id", None) is not None:
+                params.pad_token_id = int(tokenizer.pad_token_id)
+        params.validate()
+        self.params = params
+        self.tokenizer = tokenizer
+        self.device = torch.device(device)
+        self.model = model.to(self.device).eval()
+        self.seed = seed
+        self.generator: torch.Generator | None = None
+        if seed is not None:
+            self.generator = torch.Generator(device=self.device)
+            self.generator.manual_seed(int(seed))
+        self.weight_version = 0
+        # transformers >= 5.2x renamed ``past_key_values`` to ``cache`` (the old name warns)
+        import inspect
+
+        fwd = inspect.signature(self.model.forward).parameters
+        self._cache_kw = "cache" if "cache" in fwd else "past_key_values"
+
+    # ------------------------------------------------------------------------------------------------ weights
+    def update_weights(self, named_tensors: Iterable[tuple[str, Any]], version: int | None = None) -> int:
+        """Copy ``(name, tensor)`` pairs into the model's parameters/buffers; returns the bytes copied.
+
+        Unknown names or shape mismatches raise ConfigError before anything is copied.
+        """
+        import torch
+
+        state = self.model.state_dict(keep_vars=True)  # includes tied aliases such as lm_head.weight
+        pairs = list(named_tensors)
+        for name, tensor in pairs:
+            if name not in state:
+                raise ConfigError(f"update_weights: unknown tensor {name!r} (model has {len(state)} tensors)")
+            if tuple(state[name].shape) != tuple(tensor.shape):
+                raise ConfigError(
+                    f"update_weights: {name!r} has shape {tuple(tensor.shape)}, "
+                    f"model expects {tuple(state[name].shape)}"
+                )
+        nbytes = 0
+        with torch.no_grad():
+            for name, tensor in pairs:
+                state[name].copy_(tensor)
+                nbytes += tensor.numel() * tensor.element_size()
+        if version is not None:
+            self.weight_version = int(version)
+        return nbytes
+
+    # ------------------------------------------------------------------------------------------------ generate
+    def generate(self, prompts: list[list[int]], num_generations: int = 1) -> EngineOutput:
+        """Sample ``num_generations`` completions per prompt; prompt-major order, EOS kept, logprob per token."""
+        import time
+
+        import torch
+
+        _check_prompts(prompts, num_generations)
+        start = time.perf_counter()
+        with torch.inference_mode():
+            completions, logprobs = self._sample([list(p) for p in prompts for _ in range(num_generations)])
+        repeated = [list(p) for p in prompts for _ in range(num_generations)]
+        return EngineOutput(repeated, completions, logprobs, seconds=time.perf_counter() - start)
+
+    def _sample(self, seqs: list[list[int]]) -> tuple[list[list[int]], list[list[float]]]:
+        import torch
+
+        p = self.params
+        dev = self.device
+        batch = len(seqs)
+        width = max(len(s) for s in seqs)
+        pad = p.resolved_pad()
+        input_ids = torch.full((batch, width), pad, dtype=torch.long, device=dev)
+        mask = torch.zeros((batch, width), dtype=torch.long, device=dev)
+        for i, s in enumerate(seqs):
+            input_ids[i, width - len(s) :] = torch.tensor(s, dtype=torch.long)
+            mask[i, width - len(s) :] = 1
+        position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
+        seen = None
+        if p.repetition_penalty != 1.0:
+            vocab = int(self.model.get_output_embeddings().weight.shape[0])
+            seen = torch.zeros((batch, vocab), dtype=torch.bool, device=dev)
+            seen.scatter_(1, input_ids, mask.bool())
+        eos = torch.tensor(p.eos_token_ids or [-1], dtype=torch.long, device=dev)
+        finished = torch.zeros(batch, dtype=torch.bool, device=dev)
+        tokens = torch.empty((batch, p.max_new_tokens), dtype=torch.long, device=dev)
+        logps = torch.empty((batch, p.max_new_tokens), dtype=torch.float32, device=dev)
+        past = None
+        step_ids = input_ids
+        steps = 0
+        for t in range(p.max_new_tokens):
+            out = self.model(
+                input_ids=step_ids,
+                attention_mask=mask,
+                position_ids=position_ids,
+                use_cache=True,
+                logits_to_keep=1,
+                **{self._cache_kw: past},
+            )
+            past = getattr(out, self._cache_kw)
+            scores = process_logits(out.logits[:, -1, :].float(), p, seen)
+            logprob_all = torch.log_softmax(scores, dim=-1)
+            nxt = torch.multinomial(logprob_all.exp(), 1, generator=self.generator).squeeze(1)
+            nxt = torch.where(finished, torch.full_like(nxt, pad), nxt)
+            tokens[:, t] = nxt
+            logps[:, t] = logprob_all.gather(1, nxt.unsqueeze(1)).squeeze(1)
+            steps = t + 1
+            if seen is not None:
+                seen.scatter_(1, nxt.unsqueeze(1), ~finished.unsqueeze(1))
+            finished |= torch.isin(nxt, eos)
+            if bool(finished.all()):
+                break
+            step_ids = nxt.unsqueeze(1)
+            mask = torch.cat([mask, torch.ones((batch, 1), dtype=mask.dtype, device=dev)], dim=1)
+            position_ids = position_ids[:, -1:] + 1
+        tok_list = tokens[:, :steps].tolist()
+        lp_list = logps[:, :steps].tolist()
+        completions, logprobs = [], []
+        for toks, lps in zip(tok_list, lp_list, strict=True):
+            n = cut_after_eos(toks, p.eos_token_ids)
+            completions.append(toks[:n])
+            logprobs.append(lps[:n])
+        return completions, logprobs
+
+
+def is_vllm_available() -> bool:
+    """Whether the ``vllm`` package is installed (without importing it)."""
+    return importlib.util.find_spec("vllm") is not None
+
+
+class VLLMEngine:
+    """Generation through ``vllm.LLM.generate`` with ``logprobs=0`` (the sampled token's logprob).
+
+    **Unverified**: vLLM is not installed where mrl-plugins is tested (plain vLLM wheels are CUDA-only); this class
+    follows vLLM's documented offline API and its tests are skipped without vLLM.
+
+    :param model: a ``vllm.LLM`` instance, or a model name/checkpoint path handed to ``vllm.LLM`` (created with
+        ``logprobs_mode="processed_logprobs"`` so logprobs are those of the processed distribution). An in-memory
+        ``torch.nn.Module`` is rejected: vLLM loads weights itself.
+    :param llm_kwargs: extra ``vllm.LLM`` keyword arguments when ``model`` is a path.
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        tokenizer: Any = None,
+        *,
+        device: str = "cpu",
+        params: SamplingParams,
+        seed: int | None = None,
+        llm_kwargs: dict | None = None,
+    ) -> None:
+        if not is_vllm_available():
+            raise ConfigError("rollout.engine 'vllm': the vllm package is not installed; valid here: 'transformers'")
+        if tokenizer is not None:
+            if not params.eos_token_ids and getattr(tokenizer, "eos_token_id", None) is not None:
+                params.eos_token_ids = [int(tokenizer.eos_token_id)]
+            if params.pad_token_id is None and getattr(tokenizer, "pad_token_id", None) is not None:
+                params.pad_token_id = int(tokenizer.pad_token_id)
+        params.validate()
+        self.params = params
+        self.seed = seed
+        self.device = device
+        import vllm
+
+        if isinstance(model, vllm.LLM):
+            self.llm = model
+        elif isinstance(model, str):
+            kwargs = {"logprobs_mode": "processed_logprobs", **(llm_kwargs or {})}
+            if seed is not None:
+                kwargs.setdefault("seed", int(seed))
+            self.llm = vllm.LLM(model=model, **kwargs)
+        else:
+            raise ConfigError(
+                f"rollout.engine 'vllm': model must be a vllm.LLM or a checkpoint path, got {type(model).__name__}"
+            )
+        self._calls = 0
+
+    def _sampling_params(self, n: int) -> Any:
+        import vllm
+
+        p = self.params
+        seed = None if self.seed is None else int(self.seed) + self._calls
+        return vllm.SamplingParams(
+            n=n,
+            temperature=p.temperature,
+            top_p=p.top_p,
+            top_k=p.top_k if p.top_k else -1,
+            min_p=p.min_p or 0.0,
+            repetition_penalty=p.repetition_penalty,
+            max_tokens=p.max_new_tokens,
+            stop_token_ids=list(p.eos_token_ids),
+            logprobs=0,
+            seed=seed,
+        )
+
+    def generate(self, prompts: list[list[int]], num_generations: int = 1) -> EngineOutput:
+        """Sample through vLLM; same output contract as :meth:`TransformersEngine.generate`."""
+        import time
+
+        _check_prompts(prompts, num_generations)
+        start = time.perf_counter()
+        sp = self._sampling_params(num_generations)
+        self._calls += 1
+        requests = [{"prompt_token_ids": list(p)} for p in prompts]
+        outputs = self.llm.generate(requests, sampling_params=sp, use_tqdm=False)
+        prompt_ids, completions, logprobs = [], [], []
+        for prompt, req_out in zip(prompts, outputs, strict=True):
+            for comp in req_out.outputs:
+                toks = list(comp.token_ids)
+                lps = [float(step[tok].logprob) for step, tok in zip(comp.logprobs or [], toks, strict=False)]
+                n = cut_after_eos(toks, self.params.eos_token_ids)
+                prompt_ids.append(list(prompt))
+                completions.append(toks[:n])
+                logprobs.append(lps[:n])
+        return EngineOutput(prompt_ids, completions, logprobs, seconds=time.perf_counter() - start)
+
+
+def _transformers_factory(
+    model: Any, tokenizer: Any = None, *, params: SamplingParams, device: str = "cpu", seed: int | None = None
+) -> TransformersEngine:
+    return TransformersEngine(model, tokenizer, device=device, params=params, seed=seed)
+
+
+def _vllm_factory(
+    model: Any, tokenizer: Any = None, *, params: SamplingParams, device: str = "cpu", seed: int | None = None
+) -> VLLMEngine:
+    return VLLMEngine(model, tokenizer, device=device, params=params, seed=seed)
+
+
+def engine_registrations() -> Iterator[Any]:
+    """Registration objects for ``rollout.engine``: ``transformers`` and ``vllm``.
+
+    Factories take ``factory(model, tokenizer, *, params: SamplingParams, device="cpu", seed=None)``.
+    """
+    from mrl_plugins.hookspecs import RolloutEngine
+
+    yield RolloutEngine(
+        name="transformers",
+        factory=_transformers_factory,
+        description="Hugging Face model, KV-cache sampling loop with processed per-token logprobs",
+    )
+    yield RolloutEngine(
+        name="vllm",
+        factory=_vllm_factory,
+        description="vllm.LLM.generate with logprobs=0 (unverified: needs vllm installed)",
+    )
