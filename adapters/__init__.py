@@ -1,1 +1,1 @@
-"""mrl-plugins."""
+"""Host bindings (installed as ``mrl_plugins.adapters``): ``mrl_plugins.adapters.trl``."""

@@ -1,1 +1,1 @@
-"""mrl-plugins."""
+"""Bundled YAML configurations (installed as ``mrl_plugins.configs``)."""

@@ -1,0 +1,279 @@
+"""TRL binding: ``mrl_plugins.enable(trainer, config)`` for GRPOTrainer and RLOOTrainer.
+
+The seam is TRL's own: an object with ``trainer.vllm_generation``'s interface plus
+``use_vllm=True``, so TRL keeps its weight-sync schedule and its importance-sampling correction.
+With every stage on ``upstream`` nothing of TRL is replaced: only ``mrl/...`` metrics are added
+to the logs, and a run equals vanilla TRL step for step.
+
+Everything that can fail (TRL version, trainer type, config, plugin and backend names, device)
+is checked before the trainer is touched.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import signal
+import weakref
+from importlib.metadata import PackageNotFoundError, version
+from typing import Any
+
+from mrl_plugins.errors import ConfigError, PluginError, UnsupportedVersionError, choices
+
+log = logging.getLogger("mrl_plugins.adapters.trl")
+
+#: TRL releases this adapter is written and tested against (it uses private trainer attributes)
+SUPPORTED_TRL = (">=1.16.0", "<1.17.0")
+SUPPORTED_TRAINERS = ("GRPOTrainer", "RLOOTrainer")
+
+
+def is_trl_available() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("trl") is not None
+
+
+def check_trl_version(installed: str | None = None) -> str:
+    """Return the installed TRL version, or raise UnsupportedVersionError naming the supported range."""
+    from packaging.specifiers import SpecifierSet
+
+    if installed is None:
+        try:
+            installed = version("trl")
+        except PackageNotFoundError:
+            raise UnsupportedVersionError("TRL is not installed; pip install 'mrl-plugins[trl]'") from None
+    spec = SpecifierSet(",".join(SUPPORTED_TRL))
+    if installed not in spec:
+        raise UnsupportedVersionError(
+            f"TRL {installed} is not supported by this mrl-plugins release; supported: trl{spec} "
+            f"(install a supported TRL or an mrl-plugins release for TRL {installed})"
+        )
+    return installed
+
+
+def trainer_kind(trainer: Any) -> str:
+    """``"grpo"`` or ``"rloo"``; PluginError for any other object."""
+    from trl import GRPOTrainer, RLOOTrainer
+
+    if isinstance(trainer, GRPOTrainer):
+        return "grpo"
+    if isinstance(trainer, RLOOTrainer):
+        return "rloo"
+    raise PluginError(f"mrl_plugins.enable: {type(trainer).__name__} is not supported; valid: {choices(SUPPORTED_TRAINERS)}")
+
+
+def _placements(cfg: Any, device: Any) -> tuple[list[dict], list[int] | None]:
+    """Where each rollout worker runs, and the cores left to the trainer (CPU)."""
+    from mrl_plugins.device import allowed_cores, split_cores, visible_devices_env
+
+    rc = cfg.rollout
+    n = rc.workers
+    colocated = n if cfg.mode == "colocate" else (0 if cfg.mode == "disaggregated" else rc.colocated_workers)
+    if device.type == "cpu":
+        cores = sorted(os.sched_getaffinity(0))
+        if rc.engine_cores is not None or rc.trainer_cores is not None:
+            valid = set(allowed_cores())
+            for key in ("engine_cores", "trainer_cores"):
+                bad = [c for c in (getattr(rc, key) or []) if c not in valid]
+                if bad:
+                    raise ConfigError(f"rollout.{key}: cores {bad} are not available; valid: {sorted(valid)}")
+        trainer_cores = rc.trainer_cores
+        engine_pool = rc.engine_cores
+        if engine_pool is None:
+            if len(cores) > 1:
+                trainer_cores = trainer_cores or cores[:1]
+                engine_pool = [c for c in cores if c not in trainer_cores] or cores
+            else:
+                engine_pool = cores
+        groups = split_cores(min(n, len(engine_pool)), engine_pool) if n else []
+        places = [{"cores": groups[i % len(groups)], "threads": rc.engine_threads, "device": "cpu"} for i in range(n)]
+        return places, trainer_cores
+    env_name = visible_devices_env(device.type)
+    base = device.index or 0
+    places = []
+    for i in range(n):
+        index = base if i < colocated else base + 1 + (i - colocated)
+        places.append({"env": {env_name: str(index)} if env_name else {}, "device": f"{device.type}:0", "threads": rc.engine_threads})
+    return places, None
+
+
+def _check_combination(pm: Any, cfg: Any) -> None:
+    if pm.is_upstream("rollout"):
+        for stage in ("weight_sync", "comm"):
+            if not pm.is_upstream(stage):
+                raise ConfigError(
+                    f"plugins.{stage}: {pm.selected[stage]!r} needs a separate inference copy, which only a rollout "
+                    f"plugin other than 'upstream' creates (TRL's own rollout generates with the training model); "
+                    f"set plugins.rollout: mrl or plugins.{stage}: upstream"
+                )
+
+
+def enable(trainer: Any, config: Any = None) -> Any:
+    """Switch the plugins on for ``trainer`` (see :func:`mrl_plugins.enable`)."""
+    from mrl_plugins.config import load_config
+    from mrl_plugins.device import get_device
+    from mrl_plugins.hookspecs import StageContext
+    from mrl_plugins.manager import get_plugin_manager
+    from mrl_plugins.metrics import StageMetrics
+
+    check_trl_version()
+    kind = trainer_kind(trainer)
+    if getattr(trainer, "_mrl_state", None) is not None:
+        raise PluginError("mrl_plugins.enable: this trainer is already enabled")
+    if config is None and os.environ.get("MRL_PLUGINS"):
+        config = config_from_env(os.environ["MRL_PLUGINS"])
+    cfg = load_config(config)
+    pm = get_plugin_manager(cfg)
+    _check_combination(pm, cfg)
+    device = get_device(cfg.device)
+    ctx = StageContext(config=cfg, host=trainer, metrics=StageMetrics())
+    state = _State(pm, ctx, kind)
+
+    if not pm.is_upstream("rollout"):
+        if trainer.accelerator.num_processes > 1 and cfg.rollout.workers > 0:
+            raise ConfigError(
+                f"rollout.workers: {cfg.rollout.workers} worker processes per trainer rank are not supported with "
+                f"{trainer.accelerator.num_processes} training processes; set rollout.workers: 0 (engine per rank)"
+            )
+        if getattr(trainer, "tools", None):
+            raise ConfigError("plugins.rollout: 'mrl' does not run TRL tool calls; set plugins.rollout: upstream")
+        _install_rollout(trainer, state, device)
+
+    _install_metrics(trainer, state)
+    _install_shutdown(trainer, state)
+    trainer._mrl_state = state
+    log.info("mrl-plugins enabled for %s: %s (mode %s)", type(trainer).__name__, pm.selected, cfg.mode)
+    return trainer
+
+
+def config_from_env(value: str) -> Any:
+    """``MRL_PLUGINS``: a YAML path / bundled config name, ``rollout=mrl,comm=upstream``, or ``1`` (defaults)."""
+    value = value.strip()
+    if value.lower() in ("1", "true", "yes", "on"):
+        return None
+    if "=" in value and not value.endswith((".yaml", ".yml")):
+        plugins = {}
+        for part in value.split(","):
+            stage, _, name = part.partition("=")
+            plugins[stage.strip()] = name.strip()
+        return {"plugins": plugins}
+    return value
+
+
+def enable_from_env(trainer: Any) -> Any:
+    """Called by the start-up hook for trainers built while ``MRL_PLUGINS`` is set."""
+    return enable(trainer, config_from_env(os.environ["MRL_PLUGINS"]))
+
+
+class _State:
+    def __init__(self, pm: Any, ctx: Any, kind: str) -> None:
+        self.pm = pm
+        self.ctx = ctx
+        self.kind = kind
+        self.closed = False
+        self.generation: Any = None
+
+    def shutdown(self, reason: str = "normal") -> None:
+        if self.closed:
+            return
+        self.closed = True
+        self.pm.shutdown(self.ctx, reason)
+
+
+def _install_rollout(trainer: Any, state: _State, device: Any) -> None:
+    import torch
+
+    from mrl_plugins.rollout.engine import SamplingParams
+    from mrl_plugins.rollout.pool import WorkerPool
+    from mrl_plugins.rollout.runtime import LocalEngineRuntime, LookaheadLoader, MrlGeneration, PoolRuntime
+
+    pm, ctx, cfg = state.pm, state.ctx, state.ctx.config
+    sampling = SamplingParams.from_trainer(trainer)
+    engine_factory = pm.backend("mrl_rollout_register_engines", cfg.rollout.engine).factory
+    gen = MrlGeneration(pm, ctx, trainer)
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    seed = int(trainer.args.seed)
+    if cfg.rollout.workers == 0:
+        runtime: Any = LocalEngineRuntime(pm, ctx, model, sampling, engine_factory, seed)
+    else:
+        places, trainer_cores = _placements(cfg, device)
+        pool = WorkerPool(pm, ctx, model, sampling, placements=places, engine_factory=engine_factory, seed=seed)
+        runtime = PoolRuntime(pm, ctx, gen, pool)
+        if trainer_cores and device.type == "cpu":
+            os.sched_setaffinity(0, trainer_cores)
+            torch.set_num_threads(max(1, min(cfg.rollout.trainer_threads, len(trainer_cores))))
+        orig_loader = trainer.get_train_dataloader
+
+        def get_train_dataloader() -> Any:
+            gen.loader = LookaheadLoader(orig_loader())
+            return gen.loader
+
+        trainer.get_train_dataloader = get_train_dataloader
+    ctx.resources["rollout.runtime"] = runtime
+    state.generation = gen
+    trainer.vllm_generation = gen
+    trainer.use_vllm = True
+    trainer.vllm_mode = "mrl"
+    trainer._last_loaded_step = -1
+
+
+def _install_metrics(trainer: Any, state: _State) -> None:
+    if not state.ctx.config.log_metrics:
+        return
+    orig_log = trainer.log
+    metrics = state.ctx.metrics
+
+    def log_with_mrl(logs: dict[str, float], start_time: float | None = None) -> None:
+        if "loss" in logs or "reward" in logs:  # training logs only, not the final summary
+            logs.update(metrics.flush())
+        return orig_log(logs, start_time)
+
+    trainer.log = log_with_mrl
+
+
+def _install_shutdown(trainer: Any, state: _State) -> None:
+    orig_train = trainer.train
+
+    def train(*args: Any, **kwargs: Any) -> Any:
+        reason = "error"
+        try:
+            out = orig_train(*args, **kwargs)
+            reason = "normal"
+            return out
+        finally:
+            state.shutdown(reason)
+
+    trainer.train = train
+    ref = weakref.ref(state)
+
+    def at_exit() -> None:
+        st = ref()
+        if st is not None:
+            st.shutdown("exit")
+
+    atexit.register(at_exit)
+    for sig in (signal.SIGTERM,):
+        try:
+            previous = signal.getsignal(sig)
+        except ValueError:
+            continue
+
+        def handler(signum: int, frame: Any, previous: Any = previous) -> None:
+            at_exit()
+            if callable(previous):
+                previous(signum, frame)
+            else:
+                raise SystemExit(128 + signum)
+
+        try:
+            signal.signal(sig, handler)
+        except ValueError:  # not the main thread
+            pass
+
+
+def disable(trainer: Any) -> None:
+    """Release the plugins' resources (worker processes, shared memory) before the trainer ends."""
+    state = getattr(trainer, "_mrl_state", None)
+    if state is not None:
+        state.shutdown("normal")

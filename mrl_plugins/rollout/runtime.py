@@ -1,0 +1,239 @@
+"""Trainer-side rollout runtime: the object TRL calls where it would call vLLM.
+
+:class:`MrlGeneration` has the interface of ``trainer.vllm_generation`` (``sync_weights()``,
+``generate(prompts, images, num_generations, profiler)``); with ``use_vllm=True`` TRL keeps its own
+sync schedule (sync when ``global_step`` changed) and its importance-sampling correction, which
+uses the logprobs and weight versions we return.
+
+Engines: ``rollout.workers: 0`` runs the engine inside the trainer process (a separate inference
+copy, no overlap); ``workers >= 1`` runs :class:`~mrl_plugins.rollout.pool.WorkerPool` processes.
+With ``pipeline: async`` the runtime looks one generation batch ahead in the trainer's dataloader
+and has the workers generate it while the trainer trains on the current one (one version of
+staleness); samples older than ``max_staleness`` versions are dropped and regenerated, or kept
+and counted (``stale_policy``).
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import time
+from collections import deque
+from collections.abc import Iterator
+from contextlib import nullcontext
+from typing import Any
+
+from mrl_plugins.hookspecs import RolloutResult, StageContext
+
+log = logging.getLogger("mrl_plugins.rollout")
+
+
+def _key(prompts: list[list[int]]) -> tuple[tuple[int, ...], ...]:
+    return tuple(tuple(int(t) for t in p) for p in prompts)
+
+
+class LookaheadIterator:
+    """Iterator over the trainer's dataloader that can peek at batches it has not handed out yet."""
+
+    def __init__(self, it: Iterator[Any]) -> None:
+        self._it = it
+        self._buf: deque[Any] = deque()
+        self._done = False
+
+    def __iter__(self) -> LookaheadIterator:
+        return self
+
+    def __next__(self) -> Any:
+        if self._buf:
+            return self._buf.popleft()
+        return next(self._it)
+
+    def peek(self, k: int) -> list[Any]:
+        """Up to ``k`` upcoming batches without consuming them."""
+        while len(self._buf) < k and not self._done:
+            try:
+                self._buf.append(next(self._it))
+            except StopIteration:
+                self._done = True
+        return list(self._buf)[:k]
+
+
+class LookaheadLoader:
+    """Wraps the trainer's dataloader; ``current`` is the iterator the trainer is consuming."""
+
+    def __init__(self, loader: Any) -> None:
+        self._loader = loader
+        self.current: LookaheadIterator | None = None
+
+    def __iter__(self) -> LookaheadIterator:
+        self.current = LookaheadIterator(iter(self._loader))
+        return self.current
+
+    def __len__(self) -> int:
+        return len(self._loader)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._loader, name)
+
+
+class MrlGeneration:
+    """Stands in for ``trainer.vllm_generation``; routes through the selected stage plugins."""
+
+    def __init__(self, pm: Any, ctx: StageContext, trainer: Any) -> None:
+        self.pm = pm
+        self.ctx = ctx
+        self.trainer = trainer
+        self.cfg = ctx.config
+        self.loader: LookaheadLoader | None = None
+        self._pending: dict[tuple, tuple[int, int]] = {}
+        self.version = -1
+        self.metrics = ctx.metrics
+
+    # ---------------------------------------------------------------- TRL interface
+    def sync_weights(self) -> None:
+        from mrl_plugins.weight_sync.sources import iter_trainer_weights, should_publish
+
+        version = int(self.trainer.state.global_step)
+        accelerator = getattr(self.trainer, "accelerator", None)
+        t0 = time.perf_counter()
+        tensors = iter_trainer_weights(self.trainer.model_wrapped, accelerator)
+        if accelerator is not None and not should_publish(accelerator):
+            for _ in tensors:  # every rank takes part in ZeRO-3 gathers
+                pass
+            return
+        rep = self.pm.weight_sync_publish(ctx=self.ctx, model_id="policy", version=version, named_tensors=tensors)
+        self.version = version
+        self.metrics.add("time/weight_sync_s", time.perf_counter() - t0)
+        if rep is not None:
+            self.metrics.add("weights/bytes", rep.nbytes)
+            self.metrics.gauge("weights/version", version)
+
+    def generate(self, prompts: list[list[int]], images: Any, num_generations: int, profiler: Any = None) -> tuple:
+        if images is not None and any(i is not None for i in images):
+            from mrl_plugins.errors import PluginError
+
+            raise PluginError("mrl rollout: image prompts are not supported; set plugins.rollout: upstream")
+        with profiler or nullcontext():
+            t0 = time.perf_counter()
+            result = self.pm.rollout_generate(ctx=self.ctx, prompts=prompts, num_generations=1, model_id="policy")
+            self.metrics.add("time/generate_s", time.perf_counter() - t0)
+        self.metrics.gauge("rollout/staleness", max(0, self.version - result.weight_version))
+        logprobs = [[[lp] for lp in seq] for seq in result.logprobs]
+        return result.prompt_ids, result.completion_ids, logprobs, None
+
+
+class LocalEngineRuntime:
+    """``rollout.workers: 0``: an engine on an inference copy inside the trainer process."""
+
+    def __init__(self, pm: Any, ctx: StageContext, model: Any, sampling: Any, engine_factory: Any, seed: int) -> None:
+        import torch
+
+        self.pm, self.ctx = pm, ctx
+        self.model = copy.deepcopy(_unwrap(model)).eval()
+        for p in self.model.parameters():
+            p.requires_grad_(False)
+        self.engine = engine_factory(self.model, None, params=sampling, device=str(_device_of(model)), seed=seed)
+        cfg = ctx.config
+        if pm.is_upstream("weight_sync"):
+            ctx.resources["weight_sync.target_model"] = self.model
+            self.receiver = None
+        else:
+            from mrl_plugins.weight_sync.receiver import DoubleBufferedReceiver
+
+            sender = pm.backend("mrl_weight_sync_register_transports", cfg.weight_sync.transport).factory(
+                cfg.weight_sync, model_id="policy", run_id=f"local{id(self):x}"
+            )
+            ctx.resources["weight_sync.sender"] = sender
+            self.receiver = DoubleBufferedReceiver(self.model, sender.receiver_handle().attach(), staging=cfg.weight_sync.staging)
+            ctx.resources["weight_sync.receiver"] = self.receiver
+        self._torch = torch
+
+    def generate(self, prompts: list[list[int]], num_generations: int, model_id: str) -> RolloutResult:
+        staged = self.pm.weight_sync_receive(ctx=self.ctx, model_id=model_id, timeout=self.ctx.config.weight_sync.timeout_s)
+        if staged is not None:
+            self.pm.weight_sync_switch(ctx=self.ctx, model_id=model_id)
+        active = self.receiver.active() if self.receiver is not None else nullcontext(self.model)
+        with active:
+            version = self.receiver.version if self.receiver is not None else self.ctx.resources.get("upstream.version", 0)
+            out = self.engine.generate(prompts, num_generations)
+        flat = [list(p) for p in prompts for _ in range(num_generations)]
+        return RolloutResult(flat, out.completion_ids, out.logprobs, int(version), model_id)
+
+    def close(self) -> None:
+        sender = self.ctx.resources.pop("weight_sync.sender", None)
+        if sender is not None:
+            sender.close()
+
+
+class PoolRuntime:
+    """``rollout.workers >= 1``: worker processes, optionally one batch ahead of the trainer."""
+
+    def __init__(self, pm: Any, ctx: StageContext, gen: MrlGeneration, pool: Any) -> None:
+        self.pm, self.ctx, self.gen, self.pool = pm, ctx, gen, pool
+        self.cfg = ctx.config.rollout
+        self._pending: dict[tuple, int] = {}
+
+    def generate(self, prompts: list[list[int]], num_generations: int, model_id: str) -> RolloutResult:
+        metrics = self.ctx.metrics
+        current = self.gen.version
+        ticket = self._pending.pop(_key(prompts), None)
+        if ticket is None:
+            if self.cfg.pipeline == "async":
+                metrics.add("rollout/lookahead_misses", 1)
+            ticket = self.pool.submit(prompts, num_generations, model_id=model_id, min_version=current)
+        else:
+            metrics.add("rollout/lookahead_hits", 1)
+        self._drop_unused()
+        t0 = time.perf_counter()
+        result = self.pool.collect(ticket)
+        metrics.add("time/wait_s", time.perf_counter() - t0)
+        stale = current - result.weight_version
+        if stale > self.cfg.max_staleness:
+            metrics.add("rollout/stale_samples", len(result.completion_ids))
+            if self.cfg.stale_policy == "drop":
+                metrics.add("rollout/dropped_samples", len(result.completion_ids))
+                ticket = self.pool.submit(prompts, num_generations, model_id=model_id, min_version=current)
+                result = self.pool.collect(ticket)
+        if self.cfg.pipeline == "async":
+            nxt = self._next_prompts(prompts)
+            if nxt is not None:
+                self._pending[_key(nxt)] = self.pool.submit(nxt, num_generations, model_id=model_id, min_version=current)
+        metrics.update("rollout", {"generate_s": result.metrics.get("generate_s", 0.0)})
+        metrics.update("", self.pool.stats(), gauge=True)
+        return result
+
+    def _drop_unused(self) -> None:
+        """A lookahead that was not asked for (data order changed) is collected and discarded."""
+        for key in list(self._pending):
+            self.pool.collect(self._pending.pop(key))
+
+    def _next_prompts(self, current: list[list[int]]) -> list[list[int]] | None:
+        loader = self.gen.loader
+        it = loader.current if loader is not None else None
+        if it is None:
+            return None
+        trainer = self.gen.trainer
+        horizon = trainer.args.gradient_accumulation_steps + getattr(trainer.args, "steps_per_generation", 1) * max(
+            1, getattr(trainer, "num_iterations", 1)
+        )
+        key = _key(current)
+        for batch in it.peek(horizon):
+            prompts = [x["prompt"] for x in batch]
+            ids = trainer._tokenize_prompts(prompts)[0]
+            if _key(ids) != key:
+                return [list(p) for p in ids]
+        return None
+
+    def close(self) -> None:
+        self.pool.close()
+
+
+def _unwrap(model: Any) -> Any:
+    return getattr(model, "module", model)
+
+
+def _device_of(model: Any) -> Any:
+    try:
+        return next(model.parameters()).device
+    except StopIteration:
+        return "cpu"
