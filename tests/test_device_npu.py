@@ -122,6 +122,20 @@ def test_explicit_npu_when_broken_raises_with_reason_and_choices(monkeypatch, no
     assert "'npu'" in msg and "libhccl.so missing" in msg and "available: 'auto' or 'cpu'" in msg
 
 
+def test_cpu_request_never_touches_torch_npu(monkeypatch):
+    def _must_not_import():
+        raise AssertionError("torch_npu imported for a cpu request")
+
+    monkeypatch.setattr(probe, "_import_torch_npu", _must_not_import)
+    assert get_device("cpu").type == "cpu"
+
+
+def test_absent_cuda_lists_npu_choices(monkeypatch, no_cuda):
+    fake_torch_npu.install(monkeypatch, device_count=1)
+    with pytest.raises(DeviceError, match=r"'cuda'.*available: 'auto', 'cpu', 'npu' or 'npu:0'"):
+        get_device("cuda")
+
+
 def test_missing_npu_index_names_choices(monkeypatch, no_cuda):
     fake_torch_npu.install(monkeypatch, device_count=2)
     assert get_device("npu:1").index == 1
@@ -181,6 +195,8 @@ def test_npu_streams_do_not_claim_priority(monkeypatch, no_cuda):
     assert end.query() and start.elapsed_time(end) >= 0.0
     dev.synchronize()
     assert ("synchronize", 1) in mod.calls
+    dev.activate()
+    assert mod.npu.current_device() == 1
     with pytest.raises(ConfigError, match="'urgent'.*'high', 'low' or 'normal'"):
         dev.new_stream("urgent")
 
@@ -217,7 +233,8 @@ def test_device_budget_reaches_set_device_limit(monkeypatch, no_cuda):
     mod = fake_torch_npu.install(monkeypatch)
     dev = get_device("npu:1")
     applied = apply_compute_budget(ComputeBudget(npu_cube_cores=8, npu_vector_cores=16), dev)
-    assert ("set_device_limit", 1, 8, 16) in mod.calls
+    limit_at = mod.calls.index(("set_device_limit", 1, 8, 16))
+    assert mod.calls[limit_at - 1] == ("set_device", 1)  # CANN requires set_device before the limit
     assert applied.npu_device_limit == (8, 16) and applied.stream is None
     assert mod.npu.get_device_limit(1) == {"cube_core_num": 8, "vector_core_num": 16}
 

@@ -212,6 +212,9 @@ class Device(ABC):
         """A new event (timing enabled by default)."""
         return DeviceEvent(self.type)
 
+    def activate(self) -> None:  # noqa: B027 - nothing to select on CPU; accelerators override it
+        """Make this the calling thread's current device (``torch.cuda.set_device`` / ``torch.npu.set_device``)."""
+
     def synchronize(self) -> None:  # noqa: B027 - a no-op is the right default (CPU); accelerators override it
         """Wait for all queued work on this device."""
 

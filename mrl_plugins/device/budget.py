@@ -264,8 +264,11 @@ def _apply_npu_limits(applied: AppliedBudget, budget: ComputeBudget, device: Dev
             f"(npu:{index} limit now {current}); cannot set cube={cube}, vector={vector}. "
             "Give this side its own stream (apply_compute_budget(..., stream=...)) to use set_stream_limit instead"
         )
+    # CANN's aclrtSetDeviceResLimit must follow aclrtSetDevice: make the device current first.
+    npu.set_device(index)
     npu.set_device_limit(index, cube, vector)
     applied.npu_device_limit = (cube, vector)
+    applied.notes.append(f"npu:{index} made the current device (set_device_limit requires it)")
 
 
 def apply_compute_budget(

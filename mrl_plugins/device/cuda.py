@@ -50,6 +50,12 @@ class CudaDevice(Device):
 
         return DeviceEvent(self.type, raw=torch.cuda.Event(enable_timing=enable_timing))
 
+    def activate(self) -> None:
+        """``torch.cuda.set_device(index)``."""
+        import torch
+
+        torch.cuda.set_device(self.index)
+
     def synchronize(self) -> None:
         """``torch.cuda.synchronize(index)``."""
         import torch

@@ -53,6 +53,10 @@ class NpuDevice(Device):
         """``torch_npu.npu.Event(enable_timing=...)``."""
         return DeviceEvent(self.type, raw=npu_namespace().Event(enable_timing=enable_timing))
 
+    def activate(self) -> None:
+        """``torch_npu.npu.set_device(index)``."""
+        npu_namespace().set_device(self.index)
+
     def synchronize(self) -> None:
         """``torch_npu.npu.synchronize(index)``."""
         npu_namespace().synchronize(self.index)

@@ -78,16 +78,27 @@ def get_device(spec: str = "auto") -> Device:
     is not present. ``auto`` never raises: NPU, else CUDA, else CPU (see module doc for the fallback warning).
     """
     kind, index = parse_device_spec(spec)
-    npu = probe.npu_status()
-    if kind == "auto":
-        if npu.usable:
-            return _make("npu", 0)
-        if npu.installed:
-            nxt = "CUDA" if probe.is_cuda_available() else "CPU"
-            warn_once(f"torch_npu is installed but unusable, continuing on {nxt}: {npu.reason}", DeviceFallbackWarning)
-        return _make("cuda", 0) if probe.is_cuda_available() else _make("cpu", None)
     if kind == "cpu":
         return _make("cpu", None)
+    if kind == "auto":
+        npu = probe.npu_status()
+        if npu.usable:
+            return _make("npu", 0)
+        cuda = probe.is_cuda_available()
+        if npu.installed:
+            nxt = "CUDA" if cuda else "CPU"
+            warn_once(f"torch_npu is installed but unusable, continuing on {nxt}: {npu.reason}", DeviceFallbackWarning)
+        return _make("cuda", 0) if cuda else _make("cpu", None)
+    # Probe only the requested backend on the success path; the other one only to list choices in an error.
+    if kind == "cuda":
+        count = probe.cuda_device_count()
+        if count and (index is None or index < count):
+            return _make(kind, index)
+        npu = probe.npu_status()
+    else:
+        npu = probe.npu_status()
+        if npu.usable and (index is None or index < npu.device_count):
+            return _make(kind, index)
     counts = _device_counts(npu)
     if counts[kind] == 0:
         if kind == "npu":
@@ -95,12 +106,9 @@ def get_device(spec: str = "auto") -> Device:
         else:
             why = "torch.cuda.is_available() is False"
         raise DeviceError(f"device {spec!r} is not present ({why}); available: {_choices_text(counts)}")
-    if index is not None and index >= counts[kind]:
-        raise DeviceError(
-            f"device {spec!r} is not present ({counts[kind]} {kind.upper()} visible); "
-            f"available: {_choices_text(counts)}"
-        )
-    return _make(kind, index)
+    raise DeviceError(
+        f"device {spec!r} is not present ({counts[kind]} {kind.upper()} visible); available: {_choices_text(counts)}"
+    )
 
 
 def _check_type(device_type: str) -> str:
