@@ -14,7 +14,11 @@ import textwrap
 import warnings
 
 import pytest
-from fakes import fake_torch_npu
+
+try:
+    from fakes import fake_torch_npu
+except ImportError:  # tests/ imported as a package (rootdir-based import modes)
+    from tests.fakes import fake_torch_npu
 
 from mrl_plugins.device import (
     ComputeBudget,

@@ -15,6 +15,7 @@ step fails; the returned :class:`AppliedBudget` says what was applied and can :m
 from __future__ import annotations
 
 import os
+import threading
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -155,8 +156,10 @@ class AppliedBudget:
             return
         self._restored = True
         if self._previous_affinity:
-            main = self._previous_affinity.get(0) or self._previous_affinity.get(os.getpid())
-            tids = _thread_ids() if self.scope == "process" else [0]
+            # process scope: every thread now, threads started since then get the main thread's old affinity;
+            # thread scope: only the thread that applied it (by native id, so restore() works from any thread).
+            main = self._previous_affinity.get(os.getpid())
+            tids = _thread_ids() if self.scope == "process" else list(self._previous_affinity)
             for tid in tids:
                 prev = self._previous_affinity.get(tid, main)
                 if prev:
@@ -197,11 +200,11 @@ def _thread_ids() -> list[int]:
     try:
         return sorted(int(t) for t in os.listdir("/proc/self/task"))
     except OSError:
-        return [0]
+        return [threading.get_native_id()]
 
 
 def _set_affinity(applied: AppliedBudget, cores: list[int]) -> None:
-    tids = _thread_ids() if applied.scope == "process" else [0]
+    tids = _thread_ids() if applied.scope == "process" else [threading.get_native_id()]
     for tid in tids:
         try:
             prev = os.sched_getaffinity(tid)
