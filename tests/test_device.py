@@ -23,10 +23,12 @@ from mrl_plugins.device import (
     collective_backend,
     get_device,
     is_cuda_available,
+    is_out_of_memory,
     measure_peak,
     parse_device_spec,
     profile_peak,
     reservation_fraction,
+    reserve_memory,
     set_visible_devices,
     split_cores,
     visible_devices_env,
@@ -187,6 +189,29 @@ def test_reservation_over_one_is_an_error_naming_the_numbers():
         reservation_fraction(1, 0)
     with pytest.raises(ConfigError):
         reservation_fraction(1, 10, headroom=-0.1)
+
+
+def test_reserve_memory_on_cpu_records_the_fraction():
+    dev = get_device("cpu")
+    total = dev.memory_stats()["total_bytes"]
+    fraction = reserve_memory(dev, 1 * GIB)
+    assert fraction == pytest.approx(1.2 * GIB / total) and dev.memory_fraction == fraction
+    fresh = get_device("cpu")
+    with pytest.raises(ConfigError, match="does not fit"):
+        reserve_memory(fresh, total)
+    assert fresh.memory_fraction is None  # nothing set when it does not fit
+
+
+def test_out_of_memory_detection_on_a_real_allocation_failure():
+    import torch
+
+    with pytest.raises(RuntimeError) as err:
+        torch.empty(1 << 50, dtype=torch.uint8)  # 1 PiB: the CPU allocator refuses
+    assert is_out_of_memory(err.value)
+    assert is_out_of_memory(torch.OutOfMemoryError("NPU out of memory. Tried to allocate 2.00 GiB"))
+    assert is_out_of_memory(MemoryError())
+    assert not is_out_of_memory(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))
+    assert not is_out_of_memory(ValueError("out of memory"))
 
 
 # --- compute budget -----------------------------------------------------------------------------------------------

@@ -33,6 +33,7 @@ from mrl_plugins.device import (
     is_torch_npu_available,
     measure_peak,
     probe,
+    reserve_memory,
     set_visible_devices,
     torch_npu_without_cann,
     versions,
@@ -228,6 +229,8 @@ def test_npu_memory_fraction_and_stats(monkeypatch, no_cuda):
     assert result == "done" and prof.peak_was_reset
     assert prof.baseline_bytes == 3 * GIB and prof.peak_bytes == 9 * GIB and prof.increase_bytes == 6 * GIB
     assert prof.reservation_fraction(0.2) == pytest.approx(9 * 1.2 / 64)
+    assert reserve_memory(dev, prof.peak_bytes) == pytest.approx(9 * 1.2 / 64)
+    assert mod.npu._state["fraction"][0] == pytest.approx(9 * 1.2 / 64)
 
 
 # --- compute budget ------------------------------------------------------------------------------------------------

@@ -37,7 +37,14 @@ from mrl_plugins.device.budget import (
 )
 from mrl_plugins.device.cpu import CpuDevice
 from mrl_plugins.device.cuda import CudaDevice
-from mrl_plugins.device.memory import MemoryProfile, measure_peak, profile_peak, reservation_fraction
+from mrl_plugins.device.memory import (
+    MemoryProfile,
+    is_out_of_memory,
+    measure_peak,
+    profile_peak,
+    reservation_fraction,
+    reserve_memory,
+)
 from mrl_plugins.device.npu import NpuDevice
 from mrl_plugins.device.probe import (
     CORE_LIMIT_APIS,
@@ -88,12 +95,14 @@ __all__ = [
     "core_limit_apis",
     "get_device",
     "is_cuda_available",
+    "is_out_of_memory",
     "is_torch_npu_available",
     "measure_peak",
     "npu_status",
     "parse_device_spec",
     "profile_peak",
     "reservation_fraction",
+    "reserve_memory",
     "set_visible_devices",
     "split_cores",
     "torch_npu_installed",

@@ -9,6 +9,7 @@ recorded and reported, not enforced.
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -107,3 +108,38 @@ def measure_peak(fn: Callable[[], T], device: Device | None = None) -> tuple[T, 
 def profile_peak(fn: Callable[[], Any], device: Device | None = None) -> int:
     """Peak bytes held on ``device`` while ``fn()`` ran (see :func:`measure_peak`)."""
     return measure_peak(fn, device)[1].peak_bytes
+
+
+def reserve_memory(
+    device: Device, peak_bytes: int, headroom: float = DEFAULT_HEADROOM, total_bytes: int | None = None
+) -> float:
+    """Cap this process on ``device`` at ``peak_bytes * (1 + headroom)`` and return the fraction set.
+
+    ``total_bytes`` defaults to the device's capacity (``memory_stats()["total_bytes"]``). NPU/CUDA: the caching
+    allocator then refuses more (an engine OOM instead of starving the trainer next to it); CPU: recorded in
+    ``device.memory_fraction`` only. A reservation over the whole device is a ConfigError; nothing is set then.
+    """
+    total = device.memory_stats()["total_bytes"] if total_bytes is None else total_bytes
+    fraction = reservation_fraction(peak_bytes, total, headroom)
+    if fraction == 0.0:
+        raise ConfigError(f"peak_bytes={peak_bytes} gives an empty reservation on {device.spec}; profile real work")
+    device.set_memory_fraction(fraction)
+    return fraction
+
+
+_OOM_TEXT = ("out of memory", "can't allocate memory", "cannot allocate memory")
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    """True for an allocation failure on any backend.
+
+    ``torch.OutOfMemoryError`` (CUDA, and torch_npu's "NPU out of memory"), ``MemoryError``, and the
+    ``RuntimeError`` texts of the CPU allocator ("can't allocate memory") and of older torch_npu releases.
+    """
+    if isinstance(exc, MemoryError):
+        return True
+    torch = sys.modules.get("torch")
+    oom_type = getattr(torch, "OutOfMemoryError", None) if torch is not None else None
+    if oom_type is not None and isinstance(exc, oom_type):
+        return True
+    return isinstance(exc, RuntimeError) and any(t in str(exc).lower() for t in _OOM_TEXT)
