@@ -229,7 +229,9 @@ def _limit_args(budget: ComputeBudget) -> tuple[int, int]:
     return cube, vector
 
 
-def _apply_npu_limits(applied: AppliedBudget, budget: ComputeBudget, device: Device, stream: DeviceStream | None):
+def _apply_npu_limits(
+    applied: AppliedBudget, budget: ComputeBudget, device: Device, stream: DeviceStream | None
+) -> None:
     from mrl_plugins.device.npu import npu_namespace
 
     npu = npu_namespace()
