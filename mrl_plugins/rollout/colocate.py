@@ -31,6 +31,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from mrl_plugins.device.memory import is_out_of_memory
 from mrl_plugins.errors import ConfigError, MrlError, StageTimeoutError
 from mrl_plugins.rollout.engine import EngineOutput, SamplingParams
 
@@ -94,11 +95,11 @@ def reserve_memory(fn: Callable[[], Any], device: Any, headroom: float = 0.2) ->
     The fraction goes to ``device.set_memory_fraction`` (an allocator cap on NPU/CUDA; recorded only on CPU).
     A reservation larger than the device is a ConfigError naming the numbers (never clamped).
     """
-    from mrl_plugins.device import measure_peak, reservation_fraction
+    from mrl_plugins.device.memory import measure_peak
+    from mrl_plugins.device.memory import reserve_memory as _reserve
 
     result, prof = measure_peak(fn, device)
-    fraction = reservation_fraction(prof.peak_bytes, prof.total_bytes, headroom)
-    device.set_memory_fraction(fraction)
+    fraction = _reserve(device, prof.peak_bytes, headroom, total_bytes=prof.total_bytes)
     reservation = MemoryReservation(
         device=device.spec,
         baseline_bytes=prof.baseline_bytes,
@@ -124,16 +125,6 @@ def profile_engine_memory(
     return reserve_memory(lambda: engine.generate(prompts, num_generations), device, headroom)[1]
 
 
-def is_out_of_memory(exc: BaseException) -> bool:
-    """Whether ``exc`` is a device/host out-of-memory error from torch."""
-    import torch
-
-    oom_type = getattr(torch, "OutOfMemoryError", None)
-    if oom_type is not None and isinstance(exc, oom_type):
-        return True
-    return isinstance(exc, (RuntimeError, MemoryError)) and "out of memory" in str(exc).lower()
-
-
 def _empty_cache(device_type: str) -> None:
     import torch
 
@@ -152,7 +143,7 @@ def guard_oom(reservation: MemoryReservation | None, device_type: str = "cpu") -
     try:
         yield
     except BaseException as exc:
-        if not is_out_of_memory(exc):
+        if isinstance(exc, EngineOutOfMemoryError) or not is_out_of_memory(exc):
             raise
         _empty_cache(device_type)
         where = reservation.describe() if reservation is not None else "no reservation profiled"
