@@ -1,0 +1,870 @@
+"""``mrl doctor``: pre-run checks of the device setup, and post-run triage of a report (source §5).
+
+Pre-run (``mrl doctor [--config PATH] [--processes N] [--ports ...] [--reserve ...] ...``) prints one line per
+check, ``ok|warn|fail  <check>: <detail>``, and exits 1 if any check failed (0 otherwise, 2 on bad input):
+
+* ``backend`` / ``versions`` / ``version matrix``: device types found, the requested device, torch / torch_npu /
+  CANN / CUDA versions, torch_npu's major.minor matching torch's.
+* ``torch_npu+CANN``: torch_npu installed without a CANN toolkit makes ``import torch`` itself fail (torch
+  autoloads torch_npu) -- fail, with the fix.
+* ``visible devices``: every process gets its own ``ASCEND_RT_VISIBLE_DEVICES`` / ``CUDA_VISIBLE_DEVICES`` entry.
+  Without ``--visible-devices`` the current variable is read and process *i* is assumed to take entry *i*; two
+  processes on one card ("sudden OOM or slowdown") fail in disaggregated mode and warn in colocate/hybrid mode,
+  where sharing is by design and needs memory reservations.
+* ``ports``: one table (``--ports name=port,...`` and the config's ``ports:`` mapping); a port used twice fails,
+  a port that cannot be bound on 127.0.0.1 now warns.
+* ``memory``: fractions of one card (``--reserve name=fraction,...``, or ``--peak name=SIZE --device-memory SIZE``
+  sized as peak x (1 + headroom)) plus ``--reserve-root``; a sum over 1 fails, a root/system reserve over 0.20
+  fails.
+* ``core limits``: whether torch_npu's ``set_device_limit`` / ``set_stream_limit`` exist.
+* ``threads``: threads per process (``--threads``, else config, else ``OMP_NUM_THREADS``, else torch's default)
+  summed over processes against the cores this process may use; oversubscription warns (measured here: a
+  2-thread forward runs 15-200x slower when a core is busy elsewhere).
+
+Processes: ``--processes`` or, from ``--config``, 1 (``mode: colocate``) or 1 trainer + ``rollout.workers``.
+
+Post-run (``mrl doctor --report PATH``) reads a JSON report and prints a verdict per run, see :func:`triage`
+and :func:`load_report` for the schema and the definitions of utilisation and communication wait.
+"""
+
+from __future__ import annotations
+
+import argparse
+import errno
+import json
+import math
+import os
+import socket
+import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from mrl_plugins.errors import ConfigError, choices
+
+STATUSES = ("ok", "warn", "fail")
+MODES = ("colocate", "disaggregated", "hybrid")
+#: Root/system reserve limit (source §5: keep the root context's reserved memory under 20% of device memory).
+MAX_ROOT_RESERVE = 0.20
+#: The two core-limit APIs that compute isolation on one NPU needs.
+NEEDED_CORE_LIMITS = ("set_device_limit", "set_stream_limit")
+CANN_FIX = (
+    "source the CANN toolkit's set_env.sh before starting Python (e.g. `source "
+    "/usr/local/Ascend/ascend-toolkit/set_env.sh`, which sets ASCEND_TOOLKIT_HOME), or, on a machine without NPUs, "
+    "`pip uninstall torch_npu` (TORCH_DEVICE_BACKEND_AUTOLOAD=0 also stops torch from loading it)"
+)
+
+
+@dataclass(frozen=True)
+class Check:
+    """One doctor line: ``status`` is ``ok``, ``warn`` or ``fail``."""
+
+    status: str
+    name: str
+    detail: str
+
+    def __post_init__(self) -> None:
+        if self.status not in STATUSES:
+            raise ValueError(f"check status {self.status!r} is not one of {choices(STATUSES)}")
+
+    def line(self) -> str:
+        """``'warn  ports: ...'``."""
+        return f"{self.status:<5} {self.name}: {self.detail}"
+
+
+@dataclass
+class DoctorInputs:
+    """What the pre-run checks look at (built from the command line, the config and the environment)."""
+
+    device: str = "auto"
+    mode: str | None = None
+    processes: int = 1
+    visible: list[list[int]] | None = None
+    ports: dict[str, int] = field(default_factory=dict)
+    reserve_root: float | None = None
+    reserve: dict[str, float] = field(default_factory=dict)
+    threads: list[int] | None = None
+    threads_source: str = ""
+    env: Mapping[str, str] = field(default_factory=lambda: dict(os.environ))
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# device facts (lazy imports)
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def _device() -> Any:
+    import mrl_plugins.device as device
+
+    return device
+
+
+def _fmt_versions(v: Mapping[str, str | None]) -> str:
+    names = (("python", "python"), ("torch", "torch"), ("torch_npu", "torch_npu"), ("cann", "CANN"), ("cuda", "CUDA"))
+    return ", ".join(f"{label} {v.get(key) or '-'}" for key, label in names)
+
+
+def _major_minor(version: str) -> tuple[int, int] | None:
+    parts = version.split("+")[0].split(".")
+    try:
+        return int(parts[0]), int(parts[1])
+    except (IndexError, ValueError):
+        return None
+
+
+def check_torch_npu_hazard(env: Mapping[str, str]) -> Check:
+    """Fail when the torch_npu distribution is installed but no CANN toolkit is found (``import torch`` breaks)."""
+    dev = _device()
+    v = dev.versions(env)
+    if dev.torch_npu_without_cann(env):
+        return Check(
+            "fail",
+            "torch_npu+CANN",
+            f"torch_npu {v.get('torch_npu') or '(found)'} is installed but no CANN toolkit was found "
+            "(ASCEND_TOOLKIT_HOME / ASCEND_HOME_PATH unset, no /usr/local/Ascend/ascend-toolkit): torch autoloads "
+            f"torch_npu, so `import torch` fails. Fix: {CANN_FIX}",
+        )
+    if v.get("torch_npu") is None and not dev.torch_npu_installed():
+        return Check("ok", "torch_npu+CANN", "torch_npu not installed (no hazard)")
+    return Check(
+        "ok", "torch_npu+CANN", f"torch_npu {v.get('torch_npu') or '-'} with CANN {v.get('cann') or '(found)'}"
+    )
+
+
+def check_backend(device_spec: str, env: Mapping[str, str]) -> tuple[list[Check], str]:
+    """Device types found, the requested device, versions and the torch/torch_npu version matrix.
+
+    Returns the checks and the device type the run will use (``auto`` resolved: NPU, else CUDA, else CPU).
+    """
+    dev = _device()
+    kind, index = dev.parse_device_spec(device_spec)
+    v = dev.versions(env)
+    checks = [Check("ok", "versions", _fmt_versions(v))]
+    if v.get("torch_npu") and v.get("torch"):
+        npu_mm, torch_mm = _major_minor(str(v["torch_npu"])), _major_minor(str(v["torch"]))
+        if npu_mm and torch_mm and npu_mm != torch_mm:
+            checks.append(
+                Check(
+                    "fail",
+                    "version matrix",
+                    f"torch_npu {v['torch_npu']} is built for torch {npu_mm[0]}.{npu_mm[1]}.x but torch is "
+                    f"{v['torch']}: install the torch_npu release that matches torch (Ascend/pytorch version table)",
+                )
+            )
+        else:
+            checks.append(Check("ok", "version matrix", f"torch_npu {v['torch_npu']} matches torch {v['torch']}"))
+    if dev.torch_npu_without_cann(env):
+        checks.append(Check("warn", "backend", "not probed: torch_npu without CANN (see the torch_npu+CANN check)"))
+        return checks, "cpu" if kind == "auto" else kind
+    types = dev.available_device_types()
+    npu = dev.npu_status()
+    counts = {"cpu": 1, "cuda": dev.probe.cuda_device_count() if "cuda" in types else 0}
+    counts["npu"] = npu.device_count if npu.usable else 0
+    if npu.installed and not npu.usable:
+        checks.append(Check("warn", "torch_npu", f"installed but unusable, runs fall back: {npu.reason}"))
+    found = ", ".join(f"{t}" + (f" x{counts[t]}" if t != "cpu" else "") for t in types)
+    if kind == "auto":
+        resolved = "npu" if "npu" in types else "cuda" if "cuda" in types else "cpu"
+        checks.append(Check("ok", "backend", f"device 'auto' -> {resolved} (found: {found})"))
+        return checks, resolved
+    if kind not in types:
+        why = (npu.reason or "torch_npu is not installed") if kind == "npu" else "torch.cuda.is_available() is False"
+        checks.append(
+            Check("fail", "backend", f"device {device_spec!r} requested but not present ({why}); found: {found}")
+        )
+        return checks, kind
+    if index is not None and index >= counts[kind]:
+        checks.append(
+            Check("fail", "backend", f"device {device_spec!r}: only {counts[kind]} {kind.upper()} visible ({found})")
+        )
+        return checks, kind
+    checks.append(Check("ok", "backend", f"device {device_spec!r} present (found: {found})"))
+    return checks, kind
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# visible devices
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def _share_status(mode: str | None) -> tuple[str, str]:
+    if mode in ("colocate", "hybrid"):
+        return "warn", f"shared by design in {mode} mode: give each side a memory reservation (--reserve)"
+    return "fail", "give each process its own card"
+
+
+def parse_card_list(text: str, what: str) -> list[int]:
+    """``'0,1,3'`` -> ``[0, 1, 3]``; ConfigError for anything that is not distinct non-negative integers."""
+    items = [s.strip() for s in text.split(",")]
+    if not text.strip() or any(not s.isdigit() for s in items):
+        raise ConfigError(f"{what}: {text!r} is not a comma-separated list of card indices (e.g. '0,1')")
+    cards = [int(s) for s in items]
+    if len(set(cards)) != len(cards):
+        raise ConfigError(f"{what}: {text!r} lists a card twice")
+    return cards
+
+
+def _visible(
+    var: str,
+    processes: int,
+    mode: str | None,
+    npu: bool,
+    value: str | None,
+    assignments: Sequence[Sequence[int]] | None,
+) -> tuple[str, str, bool]:
+    share_status, share_fix = _share_status(mode)
+    shared = f"two processes on one card (sudden OOM or slowdown); {share_fix}"
+    if assignments is not None:
+        if len(assignments) != processes:
+            raise ConfigError(f"--visible-devices gives {len(assignments)} assignments for {processes} processes")
+        owner: dict[int, int] = {}
+        for i, cards in enumerate(assignments):
+            if npu and list(cards) != sorted(cards):
+                return (
+                    "fail",
+                    f"process {i}: {var}={','.join(map(str, cards))} is not ascending (torch_npu sees no card)",
+                    False,
+                )
+            for c in cards:
+                if c in owner:
+                    return share_status, f"processes {owner[c]} and {i} both get card {c} -> {shared}", True
+                owner[c] = i
+        text = "; ".join(f"process {i}: {var}={','.join(map(str, c))}" for i, c in enumerate(assignments))
+        return "ok", f"{text} (no card shared)", False
+    if value is None or not value.strip():
+        if processes == 1:
+            return "warn", f"{var} unset: the process sees every card; set it explicitly per process", False
+        return (
+            share_status,
+            (
+                f"{var} unset with {processes} processes: each sees every card and uses card 0 unless it picks one by "
+                f"rank -> {shared}; set {var} per process, or pass --visible-devices '0;1;...'"
+            ),
+            True,
+        )
+    try:
+        cards = parse_card_list(value, var)
+    except ConfigError as exc:
+        return "fail", str(exc), False
+    if npu and cards != sorted(cards):
+        return "fail", f"{var}={value} is not ascending (torch_npu then counts no card)", False
+    if processes > len(cards):
+        return share_status, f"{processes} processes but {var}={value} lists {len(cards)} card(s) -> {shared}", True
+    text = ", ".join(f"process {i} -> card {cards[i]}" for i in range(processes))
+    return "ok", f"{text} ({var}={value}, one entry per process)", False
+
+
+def check_visible_devices(
+    device_type: str,
+    processes: int,
+    mode: str | None,
+    env: Mapping[str, str],
+    assignments: Sequence[Sequence[int]] | None = None,
+) -> tuple[Check, bool]:
+    """Each process must see its own card(s). Returns the check and whether cards are shared between processes.
+
+    ``assignments`` (one card list per process) is what the launcher will set; without it the current variable is
+    read and process *i* is assumed to take its *i*-th entry. Sharing fails in disaggregated (or unknown) mode and
+    warns in colocate/hybrid mode. On NPU a non-ascending list fails (torch_npu then counts no device).
+    """
+    var = _device().visible_devices_env(device_type)
+    if var is None:
+        return Check("ok", "visible devices", f"{device_type}: no visible-device variable to set"), False
+    status, detail, shared = _visible(var, processes, mode, device_type == "npu", env.get(var), assignments)
+    return Check(status, "visible devices", detail), shared
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# ports
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def parse_assignments(text: str, what: str) -> dict[str, str]:
+    """``'a=1,b=2'`` -> ``{'a': '1', 'b': '2'}``; ConfigError naming the expected form otherwise."""
+    out: dict[str, str] = {}
+    for item in text.split(","):
+        key, sep, value = item.partition("=")
+        key, value = key.strip(), value.strip()
+        if not sep or not key or not value:
+            raise ConfigError(f"{what}: {item.strip()!r} is not name=value (expected e.g. 'trainer=0.5,rollout=0.3')")
+        if key in out:
+            raise ConfigError(f"{what}: {key!r} is given twice")
+        out[key] = value
+    return out
+
+
+def check_port_number(name: str, value: Any) -> int:
+    """A port must be an integer in 1..65535 (0 would mean 'pick at random', which the table is there to avoid)."""
+    if isinstance(value, str) and value.strip().isdigit():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 65535:
+        raise ConfigError(f"port {name}={value!r} is not an integer in 1..65535")
+    return value
+
+
+def port_free(port: int, host: str = "127.0.0.1") -> tuple[bool, str]:
+    """Try to bind ``host:port`` (SO_REUSEADDR, like a server would). ``(True, '')`` or ``(False, reason)``."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except OSError as exc:
+        if exc.errno == errno.EADDRINUSE:
+            return False, "in use"
+        if exc.errno == errno.EACCES:
+            return False, "permission denied (ports < 1024 need root)"
+        return False, f"{exc.strerror or exc}"
+    finally:
+        sock.close()
+    return True, ""
+
+
+def check_ports(table: Mapping[str, int], processes: int = 1) -> list[Check]:
+    """One table: a port used by two names fails; a port that cannot be bound on 127.0.0.1 now warns."""
+    if not table:
+        if processes > 1:
+            return [Check("warn", "ports", f"no port table for {processes} processes: assign ports from one table "
+                          "(--ports name=port,... or ports: in the config), not at random")]  # fmt: skip
+        return [Check("ok", "ports", "none assigned (single process)")]
+    by_port: dict[int, list[str]] = {}
+    for name, port in table.items():
+        by_port.setdefault(check_port_number(name, port), []).append(name)
+    checks = []
+    for port, names in sorted(by_port.items()):
+        if len(names) > 1:
+            checks.append(Check("fail", "ports", f"port {port} assigned to {' and '.join(names)}: collision"))
+    busy = []
+    for port, names in sorted(by_port.items()):
+        free, why = port_free(port)
+        if not free:
+            busy.append(f"{'/'.join(names)}={port} ({why})")
+    if busy:
+        checks.append(Check("warn", "ports", f"cannot bind on 127.0.0.1 now: {', '.join(busy)}"))
+    if not checks:
+        listing = ", ".join(f"{n}={p}" for n, p in table.items())
+        checks.append(Check("ok", "ports", f"{len(table)} ports, no collision, all free on 127.0.0.1: {listing}"))
+    return checks
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# memory, core limits, threads
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def _fraction(name: str, value: Any) -> float:
+    try:
+        f = float(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"memory fraction {name}={value!r} is not a number in (0, 1]") from None
+    if not (0.0 < f <= 1.0) or isinstance(value, bool):
+        raise ConfigError(f"memory fraction {name}={value!r} is outside (0, 1]")
+    return f
+
+
+def check_memory(reserve_root: float | None, reserve: Mapping[str, float], cards_shared: bool) -> list[Check]:
+    """Fractions of one card's memory: root/system reserve <= 0.20 and everything summed <= 1 (no clamping)."""
+    shares = {name: _fraction(name, f) for name, f in reserve.items()}
+    root = None if reserve_root is None else _fraction("root", reserve_root)
+    if root is None and not shares:
+        if cards_shared:
+            return [Check("warn", "memory", "processes share a card but no reservation was given: without explicit "
+                          "limits the trainer takes all device memory; set --reserve name=fraction,... "
+                          "(each = measured peak x 1.2)")]  # fmt: skip
+        return [Check("ok", "memory", "no reservations requested")]
+    checks = []
+    if root is not None:
+        if root > MAX_ROOT_RESERVE:
+            checks.append(
+                Check("fail", "memory", f"root/system reserve {root:.2f} of device memory > {MAX_ROOT_RESERVE:.2f}")
+            )
+        else:
+            checks.append(Check("ok", "memory", f"root/system reserve {root:.2f} <= {MAX_ROOT_RESERVE:.2f}"))
+    parts = dict(shares) | ({} if root is None else {"root": root})
+    total = sum(parts.values())
+    terms = " + ".join(f"{n} {f:.3g}" for n, f in parts.items())
+    if total > 1.0 + 1e-9:
+        checks.append(Check("fail", "memory", f"reservations sum to {total:.3g} > 1 of one card: {terms}"))
+    elif shares:
+        checks.append(Check("ok", "memory", f"reservations sum to {total:.3g} of one card: {terms}"))
+    return checks
+
+
+def reserve_from_peaks(peaks: Mapping[str, str], device_memory: str, headroom: float) -> dict[str, float]:
+    """Fractions sized as measured peak x (1 + headroom) / device memory (``mrl_plugins.device.reservation_fraction``).
+
+    A peak whose reservation exceeds the card raises ConfigError (from the device layer), never clamped.
+    """
+    from mrl_plugins.cli.plan import parse_size
+
+    total = parse_size(device_memory)
+    return {n: _device().reservation_fraction(int(parse_size(p)), int(total), headroom) for n, p in peaks.items()}
+
+
+def check_core_limits(device_type: str) -> Check:
+    """Which of torch_npu's core-limit APIs exist (only NPUs have them)."""
+    apis = _device().core_limit_apis()
+    present = [n for n, ok in apis.items() if ok]
+    missing = [n for n in NEEDED_CORE_LIMITS if not apis.get(n)]
+    if device_type != "npu":
+        detail = f"n/a on {device_type} (present: {', '.join(present) or 'none'}); CPU isolation uses thread budgets"
+        return Check("ok", "core limits", detail)
+    if missing:
+        return Check(
+            "warn",
+            "core limits",
+            f"torch_npu lacks {', '.join(missing)} (added in torch_npu 2.6.0.post3 / 2.7.1, Ascend Extension for "
+            "PyTorch 7.2.0): rollout and training cannot be split by cube/vector cores; isolation falls back to "
+            "streams and memory fractions",
+        )
+    return Check("ok", "core limits", f"present: {', '.join(present)} (cube/vector cores can be split)")
+
+
+def available_cores() -> int:
+    """Cores this process may run on (affinity mask, else ``os.cpu_count()``)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def default_threads(env: Mapping[str, str]) -> tuple[int, str]:
+    """Threads a process gets when nothing sets them: ``OMP_NUM_THREADS`` if set, else torch's default."""
+    omp = env.get("OMP_NUM_THREADS", "").strip()
+    if omp:
+        if not omp.isdigit() or int(omp) < 1:
+            raise ConfigError(f"OMP_NUM_THREADS={omp!r} is not a positive integer")
+        return int(omp), "OMP_NUM_THREADS"
+    dev = _device()
+    if not dev.torch_npu_without_cann(env):
+        try:
+            import torch
+
+            return int(torch.get_num_threads()), "torch default"
+        except Exception:  # torch unusable: count the cores, which is torch's default
+            pass
+    return available_cores(), "cores"
+
+
+def check_threads(threads: Sequence[int], cores: int, source: str = "") -> Check:
+    """Threads summed over processes against cores: more threads than cores warns (oversubscription)."""
+    total = sum(threads)
+    terms = "+".join(str(t) for t in threads)
+    src = f" ({source})" if source else ""
+    if total > cores:
+        return Check(
+            "warn",
+            "threads",
+            f"{terms} = {total} threads over {len(threads)} process(es){src} > {cores} cores: oversubscription makes "
+            "a 2-thread forward 15x slower under load; give each process its own budget (OMP_NUM_THREADS / "
+            "torch.set_num_threads, rollout.engine_threads)",
+        )
+    return Check("ok", "threads", f"{terms} = {total} threads over {len(threads)} process(es){src} <= {cores} cores")
+
+
+def run_checks(inputs: DoctorInputs) -> list[Check]:
+    """All pre-run checks, in order."""
+    env = inputs.env
+    checks = [check_torch_npu_hazard(env)]
+    backend, device_type = check_backend(inputs.device, env)
+    checks += backend
+    visible, shared = check_visible_devices(device_type, inputs.processes, inputs.mode, env, inputs.visible)
+    checks.append(visible)
+    checks += check_ports(inputs.ports, inputs.processes)
+    checks += check_memory(inputs.reserve_root, inputs.reserve, shared)
+    checks.append(check_core_limits(device_type))
+    threads, source = inputs.threads, inputs.threads_source
+    if threads is None:
+        n, source = default_threads(env)
+        threads = [n] * inputs.processes
+    checks.append(check_threads(threads, available_cores(), source))
+    return checks
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# config
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def read_config(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The YAML config as a dict (``yaml.safe_load``); ConfigError when unreadable or not a mapping."""
+    import yaml
+
+    p = Path(path)
+    try:
+        data = yaml.safe_load(p.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise ConfigError(f"config {str(p)!r} cannot be read: {exc}") from exc
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"config {str(p)!r} is not valid YAML: {exc}") from exc
+    data = {} if data is None else data
+    if not isinstance(data, dict):
+        raise ConfigError(f"config {str(p)!r}: expected a mapping at the top level, got {type(data).__name__}")
+    return data
+
+
+def _int_key(section: Mapping[str, Any], key: str, where: str, minimum: int) -> int | None:
+    value = section.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ConfigError(f"{where}.{key}: must be an integer >= {minimum}, got {value!r}")
+    return value
+
+
+def inputs_from_config(cfg: Mapping[str, Any]) -> dict[str, Any]:
+    """What doctor uses from a config: ``device``, ``mode``, processes, per-process threads and ``ports``."""
+    out: dict[str, Any] = {}
+    if "device" in cfg:
+        out["device"] = str(cfg["device"])
+    mode = cfg.get("mode", "colocate")
+    if mode not in MODES:
+        raise ConfigError(f"mode: {mode!r} is not a deployment mode; valid: {choices(MODES)}")
+    out["mode"] = mode
+    rollout = cfg.get("rollout") or {}
+    train = cfg.get("train") or {}
+    if not isinstance(rollout, Mapping) or not isinstance(train, Mapping):
+        raise ConfigError("config: 'rollout' and 'train' must be mappings")
+    workers = _int_key(rollout, "workers", "rollout", 1) or 1
+    out["processes"] = 1 if mode == "colocate" else 1 + workers
+    engine = _int_key(rollout, "engine_threads", "rollout", 1) or 1
+    trainer = _int_key(train, "threads", "train", 0) or 0
+    out["threads_cfg"] = (trainer, engine)
+    ports = cfg.get("ports") or {}
+    if not isinstance(ports, Mapping):
+        raise ConfigError(f"config ports: expected a mapping name -> port, got {type(ports).__name__}")
+    out["ports"] = {str(k): check_port_number(str(k), v) for k, v in ports.items()}
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# post-run triage
+# ---------------------------------------------------------------------------------------------------------------------
+
+TIME_PARTS = ("generate", "weight_sync", "transfer", "train", "wait")
+#: Flat-metrics keys read for each number (first present wins).
+METRIC_KEYS: dict[str, tuple[str, ...]] = {
+    "generate": ("mrl/time/generate_s", "mrl/rollout/generate_s"),
+    "weight_sync": ("mrl/time/weight_sync_s", "mrl/weight_sync/time_s"),
+    "transfer": ("mrl/time/transfer_s", "mrl/comm/transfer_s"),
+    "train": ("mrl/time/train_s",),
+    "wait": ("mrl/time/wait_s", "mrl/rollout/wait_s"),
+    "wall_s": ("mrl/time/wall_s", "train_runtime"),
+    "comm_wait_s": ("mrl/comm/wait_s",),
+    "steps_per_s": ("mrl/time/steps_per_s", "train_steps_per_second"),
+    "tokens_per_s": ("mrl/time/tokens_per_s",),
+    "utilization": ("mrl/device/utilization",),
+}
+
+
+def _num(value: Any, where: str, *, positive: bool = False) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value < 0:
+        raise ConfigError(f"{where}: expected a non-negative number, got {value!r}")
+    if positive and value <= 0:
+        raise ConfigError(f"{where}: must be > 0, got {value!r}")
+    return float(value)
+
+
+def _from_metrics(metrics: Mapping[str, Any]) -> dict[str, Any]:
+    run: dict[str, Any] = {"time_split": {}}
+    for key, names in METRIC_KEYS.items():
+        for n in names:
+            if n in metrics:
+                (run["time_split"] if key in TIME_PARTS else run)[key] = metrics[n]
+                break
+    return run
+
+
+def load_report(path: str | os.PathLike[str]) -> list[tuple[str, dict[str, Any]]]:
+    """Runs of a JSON report as ``(name, run)`` with each run in the schema below.
+
+    Accepted layouts: ``{"runs": {name: run, ...}}``, ``{"runs": [{"name": ..., ...}, ...]}``, a single run object,
+    or a flat metrics dict (keys such as ``mrl/time/train_s``, ``mrl/comm/wait_s``; see :data:`METRIC_KEYS`).
+
+    Run schema (seconds): ``time_split: {generate, weight_sync, transfer, train, wait}`` (``generate``, ``train``
+    required, the rest default 0), ``wall_s`` (> 0); optional ``steps_per_s``, ``tokens_per_s``,
+    ``utilization`` (0..1, measured device busy share), ``lanes`` (parallel compute lanes), ``comm_wait_s``
+    (measured communication wait; default ``weight_sync + transfer``), ``target_steps_per_s`` /
+    ``target_tokens_per_s`` (expected throughput), or ``metrics`` (a flat metrics dict, read as above).
+    """
+    p = Path(path)
+    try:
+        report = json.loads(p.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise ConfigError(f"report {str(p)!r} cannot be read: {exc}") from exc
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"report {str(p)!r} is not valid JSON: {exc}") from exc
+    if not isinstance(report, Mapping):
+        raise ConfigError(f"report {str(p)!r}: expected a JSON object, got {type(report).__name__}")
+    runs = report.get("runs")
+    if isinstance(runs, Mapping):
+        items = [(str(k), v) for k, v in runs.items()]
+    elif isinstance(runs, list):
+        items = [(str(r.get("name", i)) if isinstance(r, Mapping) else str(i), r) for i, r in enumerate(runs)]
+    else:
+        items = [(p.stem, report)]
+    out = []
+    for name, run in items:
+        if not isinstance(run, Mapping):
+            raise ConfigError(f"report run {name!r}: expected an object, got {type(run).__name__}")
+        if "time_split" not in run:
+            run = _from_metrics(run.get("metrics", run)) | {k: v for k, v in run.items() if k != "metrics"}
+        out.append((name, dict(run)))
+    if not out:
+        raise ConfigError(f"report {str(p)!r} has no runs")
+    return out
+
+
+@dataclass(frozen=True)
+class Triage:
+    """Verdict for one run with the numbers behind it (shares are fractions of wall time)."""
+
+    run: str
+    verdict: str  # scheduling | communication | kernels | compute-bound | no clear bottleneck
+    status: str
+    utilisation: float
+    utilisation_from: str
+    comm_share: float
+    wait_share: float
+    steps_per_s: float | None
+    tokens_per_s: float | None
+    detail: str
+    advice: str
+
+    def line(self) -> str:
+        return Check(self.status, f"triage {self.run}", f"{self.verdict} -- {self.detail} -> {self.advice}").line()
+
+
+def triage(
+    name: str,
+    run: Mapping[str, Any],
+    *,
+    lanes: int | None = None,
+    high_util: float = 0.7,
+    target_steps_per_s: float | None = None,
+    target_tokens_per_s: float | None = None,
+) -> Triage:
+    """The source's triage (§5) for one run.
+
+    * utilisation: the run's ``utilization`` when measured (device busy share), else the CPU busy share
+      ``(generate + train) / (wall_s x lanes)``; ``lanes`` (parallel compute lanes: 1 when rollout and training
+      take turns, 2 when they overlap on separate cores) is the argument, else the run's ``lanes``, else the
+      smallest whole number consistent with the times, ``ceil((generate + train) / wall_s)``, at least 1.
+    * communication wait share: ``comm_wait_s`` (else ``weight_sync + transfer``) / ``wall_s``.
+    * verdicts, in order: comm wait > 30% -> communication (compress first, then overlap); utilisation < 50% ->
+      scheduling (uneven arrivals, small batches); utilisation >= ``high_util`` with throughput below a target
+      (argument or the run's ``target_*``) -> kernels; >= ``high_util`` otherwise -> compute-bound; else no clear
+      bottleneck.
+    """
+    where = f"report run {name!r}"
+    split = run.get("time_split")
+    if not isinstance(split, Mapping):
+        raise ConfigError(f"{where}: needs 'time_split' {{generate, weight_sync, transfer, train, wait}} seconds")
+    for key in ("generate", "train"):
+        if key not in split:
+            raise ConfigError(f"{where}: time_split lacks {key!r}; keys: {choices(TIME_PARTS)}")
+    unknown = set(split) - set(TIME_PARTS)
+    if unknown:
+        raise ConfigError(f"{where}: unknown time_split key(s) {sorted(unknown)}; valid: {choices(TIME_PARTS)}")
+    t = {k: _num(split.get(k, 0.0), f"{where} time_split.{k}") for k in TIME_PARTS}
+    if "wall_s" not in run:
+        raise ConfigError(f"{where}: needs 'wall_s' (wall-clock seconds of the run)")
+    wall = _num(run["wall_s"], f"{where} wall_s", positive=True)
+    busy = t["generate"] + t["train"]
+    if run.get("utilization") is not None:
+        util = _num(run["utilization"], f"{where} utilization")
+        if util > 1:
+            raise ConfigError(f"{where}: utilization must be in 0..1, got {util}")
+        util_from = "measured"
+    else:
+        if lanes is None:
+            lanes = int(_num(run["lanes"], f"{where} lanes", positive=True)) if "lanes" in run else None
+        n = lanes if lanes is not None else max(1, math.ceil(busy / wall - 1e-9))
+        util = busy / (wall * n)
+        util_from = f"(generate {t['generate']:.3g} s + train {t['train']:.3g} s) / (wall {wall:.3g} s x {n} lane(s))"
+    if run.get("comm_wait_s") is not None:
+        comm = _num(run["comm_wait_s"], f"{where} comm_wait_s")
+        comm_from = f"comm wait {comm:.3g} s"
+    else:
+        comm = t["weight_sync"] + t["transfer"]
+        comm_from = f"weight_sync {t['weight_sync']:.3g} s + transfer {t['transfer']:.3g} s"
+    comm_share, wait_share = comm / wall, t["wait"] / wall
+    sps = None if run.get("steps_per_s") is None else _num(run["steps_per_s"], f"{where} steps_per_s")
+    tps = None if run.get("tokens_per_s") is None else _num(run["tokens_per_s"], f"{where} tokens_per_s")
+    tgt_s = target_steps_per_s if target_steps_per_s is not None else run.get("target_steps_per_s")
+    tgt_t = target_tokens_per_s if target_tokens_per_s is not None else run.get("target_tokens_per_s")
+    detail = (
+        f"utilisation {100 * util:.0f}% [{util_from}], comm wait {100 * comm_share:.0f}% [{comm_from}], "
+        f"idle wait {100 * wait_share:.0f}%"
+    )
+    if sps is not None:
+        detail += f", {sps:.3g} steps/s"
+    if tps is not None:
+        detail += f", {tps:.3g} tokens/s"
+    below = []
+    if tgt_s is not None and sps is not None and sps < float(tgt_s):
+        below.append(f"{sps:.3g} steps/s < target {float(tgt_s):.3g}")
+    if tgt_t is not None and tps is not None and tps < float(tgt_t):
+        below.append(f"{tps:.3g} tokens/s < target {float(tgt_t):.3g}")
+    if comm_share > 0.30:
+        verdict, status = "communication", "warn"
+        advice = (
+            "comm wait > 30%: compress first (comm codec: fp16/int16 fields, fewer bytes per frame), then overlap "
+            "transfer with compute (async pipeline, prefetch the next batch), pull weights on version change"
+        )
+    elif util < 0.50:
+        verdict, status = "scheduling", "warn"
+        advice = (
+            "utilisation < 50% with low comm wait: uneven arrivals or small batches; raise batch/generations per "
+            "step, overlap rollout and training (async pipeline), balance workers"
+        )
+    elif util >= high_util and below:
+        verdict, status = "kernels", "warn"
+        advice = (
+            f"busy but slow ({'; '.join(below)}): kernels are not using fused/fast implementations (fused attention "
+            "/ RMSNorm, graph mode for fixed shapes)"
+        )
+    elif util >= high_util:
+        verdict, status = "compute-bound", "ok"
+        advice = (
+            f"utilisation >= {100 * high_util:.0f}%, comm low; if throughput is below what the device should do, "
+            "kernels are next (check with --target-steps-per-s / --target-tokens-per-s)"
+            if not (tgt_s or tgt_t)
+            else "throughput meets the target"
+        )
+    else:
+        verdict, status = "no clear bottleneck", "ok"
+        advice = f"utilisation between 50% and {100 * high_util:.0f}%, comm wait <= 30%"
+    return Triage(name, verdict, status, util, util_from, comm_share, wait_share, sps, tps, detail, advice)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# CLI
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="mrl doctor",
+        description="Pre-run checks of the device setup (ok/warn/fail; exit 1 on fail), or with --report the "
+        "post-run triage of a report.json.",
+    )
+    p.add_argument("--config", help="an mrl YAML config (mode, device, rollout.workers/engine_threads, ports:)")
+    p.add_argument("--device", help="device spec: auto, cpu, cuda[:N], npu[:N] (default: config's, else auto)")
+    p.add_argument("--mode", choices=MODES, help="deployment mode (default: config's)")
+    p.add_argument("--processes", type=int, help="processes that will use devices (default: from config, else 1)")
+    p.add_argument("--visible-devices", help="per-process card lists, ';' between processes: '0;1' or '0,1;2,3'")
+    p.add_argument("--ports", help="port table name=port,... (merged over the config's ports:)")
+    p.add_argument("--reserve", help="memory fractions of one card: name=fraction,... e.g. trainer=0.5,rollout=0.3")
+    p.add_argument("--peak", help="measured peaks name=SIZE,... (e.g. trainer=8GiB); needs --device-memory")
+    p.add_argument("--device-memory", help="device memory size for --peak, e.g. 64GiB")
+    p.add_argument("--headroom", type=float, default=0.2, help="reservation = peak x (1 + headroom) (default 0.2)")
+    p.add_argument("--reserve-root", type=float, help="root/system reserve as a fraction of device memory")
+    p.add_argument("--threads", help="torch threads per process: one number for all, or one per process 'a,b,...'")
+    p.add_argument("--json", metavar="PATH", help="also write the checks (or triage) as JSON")
+    t = p.add_argument_group("post-run triage")
+    t.add_argument("--report", help="report.json of a run (mrl compare) or a flat metrics JSON")
+    t.add_argument("--lanes", type=int, help="parallel compute lanes for CPU utilisation (default: inferred)")
+    t.add_argument("--high-util", type=float, default=0.7, help="utilisation counted as high (default 0.7)")
+    t.add_argument("--target-steps-per-s", type=float, help="expected steps/s: below it at high utilisation = kernels")
+    t.add_argument("--target-tokens-per-s", type=float, help="expected tokens/s: as --target-steps-per-s")
+    return p
+
+
+def _inputs_from_args(args: argparse.Namespace, env: Mapping[str, str]) -> DoctorInputs:
+    cfg = inputs_from_config(read_config(args.config)) if args.config else {}
+    inputs = DoctorInputs(env=env)
+    inputs.device = args.device or cfg.get("device") or "auto"
+    inputs.mode = args.mode or cfg.get("mode")
+    visible = None
+    if args.visible_devices is not None:
+        visible = [parse_card_list(s, "--visible-devices") for s in args.visible_devices.split(";")]
+    if args.processes is not None:
+        if args.processes < 1:
+            raise ConfigError(f"--processes must be >= 1, got {args.processes}")
+        inputs.processes = args.processes
+    elif visible is not None:
+        inputs.processes = len(visible)
+    else:
+        inputs.processes = cfg.get("processes", 1)
+    inputs.visible = visible
+    inputs.ports = dict(cfg.get("ports", {}))
+    if args.ports:
+        inputs.ports |= {k: check_port_number(k, v) for k, v in parse_assignments(args.ports, "--ports").items()}
+    if args.reserve:
+        inputs.reserve = {k: _fraction(k, v) for k, v in parse_assignments(args.reserve, "--reserve").items()}
+    if args.peak:
+        if not args.device_memory:
+            raise ConfigError("--peak needs --device-memory (e.g. 64GiB)")
+        peaks = reserve_from_peaks(parse_assignments(args.peak, "--peak"), args.device_memory, args.headroom)
+        clash = set(peaks) & set(inputs.reserve)
+        if clash:
+            raise ConfigError(f"{sorted(clash)} given in both --reserve and --peak")
+        inputs.reserve |= peaks
+    inputs.reserve_root = args.reserve_root
+    if args.threads:
+        values = [s.strip() for s in args.threads.split(",")]
+        if any(not v.isdigit() or int(v) < 1 for v in values):
+            raise ConfigError(f"--threads {args.threads!r}: positive integers, one for all or one per process")
+        if len(values) not in (1, inputs.processes):
+            raise ConfigError(f"--threads gives {len(values)} values for {inputs.processes} processes")
+        inputs.threads = [int(v) for v in values] * (inputs.processes if len(values) == 1 else 1)
+        inputs.threads_source = "--threads"
+    elif "threads_cfg" in cfg:
+        trainer, engine = cfg["threads_cfg"]
+        if trainer == 0:
+            trainer, src = default_threads(env)
+            src = f"trainer: {src}"
+        else:
+            src = "trainer: train.threads"
+        inputs.threads = [trainer] + [engine] * (inputs.processes - 1)
+        inputs.threads_source = src + (", workers: rollout.engine_threads" if inputs.processes > 1 else "")
+    return inputs
+
+
+def _write_json(path: str, payload: Any) -> None:
+    Path(path).write_text(json.dumps(payload, indent=2) + "\n", encoding="utf-8")
+
+
+def cli(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None) -> int:
+    """``mrl doctor ...``: 0 when nothing failed, 1 when a check failed, 2 on bad input."""
+    parser = _parser()
+    try:
+        args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
+    except SystemExit as exc:  # argparse already printed usage and the error
+        return int(exc.code or 0)
+    env = dict(os.environ) if env is None else env
+    try:
+        if args.report:
+            results = [
+                triage(
+                    name,
+                    run,
+                    lanes=args.lanes,
+                    high_util=args.high_util,
+                    target_steps_per_s=args.target_steps_per_s,
+                    target_tokens_per_s=args.target_tokens_per_s,
+                )
+                for name, run in load_report(args.report)
+            ]
+            for r in results:
+                print(r.line())
+            if args.json:
+                _write_json(args.json, [asdict(r) for r in results])
+            return 0
+        checks = run_checks(_inputs_from_args(args, env))
+    except ConfigError as exc:
+        print(f"mrl doctor: error: {exc}", file=sys.stderr)
+        return 2
+    for c in checks:
+        print(c.line())
+    failed = [c for c in checks if c.status == "fail"]
+    warned = sum(c.status == "warn" for c in checks)
+    print(f"{len(checks)} checks: {len(failed)} fail, {warned} warn")
+    if args.json:
+        _write_json(args.json, [asdict(c) for c in checks])
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(cli(sys.argv[1:]))
