@@ -1,1 +1,42 @@
-"""mrl-plugins."""
+"""Weight-sync stage: versioned sharded safetensors, transports, double-buffered receiver, sources.
+
+Public API::
+
+    from mrl_plugins.weight_sync import (
+        WeightSyncConfig, WeightSyncError,
+        ShmSender, DirectorySender, BroadcastSender, PerParamSender,
+        DoubleBufferedReceiver, VersionPoller,
+        iter_trainer_weights, should_publish,
+    )
+
+Heavy optional libraries (deepspeed, peft) are imported lazily.
+"""
+
+from .broadcast import BroadcastSender, PerParamSender
+from .config import WeightSyncConfig
+from .directory import DirectorySender
+from .receiver import DoubleBufferedReceiver, VersionPoller
+from .shards import WeightSyncError
+from .shm import ShmSender
+from .sources import iter_trainer_weights, should_publish
+
+TRANSPORTS = {
+    "shm": ShmSender,
+    "directory": DirectorySender,
+    "broadcast": BroadcastSender,
+    "per_param": PerParamSender,
+}
+
+__all__ = [
+    "TRANSPORTS",
+    "BroadcastSender",
+    "DirectorySender",
+    "DoubleBufferedReceiver",
+    "PerParamSender",
+    "ShmSender",
+    "VersionPoller",
+    "WeightSyncConfig",
+    "WeightSyncError",
+    "iter_trainer_weights",
+    "should_publish",
+]

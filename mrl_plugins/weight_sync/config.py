@@ -1,0 +1,125 @@
+"""Configuration of the weight-sync stage (``weight_sync:`` section).
+
+Defaults for chunk and bucket sizes come from ``mrl bench weights`` on the development machine
+(2 vCPU EPYC, torch 2.13 CPU, gloo loopback, Qwen2.5-0.5B shapes, bf16, 988 MB); see
+:mod:`mrl_plugins.weight_sync.bench` for the numbers. ``None`` means "the transport's default":
+
+==========  ============  ============  ===============================================
+transport   chunk_bytes   bucket_bytes  why
+==========  ============  ============  ===============================================
+shm         4 MiB         (unused)      checksum unit; crc32c runs while the chunk is hot
+directory   64 MiB        (unused)      one file per shard; fewer files, same bandwidth
+broadcast   4 MiB         64 MiB        one collective per bucket; tensors >= bucket sent as is
+per_param   (unused)      (unused)      one collective per parameter (baseline)
+==========  ============  ============  ===============================================
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from mrl_plugins.errors import ConfigError, choices
+
+KNOWN_TRANSPORTS = ("shm", "directory", "broadcast", "per_param")
+STAGING_CHOICES = ("device", "host")
+
+#: per-transport defaults (see the module docstring)
+DEFAULT_CHUNK_BYTES = {"shm": 4 << 20, "directory": 64 << 20, "broadcast": 4 << 20, "per_param": 4 << 20}
+DEFAULT_BUCKET_BYTES = {"shm": 64 << 20, "directory": 64 << 20, "broadcast": 64 << 20, "per_param": 64 << 20}
+
+
+@dataclass
+class WeightSyncConfig:
+    """How trainer weights reach the inference copy."""
+
+    transport: str = field(
+        default="shm",
+        metadata={
+            "help": "weight transport: 'shm', 'directory', 'broadcast', 'per_param' or a plugin's (the "
+            "manager checks the name against registered transports)"
+        },
+    )
+    chunk_bytes: int | None = field(
+        default=None,
+        metadata={"help": "bytes per shard/chunk: unit of checksum and retry (None = transport default)"},
+    )
+    bucket_bytes: int | None = field(
+        default=None,
+        metadata={"help": "bytes per collective call or copy (None = transport default)"},
+    )
+    staging: str = field(
+        default="device",
+        metadata={
+            "help": "where the staging copy lives: 'device' (2x weights on device, O(#params) pointer "
+            "switch) or 'host' (1x on device + 1x host, switch copies host->device)"
+        },
+    )
+    poll_interval_s: float | None = field(
+        default=None,
+        metadata={"help": "seconds between version polls; None = auto (3/8 of the measured update interval)"},
+    )
+    timeout_s: float = field(
+        default=120.0, metadata={"help": "seconds to wait on the other side (transfer, peer, drain) before failing"}
+    )
+    directory: str | None = field(
+        default=None, metadata={"help": "root folder of the 'directory' transport (local disk or shared filesystem)"}
+    )
+    max_retries: int = field(
+        default=2, metadata={"help": "re-reads of a version after a checksum/missing-shard error (shm, directory)"}
+    )
+    verify_checksum: bool = field(default=True, metadata={"help": "verify each shard's crc32c on receipt"})
+    keep_versions: int = field(
+        default=2, metadata={"help": "versions kept on disk by the 'directory' transport (older ones are deleted)"}
+    )
+
+    def validate(self) -> WeightSyncConfig:
+        """Check every value; raise :class:`ConfigError` naming the key and the allowed values."""
+        if not isinstance(self.transport, str) or not self.transport:
+            raise ConfigError(f"weight_sync.transport must be a non-empty string, e.g. {choices(KNOWN_TRANSPORTS)}")
+        for key in ("chunk_bytes", "bucket_bytes"):
+            v = getattr(self, key)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 64):
+                raise ConfigError(f"weight_sync.{key} must be an integer >= 64 or null (transport default), got {v!r}")
+        if self.staging not in STAGING_CHOICES:
+            raise ConfigError(f"weight_sync.staging must be {choices(STAGING_CHOICES)}, got {self.staging!r}")
+        p = self.poll_interval_s
+        if p is not None and (isinstance(p, bool) or not isinstance(p, (int, float)) or p <= 0):
+            raise ConfigError(f"weight_sync.poll_interval_s must be a number > 0 or null (auto), got {p!r}")
+        t = self.timeout_s
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or t <= 0:
+            raise ConfigError(f"weight_sync.timeout_s must be a number > 0, got {t!r}")
+        if self.directory is not None and (not isinstance(self.directory, str) or not self.directory):
+            raise ConfigError(f"weight_sync.directory must be a non-empty path or null, got {self.directory!r}")
+        if self.transport == "directory" and self.directory is None:
+            raise ConfigError("weight_sync.directory must be set when weight_sync.transport is 'directory'")
+        for key, low in (("max_retries", 0), ("keep_versions", 1)):
+            v = getattr(self, key)
+            if isinstance(v, bool) or not isinstance(v, int) or v < low:
+                raise ConfigError(f"weight_sync.{key} must be an integer >= {low}, got {v!r}")
+        if not isinstance(self.verify_checksum, bool):
+            raise ConfigError(f"weight_sync.verify_checksum must be true or false, got {self.verify_checksum!r}")
+        return self
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any] | None) -> WeightSyncConfig:
+        """Build and validate from a mapping; unknown keys are an error naming the valid keys."""
+        d = dict(d or {})
+        valid = [f.name for f in fields(cls)]
+        unknown = sorted(set(d) - set(valid))
+        if unknown:
+            raise ConfigError(f"unknown weight_sync key {unknown[0]!r}; valid keys: {', '.join(valid)}")
+        return cls(**d).validate()
+
+    def chunk_for(self, transport: str | None = None) -> int:
+        """Effective chunk size for ``transport`` (default: this config's)."""
+        t = transport or self.transport
+        return self.chunk_bytes if self.chunk_bytes is not None else DEFAULT_CHUNK_BYTES.get(t, 4 << 20)
+
+    def bucket_for(self, transport: str | None = None) -> int:
+        """Effective bucket size for ``transport`` (default: this config's)."""
+        t = transport or self.transport
+        return self.bucket_bytes if self.bucket_bytes is not None else DEFAULT_BUCKET_BYTES.get(t, 64 << 20)
+
+
+__all__ = ["KNOWN_TRANSPORTS", "STAGING_CHOICES", "WeightSyncConfig"]

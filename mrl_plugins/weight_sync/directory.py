@@ -1,0 +1,266 @@
+"""Directory weight transport: safetensors shard files plus an atomically replaced manifest.
+
+Layout under ``<directory>/<run_id>/<model_id>/``::
+
+    weight_v{N}/shard_{i:05d}.safetensors   one valid safetensors file per shard (see .shards)
+    manifest.json                           {"model_id", "version", "uuid", "shard_count", "nbytes",
+                                             "files": [[name, size, crc32c], ...], "writer_pid", "time"}
+
+A version is written into ``.weight_v{N}.tmp-<pid>``, renamed to ``weight_v{N}`` when complete, and
+only then announced by writing ``manifest.json.tmp-<pid>`` and ``os.replace``-ing it over the
+manifest, so a reader sees either the old or the new manifest, never a partial one, and never a
+manifest naming an incomplete version. Older versions beyond ``keep_versions`` are deleted after the
+new manifest is in place. Works on local disk and shared filesystems (pools that poll).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+import uuid as uuidlib
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from mrl_plugins.errors import StageTimeoutError
+from mrl_plugins.hookspecs import PublishReport
+
+from .config import WeightSyncConfig
+from .shards import Dest, ShardWriter, WeightSyncError, read_shards
+from .shm import _safe
+
+MANIFEST = "manifest.json"
+
+
+class _FileSink:
+    """Each shard is built in a reusable host buffer and written to its own file."""
+
+    def __init__(self, folder: str) -> None:
+        self.folder, self.files, self._buf = folder, [], torch.empty(0, dtype=torch.uint8)
+        self._cur: tuple[str, int] | None = None
+
+    def reserve(self, n: int) -> tuple[str, torch.Tensor]:
+        self._finish_current()
+        if self._buf.numel() < n:
+            self._buf = torch.empty(n, dtype=torch.uint8)
+        name = f"shard_{len(self.files):05d}.safetensors"
+        self.files.append(name)
+        self._cur = (name, n)
+        return name, self._buf[:n]
+
+    def write_header(self, name: str, hb: bytes) -> None:
+        if self._cur is not None and self._cur[0] == name:
+            self._buf[: len(hb)] = torch.frombuffer(bytearray(hb), dtype=torch.uint8)
+            return
+        with open(os.path.join(self.folder, name), "r+b") as f:  # patch the final shard count in place
+            f.write(hb)
+
+    def _finish_current(self) -> None:
+        if self._cur is not None:
+            name, n = self._cur
+            with open(os.path.join(self.folder, name), "wb") as f:
+                f.write(memoryview(self._buf[:n].numpy()))
+            self._cur = None
+
+    def close(self) -> None:
+        self._finish_current()
+
+
+def _fsync_dir(path: str) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+class DirectorySender:
+    """Publish versions as ``weight_v{N}`` folders of safetensors shards plus ``manifest.json``."""
+
+    def __init__(self, config: WeightSyncConfig, *, model_id: str = "policy", run_id: str = "run", **_: Any) -> None:
+        if not config.directory:
+            raise WeightSyncError("the 'directory' transport needs weight_sync.directory")
+        self.config, self.model_id, self.run_id = config, model_id, run_id
+        self.root = os.path.join(config.directory, _safe(run_id), _safe(model_id))
+        os.makedirs(self.root, exist_ok=True)
+        self.chunk_bytes = config.chunk_for("directory")
+        self._latest: int | None = None
+
+    def publish(self, version: int, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> PublishReport:
+        """Write all shards of ``version``, rename the folder into place, then replace the manifest."""
+        if self._latest is not None and version <= self._latest:
+            raise WeightSyncError(
+                f"model_id={self.model_id}: version {version} is not newer than the published {self._latest}"
+            )
+        t0 = time.perf_counter()
+        final = os.path.join(self.root, f"weight_v{version}")
+        tmp = os.path.join(self.root, f".weight_v{version}.tmp-{os.getpid()}")
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+        try:
+            sink = _FileSink(tmp)
+            uid = uuidlib.uuid4().hex
+            writer = ShardWriter(sink, model_id=self.model_id, version=version, uuid=uid, chunk_bytes=self.chunk_bytes)
+            for name, t in named_tensors:
+                writer.add(name, t)
+            writer.flush()
+            sink.close()
+            count = writer.finish()
+            files = [
+                [f, os.path.getsize(os.path.join(tmp, f)), meta.checksum]
+                for f, (_, _, meta, _) in zip(sink.files, writer.shards)
+            ]
+            shutil.rmtree(final, ignore_errors=True)
+            os.rename(tmp, final)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        manifest = {
+            "model_id": self.model_id,
+            "version": version,
+            "uuid": uid,
+            "shard_count": count,
+            "nbytes": writer.nbytes,
+            "files": files,
+            "writer_pid": os.getpid(),
+            "time": time.time(),
+        }
+        mtmp = os.path.join(self.root, f"{MANIFEST}.tmp-{os.getpid()}")
+        with open(mtmp, "w") as f:
+            json.dump(manifest, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(mtmp, os.path.join(self.root, MANIFEST))
+        _fsync_dir(self.root)
+        self._latest = version
+        self._gc(version)
+        return PublishReport(self.model_id, version, writer.nbytes, time.perf_counter() - t0, count)
+
+    def _gc(self, newest: int) -> None:
+        versions = []
+        for n in os.listdir(self.root):
+            if n.startswith("weight_v") and n[8:].isdigit():
+                versions.append(int(n[8:]))
+        keep = set(sorted(v for v in versions if v <= newest)[-self.config.keep_versions :])
+        for v in versions:
+            if v not in keep and v < newest:
+                shutil.rmtree(os.path.join(self.root, f"weight_v{v}"), ignore_errors=True)
+
+    def receiver_handle(self) -> DirectoryHandle:
+        return DirectoryHandle(
+            self.root,
+            self.model_id,
+            float(self.config.timeout_s),
+            self.config.verify_checksum,
+            self.config.max_retries,
+        )
+
+    def close(self) -> None:
+        """Nothing to release: published versions stay on disk for late readers."""
+
+
+@dataclass(frozen=True)
+class DirectoryHandle:
+    """Picklable address of a directory transport (a folder path)."""
+
+    root: str
+    model_id: str
+    timeout_s: float
+    verify: bool = True
+    max_retries: int = 2
+
+    def attach(self) -> DirectoryReceiver:
+        return DirectoryReceiver(self)
+
+
+class DirectoryReceiver:
+    """Reader side of :class:`DirectorySender`."""
+
+    def __init__(self, handle: DirectoryHandle) -> None:
+        self.h = handle
+        self._buf = torch.empty(0, dtype=torch.uint8)
+
+    def manifest(self) -> dict | None:
+        """The current manifest, or ``None`` before the first publish."""
+        try:
+            with open(os.path.join(self.h.root, MANIFEST), "rb") as f:
+                m = json.loads(f.read())
+        except FileNotFoundError:
+            return None
+        except ValueError as exc:  # cannot happen with os.replace; kept as a clear error
+            raise WeightSyncError(f"{self.h.root}/{MANIFEST}: unreadable ({exc})") from None
+        if m.get("model_id") != self.h.model_id:
+            raise WeightSyncError(f"{self.h.root}/{MANIFEST} is for model_id={m.get('model_id')!r}")
+        return m
+
+    def latest_version(self) -> int | None:
+        m = self.manifest()
+        return None if m is None else int(m["version"])
+
+    def fetch_into(self, version: int, dest: Dest, timeout: float | None = None) -> int:
+        """Read, verify and copy ``version``; wait up to ``timeout`` s for its manifest."""
+        timeout = self.h.timeout_s if timeout is None else timeout
+        deadline = time.monotonic() + timeout
+        attempts = 0
+        while True:
+            m = self.manifest()
+            if m is None or m["version"] < version:
+                if time.monotonic() > deadline:
+                    raise StageTimeoutError(
+                        f"model_id={self.h.model_id}: version {version} not published in {self.h.root} within "
+                        f"{timeout:.1f}s (latest {None if m is None else m['version']})"
+                    )
+                time.sleep(0.01)
+                continue
+            if m["version"] != version:
+                folder = os.path.join(self.h.root, f"weight_v{version}")
+                raise WeightSyncError(
+                    f"model_id={self.h.model_id}: asked for version {version}, manifest is at {m['version']}"
+                    + ("" if os.path.isdir(folder) else " and the older version was removed")
+                )
+            try:
+                return read_shards(
+                    self._blobs(m),
+                    dest,
+                    model_id=self.h.model_id,
+                    version=version,
+                    count=int(m["shard_count"]),
+                    uuid=m["uuid"],
+                    verify=self.h.verify,
+                )
+            except (WeightSyncError, FileNotFoundError) as exc:
+                attempts += 1
+                if attempts > self.h.max_retries:
+                    if isinstance(exc, FileNotFoundError):
+                        raise WeightSyncError(
+                            f"model_id={self.h.model_id} version {version}: missing shard {exc.filename}"
+                        ) from None
+                    raise
+
+    def _blobs(self, m: dict) -> Iterable[torch.Tensor]:
+        folder = os.path.join(self.h.root, f"weight_v{m['version']}")
+        for name, size, _crc in m["files"]:
+            path = os.path.join(folder, name)
+            if self._buf.numel() < size:
+                self._buf = torch.empty(size, dtype=torch.uint8)
+            view = self._buf[:size]
+            with open(path, "rb", buffering=0) as f:
+                got = f.readinto(memoryview(view.numpy()))
+            if got != size:
+                raise WeightSyncError(f"{path}: {got} bytes, manifest says {size}")
+            yield view
+
+    def close(self) -> None:
+        self._buf = torch.empty(0, dtype=torch.uint8)
+
+
+__all__ = ["DirectoryHandle", "DirectoryReceiver", "DirectorySender"]

@@ -1,0 +1,159 @@
+"""Training-side sources: the trainer's weights as a stream of ``(name, tensor)`` pairs.
+
+* plain module: ``named_parameters()``;
+* DDP (or any wrapper with ``.module``): unwrapped; every rank holds the full weights, so only the
+  main process needs to iterate and publish (:func:`should_publish`);
+* DeepSpeed ZeRO-3: parameters are gathered a bucket at a time inside
+  ``deepspeed.zero.GatheredParameters(bucket, modifier_rank=None)``; peak extra memory is about one
+  bucket. Gathering is a collective, so **every rank must iterate** the generator (non-publishing
+  ranks just drain it);
+* PEFT/LoRA: ``mode="merge"`` merges the adapters, yields the base weights under the base model's
+  names (``base_model.model.`` and ``.base_layer`` stripped, adapter tensors and
+  ``original_module`` copies skipped, ``modules_to_save.default.`` removed, like TRL's vLLM sync)
+  and unmerges afterwards (also when the consumer stops early); ``mode="adapters"`` yields only the
+  adapter tensors under their PEFT names. With ZeRO-3 the whole model is gathered for the merge
+  (sharded merging is not supported by PEFT), as TRL does.
+
+``name_map`` rewrites each yielded name (e.g. to the receiver's parameter names).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import nullcontext
+from typing import Any
+
+import torch
+
+from mrl_plugins.errors import ConfigError, choices
+
+DEFAULT_GATHER_BUCKET = 64 << 20
+
+
+def should_publish(accelerator: Any = None) -> bool:
+    """True on the process that publishes (the main process; always true without an accelerator)."""
+    if accelerator is None:
+        return True
+    return bool(getattr(accelerator, "is_main_process", True))
+
+
+def unwrap(model: Any, accelerator: Any = None) -> torch.nn.Module:
+    """Strip DDP/DeepSpeed/compile wrappers."""
+    if accelerator is not None and hasattr(accelerator, "unwrap_model"):
+        try:
+            model = accelerator.unwrap_model(model)
+        except Exception:  # noqa: BLE001 - fall back to attribute unwrapping
+            pass
+    seen = 0
+    while hasattr(model, "module") and isinstance(model.module, torch.nn.Module) and seen < 8:
+        model = model.module
+        seen += 1
+    return getattr(model, "_orig_mod", model)
+
+
+def is_zero3(model: torch.nn.Module) -> bool:
+    """True when parameters are partitioned by DeepSpeed ZeRO-3 (they carry ``ds_id``)."""
+    return any(hasattr(p, "ds_id") for p in model.parameters())
+
+
+def is_peft(model: Any) -> bool:
+    return hasattr(model, "peft_config") and hasattr(model, "merge_adapter") and hasattr(model, "unmerge_adapter")
+
+
+def peft_base_name(name: str, prefix: str = "lora_") -> str | None:
+    """TRL's name fixing for merged PEFT models: the base model's name, or ``None`` to skip the tensor."""
+    name = name.removeprefix("base_model.model.").replace(".base_layer", "")
+    if prefix and prefix in name:
+        return None
+    if "original_module" in name:
+        return None
+    return name.replace("modules_to_save.default.", "").replace("_checkpoint_wrapped_module.", "")
+
+
+def _numel_bytes(p: torch.nn.Parameter) -> int:
+    n = getattr(p, "ds_numel", None)
+    return (p.numel() if n is None else int(n)) * p.element_size()
+
+
+def _zero3_buckets(params: list[tuple[str, torch.nn.Parameter]], bucket_bytes: int) -> Iterator[list]:
+    cur: list = []
+    size = 0
+    for item in params:
+        nb = _numel_bytes(item[1])
+        if cur and size + nb > bucket_bytes:
+            yield cur
+            cur, size = [], 0
+        cur.append(item)
+        size += nb
+    if cur:
+        yield cur
+
+
+def iter_trainer_weights(
+    model: Any,
+    accelerator: Any = None,
+    *,
+    bucket_bytes: int | None = None,
+    name_map: Callable[[str], str] | None = None,
+    mode: str = "merge",
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield the trainer's current weights, one tensor at a time (see the module docstring).
+
+    :param bucket_bytes: ZeRO-3 gather unit (default 64 MiB); the tensors yielded inside a bucket are
+        valid until the generator is resumed past that bucket.
+    :param mode: PEFT only: ``"merge"`` (merged base weights) or ``"adapters"``.
+    """
+    if mode not in ("merge", "adapters"):
+        raise ConfigError(f"mode must be {choices(('merge', 'adapters'))}, got {mode!r}")
+    model = unwrap(model, accelerator)
+    fix = name_map or (lambda n: n)
+    zero3 = is_zero3(model)
+    bucket = bucket_bytes or DEFAULT_GATHER_BUCKET
+
+    if is_peft(model):
+        prefix = getattr(model, "prefix", "lora_")
+        if mode == "adapters":
+            items = [(n, p) for n, p in model.named_parameters() if prefix in n]
+            if zero3:
+                for group in _zero3_buckets(items, bucket):
+                    yield from _gathered(group, fix)
+            else:
+                for n, p in items:
+                    yield fix(n), p.detach()
+            return
+        ctx = _gather_all(model) if zero3 else nullcontext()
+        with ctx:
+            model.merge_adapter()
+            try:
+                for n, p in model.named_parameters():
+                    base = peft_base_name(n, prefix)
+                    if base is not None:
+                        yield fix(base), p.detach()
+            finally:
+                model.unmerge_adapter()
+        return
+
+    items = list(model.named_parameters())
+    if zero3:
+        for group in _zero3_buckets(items, bucket):
+            yield from _gathered(group, fix)
+        return
+    for n, p in items:
+        yield fix(n.replace("_checkpoint_wrapped_module.", "")), p.detach()
+
+
+def _gathered(group: list[tuple[str, torch.nn.Parameter]], fix: Callable[[str], str]) -> Iterator:
+    import deepspeed
+
+    with deepspeed.zero.GatheredParameters([p for _, p in group], modifier_rank=None):
+        for n, p in group:
+            yield fix(n), p.data.detach()
+
+
+def _gather_all(model: torch.nn.Module) -> Any:
+    import deepspeed
+
+    return deepspeed.zero.GatheredParameters(list(model.parameters()), modifier_rank=None)
+
+
+__all__ = ["is_peft", "is_zero3", "iter_trainer_weights", "peft_base_name", "should_publish", "unwrap"]
