@@ -139,6 +139,8 @@ def enable(trainer: Any, config: Any = None) -> Any:
         if getattr(trainer, "tools", None):
             raise ConfigError("plugins.rollout: 'mrl' does not run TRL tool calls; set plugins.rollout: upstream")
         _install_rollout(trainer, state, device)
+    else:
+        _time_upstream_generation(trainer, state)
 
     _install_metrics(trainer, state)
     _install_shutdown(trainer, state)
@@ -216,6 +218,18 @@ def _install_rollout(trainer: Any, state: _State, device: Any) -> None:
     trainer.use_vllm = True
     trainer.vllm_mode = "mrl"
     trainer._last_loaded_step = -1
+
+
+def _time_upstream_generation(trainer: Any, state: _State) -> None:
+    """Measure TRL's own generation (``mrl/time/generate_s``) without changing what it does."""
+    orig = trainer._generate_single_turn
+    metrics = state.ctx.metrics
+
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        with metrics.timer("time/generate_s"):
+            return orig(*args, **kwargs)
+
+    trainer._generate_single_turn = timed
 
 
 def _install_metrics(trainer: Any, state: _State) -> None:

@@ -1,6 +1,8 @@
 """Hook specifications: the contract between the host adapter and the stage plugins.
 
-Naming: ``mrl_<stage>_<verb>``; every argument is keyword-only. Three kinds of hook:
+Naming: ``mrl_<stage>_<verb>``. Hooks are called with keyword arguments only (pluggy refuses
+positional calls); implementations declare the parameters they need by name, as plain parameters
+(not after ``*``: pluggy passes no keyword-only parameters). Three kinds of hook:
 
 * lifecycle -- :func:`mrl_configure` (historic: plugins registered late still get it) and
   :func:`mrl_shutdown`;
@@ -41,7 +43,7 @@ hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
 
 
 @hookspec(historic=True)
-def mrl_configure(*, config: Any) -> None:
+def mrl_configure(config: Any) -> None:
     """Receive the validated run configuration.
 
     :param config: the :class:`mrl_plugins.config.MrlConfig` of this run.
@@ -52,13 +54,13 @@ def mrl_configure(*, config: Any) -> None:
     Example::
 
         @hookimpl
-        def mrl_configure(*, config):
+        def mrl_configure(config):
             self.poll_s = config.weight_sync.poll_interval_s
     """
 
 
 @hookspec
-def mrl_shutdown(*, ctx: StageContext, reason: str) -> None:
+def mrl_shutdown(ctx: StageContext, reason: str) -> None:
     """Release everything a plugin built for this run (processes, shared memory, groups).
 
     :param ctx: the run's context; plugins find their objects in ``ctx.resources``.
@@ -70,7 +72,7 @@ def mrl_shutdown(*, ctx: StageContext, reason: str) -> None:
     Example::
 
         @hookimpl
-        def mrl_shutdown(*, ctx, reason):
+        def mrl_shutdown(ctx, reason):
             ring = ctx.resources.pop("myplugin.ring", None)
             if ring is not None:
                 ring.close(unlink=True)
@@ -143,7 +145,7 @@ def mrl_comm_register_codecs() -> Iterable[CommCodec]:
 
 @hookspec(firstresult=True)
 def mrl_rollout_generate(
-    *, ctx: StageContext, prompts: list[list[int]], num_generations: int, model_id: str
+    ctx: StageContext, prompts: list[list[int]], num_generations: int, model_id: str
 ) -> RolloutResult | None:
     """Generate ``num_generations`` completions per prompt, with per-token sampling logprobs.
 
@@ -160,7 +162,7 @@ def mrl_rollout_generate(
     Example::
 
         @hookimpl
-        def mrl_rollout_generate(*, ctx, prompts, num_generations, model_id):
+        def mrl_rollout_generate(ctx, prompts, num_generations, model_id):
             return ctx.resources["mine.engine"].generate(prompts, num_generations)
     """
 
@@ -170,7 +172,7 @@ def mrl_rollout_generate(
 
 @hookspec(firstresult=True)
 def mrl_weight_sync_publish(
-    *, ctx: StageContext, model_id: str, version: int, named_tensors: Iterable[tuple[str, torch.Tensor]]
+    ctx: StageContext, model_id: str, version: int, named_tensors: Iterable[tuple[str, torch.Tensor]]
 ) -> PublishReport | None:
     """Publish the trainer's weights as ``version`` of ``model_id``.
 
@@ -184,13 +186,13 @@ def mrl_weight_sync_publish(
     Example::
 
         @hookimpl
-        def mrl_weight_sync_publish(*, ctx, model_id, version, named_tensors):
+        def mrl_weight_sync_publish(ctx, model_id, version, named_tensors):
             return ctx.resources["mine.sender"].publish(model_id, version, named_tensors)
     """
 
 
 @hookspec(firstresult=True)
-def mrl_weight_sync_receive(*, ctx: StageContext, model_id: str, timeout: float) -> int | None:
+def mrl_weight_sync_receive(ctx: StageContext, model_id: str, timeout: float) -> int | None:
     """Fetch the newest published version of ``model_id`` into the staging buffer, if it changed.
 
     :param timeout: seconds to wait for a transfer in progress before raising ``TimeoutError``.
@@ -202,13 +204,13 @@ def mrl_weight_sync_receive(*, ctx: StageContext, model_id: str, timeout: float)
     Example::
 
         @hookimpl
-        def mrl_weight_sync_receive(*, ctx, model_id, timeout):
+        def mrl_weight_sync_receive(ctx, model_id, timeout):
             return ctx.resources["mine.receiver"].poll(timeout=timeout)
     """
 
 
 @hookspec(firstresult=True)
-def mrl_weight_sync_switch(*, ctx: StageContext, model_id: str) -> SwitchReport | None:
+def mrl_weight_sync_switch(ctx: StageContext, model_id: str) -> SwitchReport | None:
     """Atomically make the staged version active once in-flight requests on the old one drained.
 
     :return: a :class:`SwitchReport` (one version-log line), or ``None`` if nothing was staged.
@@ -216,7 +218,7 @@ def mrl_weight_sync_switch(*, ctx: StageContext, model_id: str) -> SwitchReport 
     Example::
 
         @hookimpl
-        def mrl_weight_sync_switch(*, ctx, model_id):
+        def mrl_weight_sync_switch(ctx, model_id):
             return ctx.resources["mine.receiver"].switch()
     """
 
@@ -225,7 +227,7 @@ def mrl_weight_sync_switch(*, ctx: StageContext, model_id: str) -> SwitchReport 
 
 
 @hookspec(firstresult=True)
-def mrl_comm_encode(*, ctx: StageContext, batch: Mapping[str, Any], meta: Mapping[str, Any]) -> bytes | None:
+def mrl_comm_encode(ctx: StageContext, batch: Mapping[str, Any], meta: Mapping[str, Any]) -> bytes | None:
     """Encode an experience batch (dict of tensors/arrays) into one frame.
 
     :param meta: header fields: ``model_id``, ``version`` (weight version), ``seq``.
@@ -234,13 +236,13 @@ def mrl_comm_encode(*, ctx: StageContext, batch: Mapping[str, Any], meta: Mappin
     Example::
 
         @hookimpl
-        def mrl_comm_encode(*, ctx, batch, meta):
+        def mrl_comm_encode(ctx, batch, meta):
             return encode_frame(batch, **meta)
     """
 
 
 @hookspec(firstresult=True)
-def mrl_comm_decode(*, ctx: StageContext, frame: bytes | memoryview) -> Any:
+def mrl_comm_decode(ctx: StageContext, frame: bytes | memoryview) -> Any:
     """Decode a frame back into ``(meta, batch)`` with the original dtypes restored.
 
     :raise mrl_plugins.comm.FrameError: bad magic, version, layout or checksum.
@@ -249,7 +251,7 @@ def mrl_comm_decode(*, ctx: StageContext, frame: bytes | memoryview) -> Any:
 
 @hookspec(firstresult=True)
 def mrl_comm_send(
-    *, ctx: StageContext, batch: Mapping[str, Any], meta: Mapping[str, Any], timeout: float
+    ctx: StageContext, batch: Mapping[str, Any], meta: Mapping[str, Any], timeout: float
 ) -> int | None:
     """Send one experience batch towards the trainer; returns the bytes put on the transport.
 
@@ -259,7 +261,7 @@ def mrl_comm_send(
 
 
 @hookspec(firstresult=True)
-def mrl_comm_receive(*, ctx: StageContext, timeout: float) -> Any:
+def mrl_comm_receive(ctx: StageContext, timeout: float) -> Any:
     """Receive the next experience batch as ``(meta, batch)``; raises ``TimeoutError`` after ``timeout`` s."""
 
 

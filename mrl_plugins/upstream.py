@@ -32,8 +32,7 @@ class UpstreamPlugin:
 
     # ---------------------------------------------------------------- rollout
     @hookimpl
-    def mrl_rollout_generate(
-        self, *, ctx: StageContext, prompts: list[list[int]], num_generations: int, model_id: str
+    def mrl_rollout_generate(self, ctx: StageContext, prompts: list[list[int]], num_generations: int, model_id: str
     ) -> RolloutResult | None:
         trainer = ctx.host
         if trainer is None or not hasattr(trainer, "_generate_single_turn"):
@@ -59,8 +58,7 @@ class UpstreamPlugin:
 
     # ---------------------------------------------------------------- weight sync
     @hookimpl
-    def mrl_weight_sync_publish(
-        self, *, ctx: StageContext, model_id: str, version: int, named_tensors: Iterable[tuple[str, Any]]
+    def mrl_weight_sync_publish(self, ctx: StageContext, model_id: str, version: int, named_tensors: Iterable[tuple[str, Any]]
     ) -> PublishReport | None:
         start = time.perf_counter()
         sender = ctx.resources.get("weight_sync.sender")
@@ -83,14 +81,14 @@ class UpstreamPlugin:
         return PublishReport(model_id, version, nbytes, time.perf_counter() - start, shards=len(params))
 
     @hookimpl
-    def mrl_weight_sync_receive(self, *, ctx: StageContext, model_id: str, timeout: float) -> int | None:
+    def mrl_weight_sync_receive(self, ctx: StageContext, model_id: str, timeout: float) -> int | None:
         loader = ctx.resources.get("weight_sync.receiver")
         if loader is None:  # in-process: publish already wrote the live weights
             return None
         return loader.poll(timeout)
 
     @hookimpl
-    def mrl_weight_sync_switch(self, *, ctx: StageContext, model_id: str) -> SwitchReport | None:
+    def mrl_weight_sync_switch(self, ctx: StageContext, model_id: str) -> SwitchReport | None:
         loader = ctx.resources.get("weight_sync.receiver")
         if loader is None:
             return None
@@ -98,16 +96,15 @@ class UpstreamPlugin:
 
     # ---------------------------------------------------------------- comm
     @hookimpl
-    def mrl_comm_encode(self, *, ctx: StageContext, batch: Mapping[str, Any], meta: Mapping[str, Any]) -> bytes:
+    def mrl_comm_encode(self, ctx: StageContext, batch: Mapping[str, Any], meta: Mapping[str, Any]) -> bytes:
         return pickle.dumps((dict(meta), _to_numpy(batch)), protocol=pickle.HIGHEST_PROTOCOL)
 
     @hookimpl
-    def mrl_comm_decode(self, *, ctx: StageContext, frame: bytes | memoryview) -> Any:
+    def mrl_comm_decode(self, ctx: StageContext, frame: bytes | memoryview) -> Any:
         return pickle.loads(frame)
 
     @hookimpl
-    def mrl_comm_send(
-        self, *, ctx: StageContext, batch: Mapping[str, Any], meta: Mapping[str, Any], timeout: float
+    def mrl_comm_send(self, ctx: StageContext, batch: Mapping[str, Any], meta: Mapping[str, Any], timeout: float
     ) -> int | None:
         producer = ctx.resources.get("comm.producer")
         if producer is None:
@@ -115,7 +112,7 @@ class UpstreamPlugin:
         return producer.send(batch, meta, timeout=timeout)
 
     @hookimpl
-    def mrl_comm_receive(self, *, ctx: StageContext, timeout: float) -> Any:
+    def mrl_comm_receive(self, ctx: StageContext, timeout: float) -> Any:
         consumer = ctx.resources.get("comm.consumer")
         if consumer is None:
             raise PluginError("comm 'upstream': no consumer in this process (ctx.resources['comm.consumer'])")

@@ -1,1 +1,1 @@
-"""mrl-plugins."""
+"""``mrl`` command-line tools."""

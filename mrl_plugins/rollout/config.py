@@ -16,7 +16,7 @@ class RolloutConfig:
 
     engine: str = field(default="transformers", metadata={"help": "generation engine: 'transformers' or 'vllm' (or a plugin's)"})
     workers: int = field(default=1, metadata={"help": "rollout worker processes; 0 = engine inside the trainer process (no overlap)"})
-    colocated_workers: int = field(default=1, metadata={"help": "hybrid mode: how many of the workers share the trainer's device"})
+    colocated_workers: int = field(default=0, metadata={"help": "hybrid mode: how many of the workers share the trainer's device"})
     pipeline: str = field(default="async", metadata={"help": "'async': generate step k+1 while training step k; 'sync': take turns"})
     max_staleness: int = field(default=1, metadata={"help": "max weight versions a sample may lag the trainer"})
     stale_policy: str = field(default="drop", metadata={"help": "samples older than max_staleness: 'drop' (regenerate) or 'keep' (count only)"})

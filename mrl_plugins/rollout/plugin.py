@@ -23,8 +23,7 @@ class RolloutPlugin:
         return list(engine_registrations())
 
     @hookimpl
-    def mrl_rollout_generate(
-        self, *, ctx: StageContext, prompts: list[list[int]], num_generations: int, model_id: str
+    def mrl_rollout_generate(self, ctx: StageContext, prompts: list[list[int]], num_generations: int, model_id: str
     ) -> RolloutResult | None:
         runtime = ctx.resources.get("rollout.runtime")
         if runtime is None:
@@ -32,7 +31,7 @@ class RolloutPlugin:
         return runtime.generate(prompts, num_generations, model_id)
 
     @hookimpl
-    def mrl_shutdown(self, *, ctx: StageContext, reason: str) -> None:
+    def mrl_shutdown(self, ctx: StageContext, reason: str) -> None:
         runtime: Any = ctx.resources.pop("rollout.runtime", None)
         if runtime is not None:
             runtime.close()

@@ -1,0 +1,141 @@
+"""``mrl`` command line: plugins, run, trl, bench, compare, doctor, plan."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Callable
+
+from mrl_plugins.errors import MrlError
+
+BENCHES: dict[str, str] = {
+    "comm": "mrl_plugins.comm.bench",
+    "weights": "mrl_plugins.weight_sync.bench",
+    "rollout": "mrl_plugins.rollout.bench_grpo",
+}
+
+
+def _add_selection(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", help="mrl YAML config (path or bundled name: upstream, colocate, ...)")
+    p.add_argument("--plugins", help="per-stage choice, e.g. rollout=mrl,weight_sync=upstream,comm=mrl")
+    p.add_argument("--disable", action="append", default=[], help="block a plugin by name (repeatable)")
+    p.add_argument("--no-autoload", action="store_true", help="do not load third-party entry-point plugins")
+
+
+def _selection_config(ns: argparse.Namespace) -> dict:
+    from mrl_plugins.adapters.trl import config_from_env
+    from mrl_plugins.config import load_yaml
+
+    source = ns.config or os.environ.get("MRL_PLUGINS")
+    data: dict = {}
+    if source:
+        env_value = config_from_env(source)
+        data = load_yaml(env_value) if isinstance(env_value, str) else (env_value or {})
+    if ns.plugins:
+        data["plugins"] = {**(data.get("plugins") or {}), **config_from_env(ns.plugins)["plugins"]}
+    if ns.disable:
+        data["disable"] = [*(data.get("disable") or []), *ns.disable]
+    if ns.no_autoload:
+        data["autoload"] = False
+    return data
+
+
+def cmd_plugins(ns: argparse.Namespace) -> int:
+    from mrl_plugins.manager import get_plugin_manager
+
+    data = _selection_config(ns)
+    mgr = get_plugin_manager(data)
+    rows = mgr.plugin_infos()
+    width = max(len(r.name) for r in rows) + 2
+    print(f"{'plugin':<{width}}{'source':<12}{'stages':<30}active for")
+    for r in rows:
+        stages = ", ".join(r.stages) or "-"
+        active = "blocked" if r.blocked else (", ".join(r.active_for) or "-")
+        print(f"{r.name:<{width}}{r.source:<12}{stages:<30}{active}")
+    print()
+    for hook, label in (
+        ("mrl_rollout_register_engines", "rollout engines"),
+        ("mrl_weight_sync_register_transports", "weight transports"),
+        ("mrl_comm_register_transports", "comm transports"),
+        ("mrl_comm_register_codecs", "comm codecs"),
+    ):
+        print(f"{label}: {', '.join(sorted(mgr.registry(hook)))}")
+    return 0
+
+
+def cmd_run(argv: list[str]) -> int:
+    from mrl_plugins.run import main as run_main
+
+    return run_main(argv)
+
+
+def cmd_trl(argv: list[str]) -> int:
+    """``mrl trl grpo --config x.yaml``: TRL's own CLI with the plugins switched on in its processes."""
+    if not argv:
+        print("usage: mrl trl {grpo,rloo} --config x.yaml [trl options]; MRL_PLUGINS picks the mrl config "
+              "(default: colocate)", file=sys.stderr)
+        return 2
+    os.environ.setdefault("MRL_PLUGINS", "colocate")
+    from mrl_plugins._autoenable import install
+
+    install()  # this process too (TRL may run the script in-process)
+    from trl.cli.main import main as trl_main
+
+    return int(trl_main(argv) or 0)
+
+
+def cmd_module(module: str) -> Callable[[list[str]], int]:
+    def run(argv: list[str]) -> int:
+        import importlib
+
+        return int(importlib.import_module(module).cli(argv) or 0)
+
+    return run
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = argparse.ArgumentParser(prog="mrl", description="mrl-plugins: accelerate TRL's GRPO/RLOO loops")
+    sub = parser.add_subparsers(dest="command")
+    p_plugins = sub.add_parser("plugins", help="list plugins, the stages they provide and which are active")
+    _add_selection(p_plugins)
+    sub.add_parser("run", help="train the embedded GRPO job with the configured plugins", add_help=False)
+    sub.add_parser("trl", help="run TRL's CLI (trl grpo/rloo ...) with the plugins on", add_help=False)
+    sub.add_parser("compare", help="vanilla TRL vs plugins side by side: report, JSON, plots", add_help=False)
+    sub.add_parser("doctor", help="pre-run checks / post-run triage", add_help=False)
+    sub.add_parser("plan", help="bandwidth budget per path", add_help=False)
+    p_bench = sub.add_parser("bench", help="benchmarks: comm, weights, rollout", add_help=False)
+    p_bench.add_argument("which", nargs="?", choices=sorted(BENCHES))
+    if not argv or argv[0] in ("-h", "--help"):
+        parser.print_help()
+        return 0
+    command, rest = argv[0], argv[1:]
+    try:
+        if command == "plugins":
+            return cmd_plugins(parser.parse_args(argv))
+        if command == "run":
+            return cmd_run(rest)
+        if command == "trl":
+            return cmd_trl(rest)
+        if command == "compare":
+            return cmd_module("mrl_plugins.cli.compare")(rest)
+        if command == "doctor":
+            return cmd_module("mrl_plugins.cli.doctor")(rest)
+        if command == "plan":
+            return cmd_module("mrl_plugins.cli.plan")(rest)
+        if command == "bench":
+            if not rest or rest[0] not in BENCHES:
+                print(f"usage: mrl bench {{{','.join(sorted(BENCHES))}}} [--json PATH] [--reps N] [--quick]",
+                      file=sys.stderr)
+                return 2
+            return cmd_module(BENCHES[rest[0]])(rest[1:])
+        parser.parse_args(argv)  # prints the usage error for an unknown command
+        return 2
+    except MrlError as exc:
+        print(f"mrl {command}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,187 @@
+"""Build and run the embedded GRPO/RLOO job of a config (``mrl run``; one run of ``mrl compare``)."""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from mrl_plugins.config import MrlConfig, load_config
+
+
+@dataclass
+class RunResult:
+    """What one training run measured (``report.json`` entry of ``mrl compare``)."""
+
+    name: str
+    plugins: dict[str, str]
+    steps: int
+    wall_s: float
+    train_s: float
+    steps_per_s: float
+    tokens_per_s: float
+    peak_rss_bytes: int
+    final_reward: float
+    peak_child_rss_bytes: int = 0
+    rewards: list[float] = field(default_factory=list)
+    kl: list[float] = field(default_factory=list)
+    losses: list[float] = field(default_factory=list)
+    step_times: list[float] = field(default_factory=list)
+    time_split: dict[str, float] = field(default_factory=dict)
+    mrl_metrics: dict[str, float] = field(default_factory=dict)
+    threads: int = 0
+
+
+def _trl_args(cfg: MrlConfig, output_dir: str) -> dict[str, Any]:
+    from mrl_plugins.models import preset
+
+    p = preset(cfg.train.model)
+    args = {
+        "output_dir": output_dir,
+        "max_steps": cfg.train.steps,
+        "per_device_train_batch_size": p.per_device_train_batch_size,
+        "num_generations": p.num_generations,
+        "max_completion_length": p.max_completion_length,
+        "learning_rate": cfg.train.learning_rate,
+        "logging_steps": cfg.train.logging_steps,
+        "report_to": [],
+        "save_strategy": "no",
+        "seed": cfg.train.seed,
+        "temperature": 1.0,
+        "disable_tqdm": True,
+    }
+    if cfg.device in ("auto", "cpu"):
+        from mrl_plugins.device import get_device
+
+        if get_device(cfg.device).type == "cpu":
+            args["use_cpu"] = True
+            args["bf16"] = False  # TRL defaults to bf16 autocast; on CPU the embedded job trains in fp32
+    args.update(cfg.train.trl_args)
+    return args
+
+
+def build_trainer(cfg: MrlConfig, *, enable_plugins: bool = True, output_dir: str | None = None) -> Any:
+    """The configured TRL trainer on the embedded model/task, enabled with ``cfg`` unless told otherwise."""
+    os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+    from mrl_plugins.models import build_dataset, build_model, count_reward, preset
+
+    model, tokenizer = build_model(cfg.train.model, seed=cfg.train.seed)
+    dataset = build_dataset(cfg.train.num_prompts, words=preset(cfg.train.model).prompt_words, seed=cfg.train.seed)
+    args = _trl_args(cfg, output_dir or cfg.train.output_dir)
+    if cfg.train.trainer == "grpo":
+        from trl import GRPOConfig, GRPOTrainer
+
+        trainer = GRPOTrainer(
+            model=model, processing_class=tokenizer, reward_funcs=count_reward, args=GRPOConfig(**args),
+            train_dataset=dataset,
+        )
+    else:
+        from trl import RLOOConfig, RLOOTrainer
+
+        trainer = RLOOTrainer(
+            model=model, processing_class=tokenizer, reward_funcs=count_reward, args=RLOOConfig(**args),
+            train_dataset=dataset,
+        )
+    if enable_plugins:
+        import mrl_plugins
+
+        mrl_plugins.enable(trainer, cfg)
+    return trainer
+
+
+def run_training(cfg: MrlConfig | Any, *, name: str = "run", enable_plugins: bool = True) -> RunResult:
+    """Train and measure. ``train.threads`` (0 = every core this process may use) sets the torch thread budget."""
+    import torch
+
+    from mrl_plugins.device.cpu import peak_rss_bytes
+
+    cfg = load_config(cfg)
+    threads = cfg.train.threads or len(os.sched_getaffinity(0))
+    torch.set_num_threads(threads)
+    t0 = time.perf_counter()
+    trainer = build_trainer(cfg, enable_plugins=enable_plugins)
+    step_times: list[float] = []
+    state = getattr(trainer, "_mrl_state", None)
+    t_train = time.perf_counter()
+    trainer.train()
+    train_s = time.perf_counter() - t_train
+    wall_s = time.perf_counter() - t0
+    history = [h for h in trainer.state.log_history if "reward" in h]
+    rewards = [float(h["reward"]) for h in history]
+    kl = [float(h.get("kl", 0.0)) for h in history]
+    losses = [float(h.get("loss", 0.0)) for h in history]
+    step_times = [float(h.get("step_time", 0.0)) for h in history]
+    tokens = float(trainer.state.log_history[-2].get("num_tokens", 0.0)) if len(trainer.state.log_history) > 1 else 0.0
+    mrl = state.ctx.metrics.snapshot() if state is not None else {}
+    split = {
+        "generate": mrl.get("mrl/time/generate_s", 0.0),
+        "weight_sync": mrl.get("mrl/time/weight_sync_s", 0.0),
+        "transfer_wait": mrl.get("mrl/time/wait_s", 0.0),
+    }
+    split["train"] = max(0.0, train_s - sum(split.values()))
+    last = rewards[-10:] or [0.0]
+    return RunResult(
+        name=name,
+        plugins=dict(state.pm.selected) if state is not None else {"rollout": "vanilla"},
+        steps=int(trainer.state.global_step),
+        wall_s=wall_s,
+        train_s=train_s,
+        steps_per_s=trainer.state.global_step / train_s if train_s else 0.0,
+        tokens_per_s=tokens / train_s if train_s else 0.0,
+        peak_rss_bytes=peak_rss_bytes(),
+        peak_child_rss_bytes=resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024,
+        final_reward=sum(last) / len(last),
+        rewards=rewards,
+        kl=kl,
+        losses=losses,
+        step_times=step_times,
+        time_split=split,
+        mrl_metrics=mrl,
+        threads=threads,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m mrl_plugins.run CONFIG [--vanilla] [--json PATH] [--steps N] [--model M]`` (one isolated run)."""
+    import argparse
+    import dataclasses
+
+    parser = argparse.ArgumentParser(prog="mrl run")
+    parser.add_argument("config", nargs="?", default="colocate", help="YAML path or bundled name (default: colocate)")
+    parser.add_argument("--vanilla", action="store_true", help="plain TRL, mrl_plugins.enable not called")
+    parser.add_argument("--steps", type=int, help="override train.steps")
+    parser.add_argument("--model", help="override train.model (preset or checkpoint folder)")
+    parser.add_argument("--trainer", choices=["grpo", "rloo"], help="override train.trainer")
+    parser.add_argument("--threads", type=int, help="override train.threads")
+    parser.add_argument("--plugins", help="per-stage override, e.g. rollout=mrl,comm=upstream")
+    parser.add_argument("--name", default="run")
+    parser.add_argument("--json", help="write the RunResult here")
+    ns = parser.parse_args(argv)
+    from mrl_plugins.config import load_yaml
+
+    data = load_yaml(ns.config)
+    train = dict(data.get("train") or {})
+    for key in ("steps", "model", "trainer", "threads"):
+        if getattr(ns, key) is not None:
+            train[key] = getattr(ns, key)
+    data["train"] = train
+    if ns.plugins:
+        from mrl_plugins.adapters.trl import config_from_env
+
+        data["plugins"] = {**(data.get("plugins") or {}), **config_from_env(ns.plugins)["plugins"]}
+    result = run_training(data, name=ns.name, enable_plugins=not ns.vanilla)
+    print(
+        f"{result.name}: {result.steps} steps in {result.train_s:.1f} s ({result.steps_per_s:.2f} steps/s), "
+        f"final reward {result.final_reward:.3f}, plugins {result.plugins}"
+    )
+    if ns.json:
+        with open(ns.json, "w", encoding="utf-8") as fh:
+            json.dump(dataclasses.asdict(result), fh, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,164 @@
+"""The TRL adapter on real TRL trainers with the tiny model (CPU)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from tests.marks import require_trl
+
+pytestmark = [require_trl]
+
+UPSTREAM = {"plugins": {"rollout": "upstream", "weight_sync": "upstream", "comm": "upstream"}}
+
+
+def _cfg(tmp_path, kind="grpo", steps=4, **extra):
+    from mrl_plugins.config import load_config
+
+    data = {"train": {"trainer": kind, "model": "tiny", "steps": steps, "output_dir": str(tmp_path)}}
+    for key, value in extra.items():
+        data[key] = value
+    return load_config(data)
+
+
+def _trainer(tmp_path, kind="grpo", steps=4, **extra):
+    import torch
+
+    from mrl_plugins.run import build_trainer
+
+    torch.set_num_threads(1)
+    return build_trainer(_cfg(tmp_path, kind, steps, **extra), enable_plugins=False, output_dir=str(tmp_path))
+
+
+def _history(trainer, key):
+    return [h[key] for h in trainer.state.log_history if key in h and "train_runtime" not in h]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["grpo", "rloo"])
+def test_upstream_equals_vanilla_per_step(tmp_path, kind):
+    import mrl_plugins
+
+    vanilla = _trainer(tmp_path / "vanilla", kind)
+    vanilla.train()
+    enabled = _trainer(tmp_path / "upstream", kind)
+    assert mrl_plugins.enable(enabled, UPSTREAM) is enabled
+    enabled.train()
+    for key in ("loss", "reward"):
+        a, b = _history(vanilla, key), _history(enabled, key)
+        assert len(a) == 4 and len(a) == len(b)
+        assert a == pytest.approx(b, abs=1e-6), key
+    assert enabled.use_vllm is False  # nothing of TRL replaced
+
+
+def test_bad_config_leaves_trainer_untouched(tmp_path):
+    import mrl_plugins
+    from mrl_plugins.errors import ConfigError, PluginError
+
+    trainer = _trainer(tmp_path)
+    before = (trainer.use_vllm, trainer.get_train_dataloader, trainer.log, trainer.train)
+    bad = [
+        ({"plugins": {"rollout": "nope", "weight_sync": "upstream", "comm": "upstream"}}, PluginError, "nope"),
+        ({"mode": "cluster"}, ConfigError, "colocate"),
+        ({"comm": {"codec": "zip"}}, ConfigError, "fp16"),
+        ({"rollout": {"pipelin": "async"}}, ConfigError, "pipelin"),
+        ({"plugins": {"rollout": "upstream", "weight_sync": "mrl", "comm": "upstream"}}, ConfigError, "inference copy"),
+    ]
+    for config, exc, word in bad:
+        with pytest.raises(exc, match=word):
+            mrl_plugins.enable(trainer, config)
+        assert (trainer.use_vllm, trainer.get_train_dataloader, trainer.log, trainer.train) == before
+        assert getattr(trainer, "_mrl_state", None) is None
+
+
+def test_unsupported_trl_version_and_trainer_type():
+    from mrl_plugins.adapters.trl import check_trl_version, trainer_kind
+    from mrl_plugins.errors import PluginError, UnsupportedVersionError
+
+    with pytest.raises(UnsupportedVersionError, match=r"1\.15\.2.*supported: trl"):
+        check_trl_version("1.15.2")
+    with pytest.raises(UnsupportedVersionError, match="1.17.0"):
+        check_trl_version("1.17.0")
+    assert check_trl_version("1.16.3") == "1.16.3"
+    with pytest.raises(PluginError, match="GRPOTrainer"):
+        trainer_kind(object())
+
+
+def test_missing_device_is_an_error_before_anything(tmp_path):
+    import mrl_plugins
+    from mrl_plugins.errors import DeviceError
+
+    trainer = _trainer(tmp_path)
+    with pytest.raises(DeviceError, match="npu"):
+        mrl_plugins.enable(trainer, {"device": "npu"})
+    assert getattr(trainer, "_mrl_state", None) is None and trainer.use_vllm is False
+
+
+@pytest.mark.slow
+def test_in_process_engine_generates_with_synced_weights(tmp_path):
+    """rollout.workers: 0 -- separate inference copy in the trainer process, weights through shm double buffer."""
+    import mrl_plugins
+
+    trainer = _trainer(tmp_path, steps=3)
+    mrl_plugins.enable(trainer, {"rollout": {"workers": 0}})
+    assert trainer.use_vllm is True
+    trainer.train()
+    diffs = _history(trainer, "sampling/sampling_logp_difference/max")
+    assert len(diffs) == 3 and max(diffs) < 1e-4  # generation used exactly the trained weights (fp32 on CPU)
+    assert all(v >= 0 for v in _history(trainer, "mrl/weights/bytes"))
+    assert _history(trainer, "mrl/weights/version")[-1] == 2
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["grpo", "rloo"])
+def test_worker_pool_async_trains_and_cleans_up(tmp_path, kind):
+    import psutil
+
+    import mrl_plugins
+
+    trainer = _trainer(tmp_path, kind, steps=4)
+    mrl_plugins.enable(trainer, "colocate")
+    pool = trainer._mrl_state.ctx.resources["rollout.runtime"].pool
+    pids = list(pool.pids)
+    assert pids and all(psutil.pid_exists(p) for p in pids)
+    trainer.train()
+    rewards = _history(trainer, "reward")
+    assert len(rewards) == 4
+    assert sum(_history(trainer, "mrl/rollout/lookahead_hits")) >= 2
+    staleness = _history(trainer, "mrl/rollout/staleness")
+    assert staleness and max(staleness) <= 1
+    assert any(k.startswith("mrl/comm/") for h in trainer.state.log_history for k in h)
+    for pid in pids:  # shut down with train()
+        assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+
+
+SCRIPT = textwrap.dedent(
+    """
+    import os, sys
+    os.environ["TRL_EXPERIMENTAL_SILENCE"] = "1"
+    from trl import GRPOConfig, GRPOTrainer
+    from mrl_plugins.models import build_model, build_dataset, count_reward
+    m, t = build_model("tiny")
+    args = GRPOConfig(output_dir=sys.argv[1], max_steps=1, per_device_train_batch_size=4, num_generations=4,
+                      max_completion_length=4, report_to=[], use_cpu=True, save_strategy="no")
+    tr = GRPOTrainer(model=m, processing_class=t, reward_funcs=count_reward, args=args, train_dataset=build_dataset(16))
+    state = getattr(tr, "_mrl_state", None)
+    print("ENABLED", None if state is None else state.pm.selected)
+    """
+)
+
+
+@pytest.mark.slow
+def test_env_variable_switches_plugins_on_at_startup(tmp_path):
+    script = tmp_path / "s.py"
+    script.write_text(SCRIPT)
+    env = {k: v for k, v in os.environ.items() if k != "MRL_PLUGINS"}
+    off = subprocess.run([sys.executable, str(script), str(tmp_path)], env=env, capture_output=True, text=True, timeout=300)
+    assert "ENABLED None" in off.stdout, off.stderr[-2000:]
+    env["MRL_PLUGINS"] = "upstream"
+    on = subprocess.run([sys.executable, str(script), str(tmp_path)], env=env, capture_output=True, text=True, timeout=300)
+    assert "ENABLED {'rollout': 'upstream', 'weight_sync': 'upstream', 'comm': 'upstream'}" in on.stdout, on.stderr[-2000:]
