@@ -1,0 +1,431 @@
+"""``mrl doctor``: pre-run checks and post-run triage.
+
+The CPU checks run for real on this machine (real port binding, real core count, real torch threads, the real
+device probes). The NPU checks (torch_npu-without-CANN hazard, visible NPUs, core-limit APIs, version matrix)
+run against a FAKE NPU environment -- there is no NPU or CANN here: a fake ``torch_npu`` module
+(tests/fakes/fake_torch_npu.py), faked package versions through ``probe._dist_version`` and a fake CANN folder
+in tmp_path. They show what doctor reports for such an environment, not anything about real NPU behaviour.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import socket
+import subprocess
+import sys
+
+import pytest
+from fakes import fake_torch_npu
+
+from mrl_plugins.cli import doctor
+from mrl_plugins.cli.doctor import Check, check_memory, check_ports, check_threads, cli, load_report, triage
+from mrl_plugins.device import probe
+from mrl_plugins.device.base import _reset_warn_once
+from mrl_plugins.errors import ConfigError
+
+LINE = re.compile(r"^(ok|warn|fail) +[a-zA-Z_+ ]+: \S")
+
+
+@pytest.fixture(autouse=True)
+def _fresh_warnings():
+    _reset_warn_once()
+    yield
+    _reset_warn_once()
+
+
+def _lines(out: str) -> dict[str, list[str]]:
+    """Check lines grouped by check name -> list of statuses."""
+    result: dict[str, list[str]] = {}
+    for line in out.splitlines():
+        if LINE.match(line):
+            status, rest = line.split(None, 1)
+            result.setdefault(rest.split(":", 1)[0], []).append(status)
+    return result
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# CPU, for real
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def test_cpu_defaults_all_ok(capsys):
+    cores = doctor.available_cores()
+    rc = cli(["--device", "cpu", "--threads", "1"], env={})
+    out = capsys.readouterr().out
+    checks = _lines(out)
+    assert rc == 0, out
+    for name in ("torch_npu+CANN", "versions", "backend", "visible devices", "ports", "memory", "core limits"):
+        assert checks[name] == ["ok"], out
+    assert checks["threads"] == ["ok"] and f"<= {cores} cores" in out
+    assert "device 'cpu' present" in out and "torch 2." in out
+    assert all(LINE.match(line) for line in out.splitlines()[:-1])  # every line but the summary is a check
+    assert cli(["--threads", "1"], env={}) == 0  # auto: NPU, else CUDA, else CPU -- nothing fails on this machine
+    assert "device 'auto' -> " in capsys.readouterr().out
+
+
+def test_requested_npu_absent_fails(capsys):
+    rc = cli(["--device", "npu"], env={})
+    out = capsys.readouterr().out
+    assert rc == 1
+    assert _lines(out)["backend"] == ["fail"] and "torch_npu is not installed" in out
+
+
+def test_bad_device_spec_is_an_input_error(capsys):
+    assert cli(["--device", "tpu"], env={}) == 2
+    err = capsys.readouterr().err
+    assert "tpu" in err and "npu:N" in err
+
+
+def test_port_collision_fails_and_busy_port_warns(capsys):
+    free = _free_port()
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen(1)
+        busy = holder.getsockname()[1]
+        checks = check_ports({"master": free, "weights": busy})
+        assert [c.status for c in checks] == ["warn"] and f"weights={busy} (in use)" in checks[0].detail
+        checks = check_ports({"master": free, "store": free, "weights": busy})
+        assert [c.status for c in checks] == ["fail", "warn"]
+        assert f"port {free} assigned to master and store: collision" in checks[0].detail
+        rc = cli(["--ports", f"master={free},store={free}", "--threads", "1"], env={})
+    out = capsys.readouterr().out
+    assert rc == 1 and _lines(out)["ports"] == ["fail"]
+    ok = check_ports({"master": free})
+    assert [c.status for c in ok] == ["ok"] and f"master={free}" in ok[0].detail
+
+
+def test_ports_need_a_table_for_several_processes():
+    assert check_ports({}, processes=3)[0].status == "warn"
+    assert check_ports({}, processes=1)[0].status == "ok"
+    for bad in (0, 70000, "x", True):
+        with pytest.raises(ConfigError, match="1..65535"):
+            check_ports({"a": bad})
+
+
+@pytest.mark.parametrize("argv", [["--ports", "master"], ["--ports", "a=1,a=2"], ["--ports", "a=0"]])
+def test_bad_port_table_is_an_input_error(argv, capsys):
+    assert cli(argv, env={}) == 2
+    assert "error:" in capsys.readouterr().err
+
+
+def test_memory_reservations():
+    assert [c.status for c in check_memory(0.1, {"trainer": 0.5, "rollout": 0.3}, False)] == ["ok", "ok"]
+    assert [c.status for c in check_memory(0.2, {}, False)] == ["ok"]  # exactly 20% is allowed
+    over_root = check_memory(0.25, {"trainer": 0.5}, False)
+    assert [c.status for c in over_root] == ["fail", "ok"] and "0.25" in over_root[0].detail
+    over_sum = check_memory(0.1, {"trainer": 0.6, "rollout": 0.4}, False)
+    assert [c.status for c in over_sum] == ["ok", "fail"]
+    assert "trainer 0.6 + rollout 0.4 + root 0.1" in over_sum[1].detail
+    assert check_memory(None, {}, cards_shared=True)[0].status == "warn"
+    assert check_memory(None, {}, cards_shared=False)[0].status == "ok"
+    with pytest.raises(ConfigError, match=r"outside \(0, 1\]"):
+        check_memory(None, {"trainer": 1.5}, False)
+
+
+def test_memory_from_measured_peaks(capsys):
+    rc = cli(["--peak", "trainer=8GiB,rollout=16GiB", "--device-memory", "64GiB", "--threads", "1"], env={})
+    out = capsys.readouterr().out
+    assert rc == 0 and "trainer 0.15 + rollout 0.3" in out  # 8 x 1.2 / 64, 16 x 1.2 / 64
+    rc = cli(["--peak", "trainer=60GiB", "--device-memory", "64GiB"], env={})
+    assert rc == 2 and "does not fit" in capsys.readouterr().err
+    assert cli(["--peak", "trainer=8GiB"], env={}) == 2
+    assert "--device-memory" in capsys.readouterr().err
+    rc = cli(["--reserve", "trainer=0.8", "--reserve-root", "0.3", "--threads", "1"], env={})
+    assert rc == 1 and _lines(capsys.readouterr().out)["memory"] == ["fail", "fail"]
+
+
+def test_thread_budget_against_real_cores(capsys):
+    cores = doctor.available_cores()
+    assert check_threads([1] * cores, cores).status == "ok"
+    over = check_threads([2, 2], 2)
+    assert over.status == "warn" and "15x slower" in over.detail and "2+2 = 4" in over.detail
+    rc = cli(["--processes", str(cores + 1), "--threads", "1", "--mode", "colocate"], env={})
+    out = capsys.readouterr().out
+    assert rc == 0 and _lines(out)["threads"] == ["warn"]
+    rc = cli(["--processes", "2"], env={"OMP_NUM_THREADS": "1"})
+    out = capsys.readouterr().out
+    assert ("1+1 = 2" in out) and (_lines(out)["threads"] == ["ok" if cores >= 2 else "warn"])
+    assert cli(["--processes", "2"], env={"OMP_NUM_THREADS": "many"}) == 2
+    assert cli(["--processes", "2", "--threads", "1,1,1"], env={}) == 2
+
+
+def test_torch_default_threads_used_when_nothing_set(capsys):
+    import torch
+
+    n = torch.get_num_threads()
+    cores = doctor.available_cores()
+    cli(["--processes", "2"], env={})
+    out = capsys.readouterr().out
+    assert f"{n}+{n} = {2 * n}" in out and "torch default" in out
+    assert _lines(out)["threads"] == ["warn" if 2 * n > cores else "ok"]
+
+
+def test_config_file(tmp_path, capsys):
+    port = _free_port()
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text(
+        "mode: disaggregated\ndevice: cpu\nrollout:\n  workers: 2\n  engine_threads: 1\ntrain:\n  threads: 1\n"
+        f"ports:\n  master: {port}\n  weights: {port}\n"
+    )
+    rc = cli(["--config", str(cfg)], env={})
+    out = capsys.readouterr().out
+    assert rc == 1  # the port collision
+    assert f"port {port} assigned to master and weights" in out
+    assert "1+1+1 = 3 threads over 3 process(es) (trainer: train.threads, workers: rollout.engine_threads)" in out
+    assert "device 'cpu' present" in out
+    other = _free_port()
+    rc = cli(["--config", str(cfg), "--ports", f"weights={other}"], env={})  # the command line overrides the table
+    assert rc == 0, capsys.readouterr().out
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("mode: split\n")
+    assert cli(["--config", str(bad)], env={}) == 2
+    assert "'colocate', 'disaggregated' or 'hybrid'" in capsys.readouterr().err
+    assert cli(["--config", str(tmp_path / "missing.yaml")], env={}) == 2
+
+
+def test_module_entry_point():
+    proc = subprocess.run(
+        [sys.executable, "-m", "mrl_plugins.cli.doctor", "--threads", "1"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "ok    backend:" in proc.stdout and re.search(r"\d+ checks: 0 fail", proc.stdout)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# FAKE NPU environment (no NPU or CANN exists here)
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def _dist_versions(**known):
+    return lambda name: known.get(name.replace("-", "_"))
+
+
+@pytest.fixture
+def fake_npu(monkeypatch, tmp_path):
+    """FAKE: a torch_npu module with 2 NPUs, torch/torch_npu 2.7.1 metadata and a CANN 8.1.RC1 folder; no CUDA."""
+    home = tmp_path / "ascend-toolkit" / "latest"
+    (home / "aarch64-linux").mkdir(parents=True)
+    (home / "aarch64-linux" / "ascend_toolkit_install.info").write_text("version=8.1.RC1\n")
+    monkeypatch.setattr(probe, "is_cuda_available", lambda: False)
+    monkeypatch.setattr(probe, "cuda_device_count", lambda: 0)
+    monkeypatch.setattr(probe, "_dist_version", _dist_versions(torch="2.7.1", torch_npu="2.7.1"))
+
+    def install(**kwargs):
+        return fake_torch_npu.install(monkeypatch, **kwargs)
+
+    install()
+    return {"ASCEND_TOOLKIT_HOME": str(home)}, install
+
+
+def test_fake_npu_torch_npu_without_cann_fails_with_fix(monkeypatch, tmp_path, capsys):
+    """FAKE: torch_npu 2.7.1 'installed' (package metadata) but no CANN toolkit anywhere."""
+    monkeypatch.setattr(probe, "DEFAULT_CANN_HOMES", (str(tmp_path / "nowhere"),))
+    monkeypatch.setattr(probe, "_dist_version", _dist_versions(torch="2.7.1", torch_npu="2.7.1"))
+    hazard = doctor.check_torch_npu_hazard({})
+    assert hazard.status == "fail" and "set_env.sh" in hazard.detail and "pip uninstall torch_npu" in hazard.detail
+    rc = cli(["--threads", "1"], env={})
+    out = capsys.readouterr().out
+    assert rc == 1
+    assert _lines(out)["torch_npu+CANN"] == ["fail"] and "import torch` fails" in out
+    assert _lines(out)["backend"] == ["warn"]  # not probed: importing torch_npu there could break the process
+    monkeypatch.setattr(probe, "DEFAULT_CANN_HOMES", (str(tmp_path),))  # a CANN folder exists: no hazard
+    assert doctor.check_torch_npu_hazard({}).status == "ok"
+
+
+def test_fake_npu_backend_versions_and_core_limits(fake_npu, capsys):
+    env, _ = fake_npu
+    rc = cli(["--device", "npu:1", "--threads", "1"], env=env | {"ASCEND_RT_VISIBLE_DEVICES": "0,1"})
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "torch_npu 2.7.1, CANN 8.1.RC1" in out and "found: cpu, npu x2" in out
+    assert _lines(out)["version matrix"] == ["ok"]
+    assert "present: set_device_limit, get_device_limit, set_stream_limit" in out
+    assert cli(["--device", "npu:2"], env=env) == 1
+    assert "only 2 NPU visible" in capsys.readouterr().out
+
+
+def test_fake_npu_old_torch_npu_lacks_core_limits(fake_npu, monkeypatch):
+    """FAKE: a torch_npu 2.5.1 without set_device_limit / set_stream_limit, with torch 2.7.1 (mismatch)."""
+    env, install = fake_npu
+    install(core_limits=False, version="2.5.1")
+    monkeypatch.setattr(probe, "_dist_version", _dist_versions(torch="2.7.1", torch_npu="2.5.1"))
+    limits = doctor.check_core_limits("npu")
+    assert limits.status == "warn" and "set_device_limit, set_stream_limit" in limits.detail
+    checks, kind = doctor.check_backend("auto", env)
+    assert kind == "npu"
+    matrix = [c for c in checks if c.name == "version matrix"][0]
+    assert matrix.status == "fail" and "built for torch 2.5.x" in matrix.detail
+
+
+@pytest.mark.parametrize(
+    ("visible", "processes", "mode", "status", "shared", "text"),
+    [
+        ("0,1", 2, "disaggregated", "ok", False, "process 0 -> card 0, process 1 -> card 1"),
+        ("4,5,6", 2, None, "ok", False, "process 1 -> card 5"),
+        ("0,1", 3, "disaggregated", "fail", True, "two processes on one card"),
+        ("0,1", 3, "colocate", "warn", True, "shared by design in colocate mode"),
+        ("0", 2, None, "fail", True, "sudden OOM or slowdown"),
+        (None, 1, None, "warn", False, "unset"),
+        (None, 2, "hybrid", "warn", True, "uses card 0 unless"),
+        (None, 2, "disaggregated", "fail", True, "uses card 0 unless"),
+        ("1,0", 2, None, "fail", False, "not ascending"),
+        ("0,x", 1, None, "fail", False, "not a comma-separated list"),
+    ],
+)
+def test_fake_npu_visible_devices_from_env(fake_npu, visible, processes, mode, status, shared, text):
+    env, _ = fake_npu
+    if visible is not None:
+        env = env | {"ASCEND_RT_VISIBLE_DEVICES": visible}
+    check, is_shared = doctor.check_visible_devices("npu", processes, mode, env)
+    assert (check.status, is_shared) == (status, shared), check.detail
+    assert text in check.detail and "ASCEND_RT_VISIBLE_DEVICES" in check.detail
+
+
+def test_fake_npu_visible_devices_explicit_per_process(fake_npu, capsys):
+    env, _ = fake_npu
+    rc = cli(["--visible-devices", "0;1", "--threads", "1"], env=env)
+    out = capsys.readouterr().out
+    assert rc == 0 and "process 0: ASCEND_RT_VISIBLE_DEVICES=0; process 1: ASCEND_RT_VISIBLE_DEVICES=1" in out
+    rc = cli(["--visible-devices", "0;0,1", "--threads", "1", "--mode", "disaggregated"], env=env)
+    out = capsys.readouterr().out
+    assert rc == 1 and "processes 0 and 1 both get card 0" in out
+    # shared in colocate mode without a memory reservation: warn twice (visible devices, memory)
+    rc = cli(["--visible-devices", "0;0", "--threads", "1", "--mode", "colocate"], env=env)
+    checks = _lines(capsys.readouterr().out)
+    assert rc == 0 and checks["visible devices"] == ["warn"] and checks["memory"] == ["warn"]
+    assert cli(["--visible-devices", "0;1", "--processes", "3"], env=env) == 2
+    assert "2 assignments for 3 processes" in capsys.readouterr().err
+
+
+def test_cuda_variable_named_for_cuda():
+    """CUDA_VISIBLE_DEVICES is the variable for CUDA devices (no GPU needed: only the env is read)."""
+    check, shared = doctor.check_visible_devices("cuda", 2, None, {"CUDA_VISIBLE_DEVICES": "3,2"})
+    assert check.status == "ok" and "CUDA_VISIBLE_DEVICES=3,2" in check.detail and not shared  # order free on CUDA
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# post-run triage (synthetic reports)
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def _run(generate, train, wall, weight_sync=0.0, transfer=0.0, wait=0.0, **extra):
+    split = {"generate": generate, "weight_sync": weight_sync, "transfer": transfer, "train": train, "wait": wait}
+    return {"time_split": split, "wall_s": wall, **extra}
+
+
+def test_triage_scheduling():
+    t = triage("all", _run(2.0, 1.0, 10.0, weight_sync=0.2, transfer=0.3, wait=6.0, steps_per_s=0.5))
+    assert t.verdict == "scheduling" and t.status == "warn"
+    assert t.utilisation == pytest.approx(0.3) and t.comm_share == pytest.approx(0.05)
+    line = t.line()
+    assert "utilisation 30%" in line and "comm wait 5%" in line and "idle wait 60%" in line
+    assert "uneven arrivals or small batches" in line and "x 1 lane(s)" in line
+
+
+def test_triage_communication_first():
+    t = triage("all", _run(3.0, 3.0, 10.0, weight_sync=2.0, transfer=2.0))
+    assert t.verdict == "communication" and t.comm_share == pytest.approx(0.4)
+    assert "compress first" in t.advice and "then overlap" in t.advice
+    assert triage("x", _run(3.0, 3.0, 10.0, weight_sync=1.5, transfer=1.5)).verdict != "communication"  # 30%
+
+
+def test_triage_kernels_needs_low_throughput():
+    run = _run(5.0, 4.5, 10.0, steps_per_s=0.5, tokens_per_s=900.0)
+    t = triage("all", run, target_steps_per_s=1.0)
+    assert t.verdict == "kernels" and t.utilisation == pytest.approx(0.95) and "0.5 steps/s < target 1" in t.advice
+    assert triage("all", run | {"target_tokens_per_s": 1000.0}).verdict == "kernels"
+    assert triage("all", run, target_steps_per_s=0.4).verdict == "compute-bound"
+    assert triage("all", run).verdict == "compute-bound"
+    assert triage("all", _run(3.0, 3.0, 10.0)).verdict == "no clear bottleneck"
+
+
+def test_triage_utilisation_definitions():
+    overlapped = _run(8.0, 7.0, 10.0)  # async: generate and train overlap -> at least 2 lanes
+    t = triage("async", overlapped)
+    assert t.utilisation == pytest.approx(0.75) and "x 2 lane(s)" in t.utilisation_from
+    assert triage("async", overlapped, lanes=4).verdict == "scheduling"  # 15 / 40
+    assert triage("async", overlapped | {"lanes": 3}).utilisation == pytest.approx(0.5)
+    measured = triage("npu", _run(8.0, 7.0, 10.0, utilization=0.3))
+    assert measured.utilisation == 0.3 and measured.utilisation_from == "measured" and measured.verdict == "scheduling"
+
+
+@pytest.mark.parametrize(
+    ("run", "match"),
+    [
+        ({"wall_s": 10.0}, "time_split"),
+        ({"time_split": {"generate": 1.0}, "wall_s": 10.0}, "lacks 'train'"),
+        ({"time_split": {"generate": 1.0, "train": 1.0, "idle": 2.0}, "wall_s": 1.0}, "'wait'"),
+        ({"time_split": {"generate": 1.0, "train": 1.0}}, "wall_s"),
+        ({"time_split": {"generate": 1.0, "train": 1.0}, "wall_s": 0}, "must be > 0"),
+        ({"time_split": {"generate": -1.0, "train": 1.0}, "wall_s": 5}, "non-negative"),
+        ({"time_split": {"generate": 1.0, "train": 1.0}, "wall_s": 5, "utilization": 1.5}, "0..1"),
+    ],
+)
+def test_triage_bad_runs(run, match):
+    with pytest.raises(ConfigError, match=match):
+        triage("r", run)
+
+
+def test_report_cli_compare_layout(tmp_path, capsys):
+    report = tmp_path / "report.json"
+    runs = {
+        "upstream": _run(2.0, 1.0, 10.0, wait=6.0),
+        "all": _run(5.0, 4.5, 10.0, steps_per_s=0.5),
+        "comm": _run(3.0, 3.0, 10.0, transfer=4.0),
+    }
+    report.write_text(json.dumps({"speedup": 1.2, "runs": runs}))
+    out_json = tmp_path / "triage.json"
+    rc = cli(["--report", str(report), "--target-steps-per-s", "1", "--json", str(out_json)])
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert "warn  triage upstream: scheduling" in out
+    assert "warn  triage all: kernels" in out
+    assert "warn  triage comm: communication" in out
+    saved = {r["run"]: r for r in json.loads(out_json.read_text())}
+    assert saved["comm"]["comm_share"] == pytest.approx(0.4)
+    report.write_text(json.dumps({"runs": [dict(runs["all"], name="listed")]}))
+    assert cli(["--report", str(report)]) == 0 and "triage listed: compute-bound" in capsys.readouterr().out
+
+
+def test_report_flat_metrics(tmp_path, capsys):
+    metrics = tmp_path / "metrics.json"
+    metrics.write_text(
+        json.dumps(
+            {
+                "mrl/time/generate_s": 3.0,
+                "mrl/time/train_s": 2.0,
+                "mrl/comm/wait_s": 4.0,
+                "train_runtime": 10.0,
+                "train_steps_per_second": 0.3,
+            }
+        )
+    )
+    ((name, run),) = load_report(metrics)
+    assert run["wall_s"] == 10.0 and run["comm_wait_s"] == 4.0 and run["time_split"]["train"] == 2.0
+    assert cli(["--report", str(metrics)]) == 0
+    out = capsys.readouterr().out
+    assert "triage metrics: communication" in out and "comm wait 40% [comm wait 4 s]" in out and "0.3 steps/s" in out
+
+
+def test_report_bad_input_exits_2(tmp_path, capsys):
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    assert cli(["--report", str(bad)]) == 2 and "not valid JSON" in capsys.readouterr().err
+    bad.write_text(json.dumps({"runs": {"a": {"time_split": {"generate": 1, "train": 1}}}}))
+    assert cli(["--report", str(bad)]) == 2 and "'wall_s'" in capsys.readouterr().err
+    assert cli(["--report", str(tmp_path / "missing.json")]) == 2
+
+
+def test_check_rejects_unknown_status():
+    with pytest.raises(ValueError, match="'fail', 'ok' or 'warn'"):
+        Check("maybe", "x", "y")
