@@ -109,7 +109,14 @@ class DirectorySender:
         try:
             sink = _FileSink(tmp)
             uid = uuidlib.uuid4().hex
-            writer = ShardWriter(sink, model_id=self.model_id, version=version, uuid=uid, chunk_bytes=self.chunk_bytes)
+            writer = ShardWriter(
+                sink,
+                model_id=self.model_id,
+                version=version,
+                uuid=uid,
+                chunk_bytes=self.chunk_bytes,
+                checksums=self.config.verify_checksum,
+            )
             for name, t in named_tensors:
                 writer.add(name, t)
             writer.flush()

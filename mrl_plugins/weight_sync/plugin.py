@@ -77,18 +77,18 @@ class WeightSyncPlugin:
 
     @hookimpl
     def mrl_weight_sync_publish(
-        self, *, ctx: StageContext, model_id: str, version: int, named_tensors: Iterable[tuple[str, torch.Tensor]]
+        self, ctx: StageContext, model_id: str, version: int, named_tensors: Iterable[tuple[str, torch.Tensor]]
     ) -> PublishReport | None:
         report = _pick(ctx, SENDER_KEY, model_id).publish(version, named_tensors)
         _emit(ctx, {"mrl/weights/publish_bytes": float(report.nbytes), "mrl/weights/publish_seconds": report.seconds})
         return report
 
     @hookimpl
-    def mrl_weight_sync_receive(self, *, ctx: StageContext, model_id: str, timeout: float) -> int | None:
+    def mrl_weight_sync_receive(self, ctx: StageContext, model_id: str, timeout: float) -> int | None:
         return _pick(ctx, RECEIVER_KEY, model_id).poll(timeout)
 
     @hookimpl
-    def mrl_weight_sync_switch(self, *, ctx: StageContext, model_id: str) -> SwitchReport | None:
+    def mrl_weight_sync_switch(self, ctx: StageContext, model_id: str) -> SwitchReport | None:
         receiver = _pick(ctx, RECEIVER_KEY, model_id)
         report = receiver.switch()
         if report is not None:
@@ -96,7 +96,7 @@ class WeightSyncPlugin:
         return report
 
     @hookimpl
-    def mrl_shutdown(self, *, ctx: StageContext, reason: str) -> None:
+    def mrl_shutdown(self, ctx: StageContext, reason: str) -> None:
         poller = ctx.resources.pop(POLLER_KEY, None)
         if poller is not None:
             _close_all(poller, "stop")

@@ -278,14 +278,18 @@ def copy_entry(dest: Dest, entry: Entry, view: torch.Tensor) -> None:
 class ShardWriter:
     """Turn a stream of named tensors into shards written through a *sink*.
 
+    With ``checksums=False`` the header's checksum is ``00000000`` (the receiver must not verify).
     The sink provides ``reserve(nbytes) -> (handle, uint8 CPU tensor)`` (where the shard's bytes go)
     and ``write_header(handle, header_bytes)``. Large tensors are copied straight from the source
     into the reserved space (one copy); tensors smaller than a chunk are cloned until their group
     (at most ``chunk_bytes``) is full, so the writer never holds more than one chunk.
     """
 
-    def __init__(self, sink: Any, *, model_id: str, version: int, uuid: str, chunk_bytes: int) -> None:
+    def __init__(
+        self, sink: Any, *, model_id: str, version: int, uuid: str, chunk_bytes: int, checksums: bool = True
+    ) -> None:
         self.sink, self.model_id, self.version, self.uuid = sink, model_id, version, uuid
+        self.checksums = checksums
         self.chunk_bytes = chunk_bytes
         self.shards: list[tuple[Any, list[Entry], ShardMeta, int]] = []  # handle, entries, meta, data_len
         self._pending: list[tuple[str, torch.Tensor]] = []
@@ -326,7 +330,8 @@ class ShardWriter:
             if e.nbytes:
                 dst = data[e.offset : e.offset + e.nbytes].view(t.dtype).view(t.shape if t.dim() else (1,))
                 dst.copy_(t if t.dim() else t.reshape(1))
-        meta = ShardMeta(self.uuid, self.model_id, self.version, len(self.shards), 0, checksum(data))
+        crc = checksum(data) if self.checksums else 0
+        meta = ShardMeta(self.uuid, self.model_id, self.version, len(self.shards), 0, crc)
         self.shards.append((handle, entries, meta, data_len))
         self.sink.write_header(handle, render_header(entries, meta, data_len))
 

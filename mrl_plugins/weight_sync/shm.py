@@ -293,7 +293,14 @@ class ShmSender:
             seg.write("<QQ", 8, seq + 1, 0)  # odd: being written; version 0: invalid
             sink = _SlotSink(seg)
             uid = uuidlib.uuid4().hex
-            writer = ShardWriter(sink, model_id=self.model_id, version=version, uuid=uid, chunk_bytes=self.chunk_bytes)
+            writer = ShardWriter(
+                sink,
+                model_id=self.model_id,
+                version=version,
+                uuid=uid,
+                chunk_bytes=self.chunk_bytes,
+                checksums=self.config.verify_checksum,
+            )
             for name, t in named_tensors:
                 writer.add(name, t)
             count = writer.finish()

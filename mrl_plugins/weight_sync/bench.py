@@ -1,0 +1,299 @@
+"""``mrl bench weights``: weight-sync bandwidth against the per-parameter baseline and memcpy.
+
+Cases, each on a Qwen2.5-0.5B-like shape list (290 bf16 tensors, 988 MB; ``--quick``: a ~120 MB
+list) and on the ``small`` preset model (``mrl_plugins.models.build_model("small")`` when it exists,
+else a Qwen2-like shape list: hidden 256, 4 layers, vocab 16000, fp32, ~28 MB):
+
+(a) ``per_param``: one synchronous gloo broadcast per parameter between two processes (baseline);
+(b) ``bucketed``: the ``broadcast`` transport with its defaults (checksums on), same two processes;
+(c) ``shm``: shm publish + verified load into a receiver's staging buffer (one process, one thread);
+plus this machine's memcpy bandwidth (``torch`` ``copy_``, one thread) in the same run, and
+``switch_ms``: staging -> active of a :class:`DoubleBufferedReceiver` holding the small model.
+
+Every process runs one torch thread. GB/s are medians over ``reps`` repetitions after one warm-up,
+with min and max. ``ratios``: ``bucketed_vs_per_param`` = (b)/(a), ``shm_vs_memcpy`` = (c)/memcpy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from .broadcast import BroadcastSender, PerParamSender
+from .config import WeightSyncConfig
+from .receiver import DoubleBufferedReceiver
+from .shm import ShmSender
+
+Shapes = list[tuple[str, tuple[int, ...], torch.dtype]]
+
+
+def qwen_shapes(
+    vocab: int = 151936, hidden: int = 896, inter: int = 4864, layers: int = 24, kv: int = 128, dtype=torch.bfloat16
+) -> Shapes:
+    """Qwen2-style parameter shapes (tied embeddings: no lm_head)."""
+    out: Shapes = [("model.embed_tokens.weight", (vocab, hidden), dtype)]
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        out += [
+            (p + "self_attn.q_proj.weight", (hidden, hidden), dtype),
+            (p + "self_attn.q_proj.bias", (hidden,), dtype),
+            (p + "self_attn.k_proj.weight", (kv, hidden), dtype),
+            (p + "self_attn.k_proj.bias", (kv,), dtype),
+            (p + "self_attn.v_proj.weight", (kv, hidden), dtype),
+            (p + "self_attn.v_proj.bias", (kv,), dtype),
+            (p + "self_attn.o_proj.weight", (hidden, hidden), dtype),
+            (p + "mlp.gate_proj.weight", (inter, hidden), dtype),
+            (p + "mlp.up_proj.weight", (inter, hidden), dtype),
+            (p + "mlp.down_proj.weight", (hidden, inter), dtype),
+            (p + "input_layernorm.weight", (hidden,), dtype),
+            (p + "post_attention_layernorm.weight", (hidden,), dtype),
+        ]
+    out.append(("model.norm.weight", (hidden,), dtype))
+    return out
+
+
+def small_shapes() -> tuple[Shapes, str]:
+    """The ``small`` preset's parameter shapes and where they came from."""
+    try:
+        from mrl_plugins.models import build_model  # type: ignore[import-not-found]
+    except ImportError:
+        build_model = None
+    if build_model is not None:
+        try:
+            m = build_model("small")
+            return [(n, tuple(p.shape), p.dtype) for n, p in m.named_parameters()], "mrl_plugins.models small"
+        except Exception:  # noqa: BLE001 - fall back to the built-in shape list
+            pass
+    return qwen_shapes(16000, 256, 704, 4, 64, torch.float32), "qwen2-like hidden 256, 4 layers, vocab 16000, fp32"
+
+
+def make_tensors(shapes: Shapes) -> list[tuple[str, torch.Tensor]]:
+    out = []
+    for i, (n, s, dt) in enumerate(shapes):
+        t = torch.empty(s, dtype=dt)
+        t.fill_(i % 7) if dt not in (torch.float32, torch.bfloat16, torch.float16) else t.fill_(0.001 * i)
+        out.append((n, t))
+    return out
+
+
+def module_from(named: list[tuple[str, torch.Tensor]]) -> torch.nn.Module:
+    """A module tree holding the given tensors as parameters under their dotted names."""
+    root = torch.nn.Module()
+    for name, t in named:
+        mod = root
+        *path, leaf = name.split(".")
+        for part in path:
+            if not hasattr(mod, part):
+                mod.add_module(part, torch.nn.Module())
+            mod = getattr(mod, part)
+        mod.register_parameter(leaf, torch.nn.Parameter(t.clone(), requires_grad=False))
+    return root
+
+
+def _summary(xs: list[float]) -> dict[str, float]:
+    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs)}
+
+
+def memcpy_gbps(reps: int, nbytes: int = 256 << 20) -> dict[str, float]:
+    a = torch.ones(nbytes, dtype=torch.uint8)
+    b = torch.empty_like(a)
+    b.copy_(a)
+    xs = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        b.copy_(a)
+        xs.append(nbytes / (time.perf_counter() - t0) / 1e9)
+    return _summary(xs)
+
+
+def _timed(fn: Callable[[], Any], reps: int, nbytes: int) -> dict[str, float]:
+    fn()  # warm-up (page faults, first-touch)
+    xs = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        xs.append(nbytes / (time.perf_counter() - t0) / 1e9)
+    return _summary(xs)
+
+
+def shm_gbps(named: list[tuple[str, torch.Tensor]], reps: int, verify: bool = True) -> dict[str, float]:
+    """(c): publish into shm + verified copy into a staging buffer, sequentially in this process."""
+    nbytes = sum(t.nbytes for _, t in named)
+    cfg = WeightSyncConfig(verify_checksum=verify)
+    sender = ShmSender(cfg, model_id="bench", run_id=f"bench{os.getpid()}", size_hint=nbytes)
+    try:
+        rx = sender.receiver_handle().attach()
+        dest = {n: torch.empty_like(t) for n, t in named}
+        state = {"v": 0}
+
+        def once() -> None:
+            state["v"] += 1
+            sender.publish(state["v"], named)
+            rx.fetch_into(state["v"], dest)
+
+        once()  # touch the second slot too
+        res = _timed(once, reps, nbytes)
+        rx.close()
+        return res
+    finally:
+        sender.close()
+
+
+def switch_ms(named: list[tuple[str, torch.Tensor]], reps: int) -> dict[str, float]:
+    """staging -> active of a DoubleBufferedReceiver (device staging) holding ``named`` as its module."""
+    model = module_from(named)
+    sender = ShmSender(WeightSyncConfig(), model_id="bench_switch", run_id=f"bench{os.getpid()}")
+    try:
+        recv = DoubleBufferedReceiver(model, sender.receiver_handle().attach(), model_id="bench_switch")
+        xs = []
+        for v in range(1, reps + 2):
+            sender.publish(v, named)
+            recv.poll(30)
+            recv.switch(30)
+            if v > 1:
+                xs.append(recv.stats()["switch_ms"])
+        recv.close()
+        return _summary(xs)
+    finally:
+        sender.close()
+
+
+def _gloo_child(role: str, shapes: Shapes, reps: int, q_in: Any, q_out: Any, handles: Any) -> None:
+    torch.set_num_threads(1)
+    named = make_tensors(shapes)
+    nbytes = sum(t.nbytes for _, t in named)
+    cfg = WeightSyncConfig(transport="broadcast", timeout_s=120)
+    try:
+        if role == "send":
+            senders = {
+                "per_param": PerParamSender(cfg, model_id="bench"),
+                "bucketed": BroadcastSender(cfg, model_id="b"),
+            }
+            q_out.put({k: s.receiver_handle() for k, s in senders.items()})
+            for case in ("per_param", "bucketed"):
+                for v in range(reps + 1):
+                    q_in.get(timeout=120)
+                    senders[case].publish(v, named)
+            q_in.get(timeout=120)
+            for s in senders.values():
+                s.close()
+            return
+        hs = handles.get(timeout=120)
+        rxs = {k: h.attach() for k, h in hs.items()}
+        dest = {n: torch.empty_like(t) for n, t in named}
+        result = {}
+        for case in ("per_param", "bucketed"):
+            xs = []
+            for v in range(reps + 1):
+                q_in.put("go")
+                t0 = time.perf_counter()
+                rxs[case].fetch_into(v, dest, 120)
+                if v:
+                    xs.append(nbytes / (time.perf_counter() - t0) / 1e9)
+            ok = all(torch.equal(dest[n], t) for n, t in named)
+            result[case] = {**_summary(xs), "bit_exact": ok}
+        q_in.put("done")
+        q_out.put(result)
+    except BaseException as exc:  # report to the parent instead of hanging it
+        q_out.put({"error": f"{role}: {type(exc).__name__}: {exc}"})
+        raise
+
+
+def gloo_gbps(shapes: Shapes, reps: int, timeout: float = 300) -> dict[str, Any]:
+    """(a) and (b) between two spawned processes."""
+    ctx = mp.get_context("spawn")
+    go, handles, result = ctx.Queue(), ctx.Queue(), ctx.Queue()
+    procs = [
+        ctx.Process(target=_gloo_child, args=("send", shapes, reps, go, handles, None), daemon=True),
+        ctx.Process(target=_gloo_child, args=("recv", shapes, reps, go, result, handles), daemon=True),
+    ]
+    try:
+        for p in procs:
+            p.start()
+        out = result.get(timeout=timeout)
+        if "error" in out:
+            raise RuntimeError(out["error"])
+        for p in procs:
+            p.join(30)
+        return out
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+        for q in (go, handles, result):
+            q.close()
+            q.join_thread()
+
+
+def run_bench(reps: int = 5, json_path: str | None = None, quick: bool = False) -> dict:
+    """Run every case; return (and optionally write) the result dict. See the module docstring."""
+    torch.set_num_threads(1)
+    big = qwen_shapes(32000, 896, 4864, 4) if quick else qwen_shapes()
+    small, small_src = small_shapes()
+    out: dict[str, Any] = {"reps": reps, "quick": quick, "threads_per_process": 1, "models": {}}
+    out["memcpy_gbps"] = memcpy_gbps(max(reps, 5))
+    for key, shapes, label in (("qwen0.5b", big, "Qwen2.5-0.5B-like" + (" (quick)" if quick else "")),
+                               ("small", small, small_src)):  # fmt: skip
+        named = make_tensors(shapes)
+        nbytes = sum(t.nbytes for _, t in named)
+        res: dict[str, Any] = {"label": label, "tensors": len(named), "bytes": nbytes}
+        res.update(gloo_gbps(shapes, reps))
+        res["shm"] = shm_gbps(named, reps)
+        res["shm_no_checksum"] = shm_gbps(named, reps, verify=False)
+        out["models"][key] = res
+        del named
+    main = out["models"]["qwen0.5b"]
+    small_named = make_tensors(small)
+    out["switch_ms"] = switch_ms(small_named, reps)
+    out["ratios"] = {
+        "bucketed_vs_per_param": main["bucketed"]["median"] / main["per_param"]["median"],
+        "shm_vs_memcpy": main["shm"]["median"] / out["memcpy_gbps"]["median"],
+        "shm_no_checksum_vs_memcpy": main["shm_no_checksum"]["median"] / out["memcpy_gbps"]["median"],
+        "small_bucketed_vs_per_param": out["models"]["small"]["bucketed"]["median"]
+        / out["models"]["small"]["per_param"]["median"],
+        "switch_ms": out["switch_ms"]["median"],
+    }
+    out["targets"] = {"bucketed_vs_per_param": ">= 1.3", "shm_vs_memcpy": ">= 0.40", "switch_ms": "< 10"}
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(out, f, indent=2)
+    return out
+
+
+def _fmt(d: dict[str, float]) -> str:
+    return f"{d['median']:7.2f}  [{d['min']:.2f} .. {d['max']:.2f}]"
+
+
+def cli(argv: list[str] | None = None) -> int:
+    """``mrl bench weights [--json PATH] [--reps N] [--quick]``."""
+    ap = argparse.ArgumentParser(prog="mrl bench weights", description=__doc__.splitlines()[0])
+    ap.add_argument("--json", metavar="PATH", help="write the results as JSON")
+    ap.add_argument("--reps", type=int, default=5, help="repetitions per case (default 5)")
+    ap.add_argument("--quick", action="store_true", help="smaller shape list instead of the 0.5B one")
+    args = ap.parse_args(argv)
+    if args.reps < 1:
+        ap.error("--reps must be >= 1")
+    r = run_bench(args.reps, args.json, args.quick)
+    print(f"memcpy (1 thread)          GB/s {_fmt(r['memcpy_gbps'])}")
+    for key, m in r["models"].items():
+        print(f"{key}: {m['label']}, {m['tensors']} tensors, {m['bytes'] / 1e6:.0f} MB")
+        for case in ("per_param", "bucketed", "shm", "shm_no_checksum"):
+            print(f"  {case:24s} GB/s {_fmt(m[case])}")
+    print(f"switch_ms (small, device staging) {_fmt(r['switch_ms'])}")
+    for k, v in r["ratios"].items():
+        print(f"ratio {k:28s} {v:.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(cli())

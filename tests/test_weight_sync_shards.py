@@ -1,0 +1,263 @@
+"""Shards, config and the single-process side of the shm and directory transports (real shm, real files)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from safetensors.torch import load as st_load
+
+from mrl_plugins.errors import ConfigError, MrlError
+from mrl_plugins.weight_sync import DirectorySender, ShmSender, WeightSyncConfig, WeightSyncError
+from mrl_plugins.weight_sync.shards import ALIGN, parse_shard
+from mrl_plugins.weight_sync.shm import SHM_DIR, remove_stale_segments
+
+
+def all_dtypes() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    big = torch.randn(257, 33, generator=g)
+    return {
+        "fp32": torch.randn(64, 17, generator=g),
+        "fp32.big": big,  # split by rows with small chunks
+        "bf16": torch.randn(40, 9, generator=g).to(torch.bfloat16),
+        "fp16": torch.randn(7, 3, 5, generator=g).half(),
+        "int8": torch.randint(-128, 127, (333,), generator=g, dtype=torch.int8),
+        "bool": torch.rand(19, 3, generator=g) > 0.5,
+        "noncontig": torch.randn(30, 40, generator=g).t(),
+        "noncontig.slice": torch.randn(50, 8, generator=g)[::3],
+        "scalar": torch.tensor(3.25),
+        "scalar.bf16": torch.tensor(-1.5, dtype=torch.bfloat16),
+        "empty": torch.empty(0, 4),
+        "nan": torch.tensor([float("nan"), float("inf"), -0.0]),
+    }
+
+
+def fresh_dest(ts: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {
+        k: torch.full_like(v.contiguous(), 0) if v.dtype != torch.bool else torch.zeros_like(v) for k, v in ts.items()
+    }
+
+
+def bit_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    a, b = a.contiguous(), b.contiguous()
+    return (
+        a.dtype == b.dtype
+        and a.shape == b.shape
+        and bytes(a.view(-1).view(torch.uint8).numpy()) == bytes(b.view(-1).view(torch.uint8).numpy())
+    )
+
+
+@pytest.fixture
+def shm_sender():
+    made = []
+
+    def make(**kw):
+        cfg = WeightSyncConfig(**{"chunk_bytes": 1024, "timeout_s": 5, **kw})
+        s = ShmSender(cfg, model_id=kw.pop("model_id", "policy") if "model_id" in kw else "policy", run_id="t")
+        made.append(s)
+        return s
+
+    yield make
+    for s in made:
+        s.close()
+
+
+@pytest.mark.parametrize("transport", ["shm", "directory"])
+def test_round_trip_bit_exact(transport, tmp_path, shm_sender):
+    ts = all_dtypes()
+    if transport == "shm":
+        s = shm_sender()
+    else:
+        s = DirectorySender(WeightSyncConfig(transport="directory", directory=str(tmp_path), chunk_bytes=1024),
+                            model_id="policy", run_id="t")  # fmt: skip
+    rx = s.receiver_handle().attach()
+    assert rx.latest_version() is None
+    rep = s.publish(7, ts.items())
+    assert rep.shards > 5 and rep.nbytes == sum(t.nbytes for t in ts.values())
+    assert rx.latest_version() == 7
+    dest = fresh_dest(ts)
+    assert rx.fetch_into(7, dest, 5) == rep.nbytes
+    for k, v in ts.items():
+        assert bit_equal(dest[k], v), k
+    rx.close()
+
+
+def test_shards_are_valid_aligned_safetensors(tmp_path):
+    ts = all_dtypes()
+    s = DirectorySender(WeightSyncConfig(transport="directory", directory=str(tmp_path), chunk_bytes=2048),
+                        model_id="policy", run_id="t")  # fmt: skip
+    s.publish(3, ts.items())
+    folder = tmp_path / "t" / "policy" / "weight_v3"
+    files = sorted(folder.iterdir())
+    manifest = json.loads((tmp_path / "t" / "policy" / "manifest.json").read_text())
+    assert manifest["shard_count"] == len(files) and manifest["version"] == 3
+    seen = {}
+    for i, f in enumerate(files):
+        raw = f.read_bytes()
+        loaded = st_load(raw)  # the reference implementation accepts every shard
+        hlen = int.from_bytes(raw[:8], "little")
+        assert (8 + hlen) % ALIGN == 0
+        parsed = parse_shard(torch.frombuffer(bytearray(raw), dtype=torch.uint8))
+        assert parsed.meta.version == 3 and parsed.meta.shard_index == i and parsed.meta.shard_count == len(files)
+        assert parsed.meta.model_id == "policy" and len(parsed.meta.uuid) == 32
+        for e, view in parsed.entries:
+            assert e.offset % ALIGN == 0
+            key = e.key
+            assert bit_equal(loaded[key], view)
+            seen.setdefault(e.name, []).append(e)
+    assert set(seen) == set(ts)
+    assert len(seen["fp32.big"]) > 1  # split by rows
+    rows = sorted((e.row0, e.row0 + e.shape[0]) for e in seen["fp32.big"])
+    assert rows[0][0] == 0 and rows[-1][1] == 257 and all(a[1] == b[0] for a, b in zip(rows, rows[1:]))
+
+
+def test_corrupted_shm_shard_is_rejected(shm_sender):
+    ts = all_dtypes()
+    s = shm_sender(max_retries=1)
+    rx = s.receiver_handle().attach()
+    s.publish(1, ts.items())
+    seg = rx.slots[0]
+    magic, seq, v1, used, count, ioff, ilen, uid = seg.read("<8sQQQQQQ32s")
+    off, n = json.loads(bytes(seg.mm[ioff : ioff + ilen]))[2]
+    hlen = int.from_bytes(seg.mm[off : off + 8], "little")
+    seg.mm[off + 8 + hlen] ^= 0xFF
+    with pytest.raises(WeightSyncError, match="checksum mismatch"):
+        rx.fetch_into(1, fresh_dest(ts), 2)
+    rx.close()
+
+
+def test_missing_and_corrupted_directory_shard(tmp_path):
+    ts = all_dtypes()
+    s = DirectorySender(WeightSyncConfig(transport="directory", directory=str(tmp_path), chunk_bytes=1024,
+                                         max_retries=0), model_id="policy", run_id="t")  # fmt: skip
+    s.publish(1, ts.items())
+    rx = s.receiver_handle().attach()
+    folder = tmp_path / "t" / "policy" / "weight_v1"
+    f = sorted(folder.iterdir())[1]
+    raw = bytearray(f.read_bytes())
+    raw[-1] ^= 1
+    f.write_bytes(bytes(raw))
+    with pytest.raises(WeightSyncError, match="checksum"):
+        rx.fetch_into(1, fresh_dest(ts), 2)
+    f.unlink()
+    with pytest.raises(WeightSyncError, match="missing shard"):
+        rx.fetch_into(1, fresh_dest(ts), 2)
+    assert issubclass(WeightSyncError, MrlError)
+
+
+def test_wrong_destination_is_a_clear_error(shm_sender):
+    s = shm_sender()
+    rx = s.receiver_handle().attach()
+    s.publish(1, [("a", torch.ones(3)), ("b", torch.ones(2))])
+    with pytest.raises(WeightSyncError, match="'b' has no destination"):
+        rx.fetch_into(1, {"a": torch.zeros(3)}, 2)
+    with pytest.raises(WeightSyncError, match="destination is torch.float16"):
+        rx.fetch_into(1, {"a": torch.zeros(3, dtype=torch.float16), "b": torch.zeros(2)}, 2)
+    rx.close()
+
+
+def test_versions_must_increase_and_unsupported_dtype(shm_sender, tmp_path):
+    s = shm_sender()
+    s.publish(5, [("a", torch.ones(3))])
+    with pytest.raises(WeightSyncError, match="not newer"):
+        s.publish(5, [("a", torch.ones(3))])
+    with pytest.raises(WeightSyncError, match="cannot be published"):
+        s.publish(6, [("c", torch.ones(2, dtype=torch.complex64))])
+    with pytest.raises(WeightSyncError, match="published twice"):
+        s.publish(7, [("a", torch.ones(3)), ("a", torch.ones(3))])
+
+
+def test_shm_slots_alternate_and_are_reused(shm_sender):
+    s = shm_sender()
+    rx = s.receiver_handle().attach()
+    sizes = []
+    for v in range(1, 6):
+        s.publish(v, [("w", torch.full((1000,), float(v)))])
+        sizes.append(tuple(os.path.getsize(p) for p in rx.h.slot_paths))
+        versions = sorted(seg.read("<Q", 16)[0] - 1 for seg in rx.slots)
+        assert versions == ([v] if v == 1 else [v - 1, v]) or (v == 1 and versions == [-1, 1])
+        dest = {"w": torch.zeros(1000)}
+        rx.fetch_into(v, dest, 2)
+        assert torch.all(dest["w"] == v)
+    assert len(set(sizes)) == 1  # no re-allocation
+    # the previous version stays readable while the next one is written into the other slot
+    rx.fetch_into(4, {"w": torch.zeros(1000)}, 2)
+    with pytest.raises(WeightSyncError, match="no longer"):
+        rx.fetch_into(2, {"w": torch.zeros(1000)}, 2)
+    rx.close()
+
+
+def test_shm_close_unlinks_and_stale_segments_are_removed(shm_sender):
+    s = shm_sender()
+    paths = [s.ctl.path, *(x.path for x in s.slots)]
+    assert all(os.path.exists(p) for p in paths)
+    s.close()
+    assert not any(os.path.exists(p) for p in paths)
+    # a segment left behind by a dead pid (pid 2**22+1 does not exist on Linux defaults)
+    stale = os.path.join(SHM_DIR, f"mrlws-{4194305}-old-policy-ctl")
+    with open(stale, "wb") as f:
+        f.write(b"x")
+    assert stale in remove_stale_segments()
+    assert not os.path.exists(stale)
+
+
+def test_several_model_ids_do_not_mix():
+    cfg = WeightSyncConfig(timeout_s=5)
+    a = ShmSender(cfg, model_id="policy", run_id="multi")
+    b = ShmSender(cfg, model_id="reference", run_id="multi")
+    try:
+        a.publish(3, [("w", torch.full((10,), 3.0))])
+        b.publish(1, [("w", torch.full((10,), -1.0))])
+        ra, rb = a.receiver_handle().attach(), b.receiver_handle().attach()
+        assert (ra.latest_version(), rb.latest_version()) == (3, 1)
+        da, db = {"w": torch.zeros(10)}, {"w": torch.zeros(10)}
+        ra.fetch_into(3, da, 2)
+        rb.fetch_into(1, db, 2)
+        assert torch.all(da["w"] == 3) and torch.all(db["w"] == -1)
+        ra.close()
+        rb.close()
+        with pytest.raises(WeightSyncError, match="already exists"):
+            ShmSender(cfg, model_id="policy", run_id="multi")
+    finally:
+        a.close()
+        b.close()
+
+
+def test_config_validation():
+    cfg = WeightSyncConfig()
+    assert cfg.validate() is cfg and cfg.transport == "shm" and cfg.verify_checksum
+    assert cfg.chunk_for("shm") > 0 and cfg.bucket_for("broadcast") >= cfg.chunk_for("broadcast")
+    with pytest.raises(ConfigError, match="unknown weight_sync key 'chunk'.*valid keys: transport, chunk_bytes"):
+        WeightSyncConfig.from_dict({"chunk": 5})
+    with pytest.raises(ConfigError, match="staging must be 'device' or 'host'"):
+        WeightSyncConfig.from_dict({"staging": "disk"})
+    with pytest.raises(ConfigError, match="directory must be set"):
+        WeightSyncConfig.from_dict({"transport": "directory"})
+    with pytest.raises(ConfigError, match="chunk_bytes"):
+        WeightSyncConfig.from_dict({"chunk_bytes": 10})
+    with pytest.raises(ConfigError, match="poll_interval_s"):
+        WeightSyncConfig.from_dict({"poll_interval_s": 0})
+    with pytest.raises(ConfigError, match="timeout_s"):
+        WeightSyncConfig.from_dict({"timeout_s": -1})
+    assert WeightSyncConfig.from_dict({"transport": "directory", "directory": "/tmp/x"}).directory == "/tmp/x"
+    for f in WeightSyncConfig.__dataclass_fields__.values():
+        assert f.metadata.get("help"), f.name
+
+
+def test_directory_manifest_is_atomic_and_old_versions_collected(tmp_path):
+    cfg = WeightSyncConfig(transport="directory", directory=str(tmp_path), chunk_bytes=4096, keep_versions=2)
+    s = DirectorySender(cfg, model_id="policy", run_id="t")
+    rx = s.receiver_handle().attach()
+    root = tmp_path / "t" / "policy"
+    for v in range(1, 6):
+        s.publish(v, [("w", torch.full((3000,), float(v)))])
+    assert sorted(p.name for p in root.iterdir()) == ["manifest.json", "weight_v4", "weight_v5"]
+    # a writer that crashed mid-version leaves only a hidden temp folder and temp manifest: not visible
+    (root / ".weight_v9.tmp-1").mkdir()
+    (root / "manifest.json.tmp-1").write_text('{"version": 9, "trunc')
+    assert rx.latest_version() == 5
+    dest = {"w": torch.zeros(3000)}
+    rx.fetch_into(5, dest, 2)
+    assert torch.all(dest["w"] == 5)
