@@ -16,7 +16,11 @@ import subprocess
 import sys
 
 import pytest
-from fakes import fake_torch_npu
+
+try:
+    from fakes import fake_torch_npu
+except ImportError:  # tests/ imported as a package (rootdir-based import modes)
+    from tests.fakes import fake_torch_npu
 
 from mrl_plugins.cli import doctor
 from mrl_plugins.cli.doctor import Check, check_memory, check_ports, check_threads, cli, load_report, triage
