@@ -19,6 +19,7 @@ from mrl_plugins.rollout.engine import (
     is_vllm_available,
     process_logits,
 )
+from tests.marks import require_trl, require_vllm
 
 PROMPTS = [[3, 4, 5], [6, 7, 8, 9, 10], [11]]
 
@@ -252,6 +253,7 @@ def test_from_trainer_reads_trl_attributes():
 
 
 @pytest.mark.slow
+@require_trl
 def test_from_trainer_on_real_grpo_trainer(tmp_path, tiny):
     from trl import GRPOConfig, GRPOTrainer
 
@@ -292,11 +294,9 @@ def test_vllm_engine_not_installed_error():
         VLLMEngine("some/path", params=SamplingParams(max_new_tokens=2))
 
 
-requires_vllm = pytest.mark.skipif(not is_vllm_available(), reason="vllm not installed (VLLMEngine is unverified)")
-
-
-@requires_vllm
+@require_vllm
 def test_vllm_engine_logprobs_and_order(tmp_path):  # pragma: no cover - needs vllm
+    """VLLMEngine is unverified: this runs only where vllm is installed."""
     model, tok = build_model("tiny", seed=0)
     model.save_pretrained(tmp_path)
     tok.save_pretrained(tmp_path)
@@ -305,3 +305,23 @@ def test_vllm_engine_logprobs_and_order(tmp_path):  # pragma: no cover - needs v
     assert out.prompt_ids == [PROMPTS[0]] * 2 + [PROMPTS[1]] * 2 + [PROMPTS[2]] * 2
     for p, c, lp in zip(out.prompt_ids, out.completion_ids, out.logprobs):
         assert (teacher_forced(model, p, c, 1.0) - torch.tensor(lp)).abs().max().item() < 1e-3
+
+
+def test_generate_uses_eval_mode_and_restores_train_mode():
+    """A model shared with a trainer (train mode, dropout on) still gives teacher-forcing-exact logprobs."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    _, tok = build_model("tiny", seed=0)
+    cfg = Qwen2Config(
+        vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, attention_dropout=0.5, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(cfg)
+    eng = TransformersEngine(model, tok, params=SamplingParams(max_new_tokens=8), seed=0)
+    model.train()
+    out = eng.generate(PROMPTS, 2)
+    assert model.training
+    model.eval()
+    for p, c, lp in zip(out.prompt_ids, out.completion_ids, out.logprobs):
+        assert (teacher_forced(model, p, c, 1.0) - torch.tensor(lp)).abs().max().item() < 1e-4

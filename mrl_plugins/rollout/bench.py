@@ -242,7 +242,7 @@ def run_bench(
             "cores": cores,
             "quick": quick,
             "torch_default_threads_unbound": cases["unbound"]["engine_binding"]["threads"],
-        },  # fmt: skip
+        },
         "colocate": cases,
         "ratios": {
             "p99_bound_vs_unbound": cases["bound"]["p99_ms"] / cases["unbound"]["p99_ms"],

@@ -266,8 +266,15 @@ class TransformersEngine:
 
         _check_prompts(prompts, num_generations)
         start = time.perf_counter()
-        with torch.inference_mode():
-            completions, logprobs = self._sample([list(p) for p in prompts for _ in range(num_generations)])
+        was_training = self.model.training  # a model shared with a trainer may have been put back in train mode
+        if was_training:
+            self.model.eval()
+        try:
+            with torch.inference_mode():
+                completions, logprobs = self._sample([list(p) for p in prompts for _ in range(num_generations)])
+        finally:
+            if was_training:
+                self.model.train()
         repeated = [list(p) for p in prompts for _ in range(num_generations)]
         return EngineOutput(repeated, completions, logprobs, seconds=time.perf_counter() - start)
 
