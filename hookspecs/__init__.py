@@ -1,8 +1,8 @@
 """The mrl-plugins hook contract (installed as ``mrl_plugins.hookspecs``)."""
 
-from . import spec
-from .spec import PROJECT_NAME, STAGE_HOOKS, hookimpl, hookspec
-from .types import (
+from mrl_plugins.hookspecs import spec
+from mrl_plugins.hookspecs.spec import PROJECT_NAME, STAGE_HOOKS, hookimpl, hookspec
+from mrl_plugins.hookspecs.types import (
     REGISTRATION_HOOKS,
     STAGES,
     CommCodec,

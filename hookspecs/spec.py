@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import pluggy
 
-from .types import (
+from mrl_plugins.hookspecs.types import (
     CommCodec,
     CommTransport,
     PublishReport,
@@ -250,9 +250,7 @@ def mrl_comm_decode(ctx: StageContext, frame: bytes | memoryview) -> Any:
 
 
 @hookspec(firstresult=True)
-def mrl_comm_send(
-    ctx: StageContext, batch: Mapping[str, Any], meta: Mapping[str, Any], timeout: float
-) -> int | None:
+def mrl_comm_send(ctx: StageContext, batch: Mapping[str, Any], meta: Mapping[str, Any], timeout: float) -> int | None:
     """Send one experience batch towards the trainer; returns the bytes put on the transport.
 
     Blocks at most ``timeout`` seconds when the transport is full (backpressure), then raises

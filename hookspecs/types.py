@@ -24,7 +24,11 @@ class _Registration:
     description: str = ""
 
     def __post_init__(self) -> None:
-        if not isinstance(self.name, str) or not self.name or not self.name.replace("_", "-").replace("-", "").isalnum():
+        if (
+            not isinstance(self.name, str)
+            or not self.name
+            or not self.name.replace("_", "-").replace("-", "").isalnum()
+        ):
             raise ValueError(f"registration name must be a non-empty [a-z0-9_-] string, got {self.name!r}")
         if not callable(self.factory):
             raise TypeError(f"registration {self.name!r}: factory must be callable, got {type(self.factory).__name__}")

@@ -19,6 +19,9 @@ from typing import Any
 from mrl_plugins.errors import ConfigError, choices
 
 MODES = ("colocate", "disaggregated", "hybrid")
+DEVICES = ("auto", "cpu", "cuda", "npu")
+#: the path of the top level in error messages
+TOP = "config"
 TRAINERS = ("grpo", "rloo")
 
 
@@ -45,8 +48,12 @@ def _type_ok(value: Any, tp: Any) -> bool:
     return True
 
 
-def section_from_dict(cls: type, data: Any, path: str) -> Any:
-    """Build dataclass ``cls`` from ``data``, rejecting unknown keys and wrongly typed values."""
+def section_from_dict(cls: type, data: Any, path: str, valid_keys: typing.Iterable[str] = ()) -> Any:
+    """Build dataclass ``cls`` from ``data``, rejecting unknown keys and wrongly typed values.
+
+    ``valid_keys`` overrides the key list named in the unknown-key error (the top level, whose stage
+    sections are parsed separately).
+    """
     if data is None:
         data = {}
     if dataclasses.is_dataclass(data) and isinstance(data, cls):
@@ -57,15 +64,15 @@ def section_from_dict(cls: type, data: Any, path: str) -> Any:
     hints = typing.get_type_hints(cls)
     unknown = sorted(set(data) - set(fields))
     if unknown:
-        raise ConfigError(f"{path}: unknown key {unknown[0]!r}; valid keys: {choices(fields)}")
+        raise ConfigError(f"{path}: unknown key {unknown[0]!r}; valid keys: {choices(valid_keys or fields)}")
     kwargs = {}
     for key, value in data.items():
         tp = hints[key]
         if dataclasses.is_dataclass(tp):
-            kwargs[key] = _nested(tp, value, f"{path}.{key}")
+            kwargs[key] = _nested(tp, value, _join(path, key))
             continue
         if not _type_ok(value, tp):
-            raise ConfigError(f"{path}.{key}: expected {getattr(tp, '__name__', tp)}, got {value!r}")
+            raise ConfigError(f"{_join(path, key)}: expected {getattr(tp, '__name__', tp)}, got {value!r}")
         kwargs[key] = float(value) if tp is float else value
     obj = cls(**kwargs)
     validate = getattr(obj, "validate", None)
@@ -73,18 +80,27 @@ def section_from_dict(cls: type, data: Any, path: str) -> Any:
         try:
             validate()
         except ConfigError as exc:
-            if str(exc).startswith(path):
+            if path == TOP or str(exc).startswith(path):
                 raise
             raise ConfigError(f"{path}: {exc}") from None
     return obj
 
 
+def _join(path: str, key: str) -> str:
+    """Dotted key path; top-level keys are named bare (``mode``, not ``config.mode``)."""
+    return key if path == TOP else f"{path}.{key}"
+
+
 def _nested(cls: type, value: Any, path: str) -> Any:
+    if value is not None and not isinstance(value, dict | cls):
+        raise ConfigError(f"{path}: expected a mapping, got {type(value).__name__}")
     from_dict = getattr(cls, "from_dict", None)
     if from_dict is not None and not isinstance(value, cls):
         try:
-            return from_dict(value or {})
+            return from_dict({} if value is None else value)
         except ConfigError as exc:
+            if str(exc).startswith(path):
+                raise
             raise ConfigError(f"{path}: {exc}") from None
     return section_from_dict(cls, value, path)
 
@@ -93,9 +109,15 @@ def _nested(cls: type, value: Any, path: str) -> Any:
 class PluginsConfig:
     """Which plugin runs each stage."""
 
-    rollout: str = field(default="mrl", metadata={"help": "plugin for rollout: 'mrl', 'upstream' (TRL's own) or a third-party name"})
-    weight_sync: str = field(default="mrl", metadata={"help": "plugin for weight sync: 'mrl', 'upstream' or a third-party name"})
-    comm: str = field(default="mrl", metadata={"help": "plugin for experience transfer: 'mrl', 'upstream' or a third-party name"})
+    rollout: str = field(
+        default="mrl", metadata={"help": "plugin for rollout: 'mrl', 'upstream' (TRL's own) or a third-party name"}
+    )
+    weight_sync: str = field(
+        default="mrl", metadata={"help": "plugin for weight sync: 'mrl', 'upstream' or a third-party name"}
+    )
+    comm: str = field(
+        default="mrl", metadata={"help": "plugin for experience transfer: 'mrl', 'upstream' or a third-party name"}
+    )
 
     def as_dict(self) -> dict[str, str]:
         return dataclasses.asdict(self)
@@ -111,7 +133,9 @@ class TrainConfig:
     seed: int = field(default=0, metadata={"help": "random seed (same for every compared run)"})
     learning_rate: float = field(default=3e-3, metadata={"help": "learning rate"})
     num_prompts: int = field(default=512, metadata={"help": "size of the generated prompt dataset"})
-    threads: int = field(default=0, metadata={"help": "torch threads of the trainer process; 0 = all cores of the budget"})
+    threads: int = field(
+        default=0, metadata={"help": "torch threads of the trainer process; 0 = all cores of the budget"}
+    )
     output_dir: str = field(default="mrl-out", metadata={"help": "TRL output_dir"})
     logging_steps: int = field(default=1, metadata={"help": "TRL logging_steps"})
     trl_args: dict = field(default_factory=dict, metadata={"help": "extra GRPOConfig/RLOOConfig keyword arguments"})
@@ -140,7 +164,9 @@ class MrlConfig:
 
     plugins: PluginsConfig = field(default_factory=PluginsConfig, metadata={"help": "plugin per stage"})
     disable: list[str] = field(default_factory=list, metadata={"help": "plugin names blocked before loading"})
-    autoload: bool = field(default=True, metadata={"help": "load third-party plugins from the 'mrl_plugins' entry points"})
+    autoload: bool = field(
+        default=True, metadata={"help": "load third-party plugins from the 'mrl_plugins' entry points"}
+    )
     mode: str = field(default="colocate", metadata={"help": "deployment: 'colocate', 'disaggregated' or 'hybrid'"})
     device: str = field(default="auto", metadata={"help": "'auto', 'cpu', 'cuda[:N]' or 'npu[:N]'"})
     rollout: Any = field(default=None, metadata={"help": "rollout stage section"})
@@ -159,19 +185,21 @@ class MrlConfig:
         if data is None:
             data = {}
         if not isinstance(data, dict):
-            raise ConfigError(f"config: expected a mapping at the top level, got {type(data).__name__}")
+            raise ConfigError(f"{TOP}: expected a mapping at the top level, got {type(data).__name__}")
         data = dict(data)
         stages = _stage_classes()
         sections = {name: _nested(stages[name], data.pop(name), name) for name in list(stages) if name in data}
-        top = section_from_dict(_TopLevel, data, "config")
+        top = section_from_dict(_TopLevel, data, TOP, valid_keys=[f.name for f in dataclasses.fields(cls)])
         return cls(**dataclasses.asdict(top) | {"plugins": top.plugins, "train": top.train}, **sections)
 
     def validate(self) -> None:
         if self.mode not in MODES:
             raise ConfigError(f"mode: {self.mode!r} is not a deployment mode; valid: {choices(MODES)}")
-        dev = self.device.split(":")[0]
-        if dev not in ("auto", "cpu", "cuda", "npu"):
-            raise ConfigError(f"device: {self.device!r} is not a device; valid: {choices(['auto', 'cpu', 'cuda', 'npu'])}")
+        dev, sep, index = self.device.partition(":")
+        if dev not in DEVICES or (sep and (dev in ("auto", "cpu") or not index.isdigit())):
+            raise ConfigError(
+                f"device: {self.device!r} is not a device; valid: {choices(DEVICES)} (cuda/npu optionally ':N')"
+            )
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -242,12 +270,15 @@ def load_config(source: Any = None) -> MrlConfig:
 
 
 def apply_env_overrides(config: MrlConfig, env: typing.Mapping[str, str] | None = None) -> MrlConfig:
-    """Apply ``MRL_DISABLED_PLUGINS=a,b`` and ``MRL_DISABLE_PLUGIN_AUTOLOAD=1`` to ``config``."""
+    """``config`` with ``MRL_DISABLED_PLUGINS=a,b`` and ``MRL_DISABLE_PLUGIN_AUTOLOAD=1`` applied (a new object)."""
     env = os.environ if env is None else env
     disabled = [n.strip() for n in env.get("MRL_DISABLED_PLUGINS", "").split(",") if n.strip()]
-    for name in disabled:
-        if name not in config.disable:
-            config.disable.append(name)
-    if env.get("MRL_DISABLE_PLUGIN_AUTOLOAD", "").strip().lower() in ("1", "true", "yes"):
-        config.autoload = False
-    return config
+    no_autoload = env.get("MRL_DISABLE_PLUGIN_AUTOLOAD", "").strip().lower() in ("1", "true", "yes")
+    if not disabled and not no_autoload:
+        return config
+    # a copy: the caller's config object is never modified
+    return dataclasses.replace(
+        config,
+        disable=[*config.disable, *(n for n in dict.fromkeys(disabled) if n not in config.disable)],
+        autoload=False if no_autoload else config.autoload,
+    )

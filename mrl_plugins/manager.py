@@ -15,6 +15,7 @@ There is no module-level manager: call :func:`get_plugin_manager` for a fresh on
 from __future__ import annotations
 
 import importlib
+import inspect
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -84,12 +85,21 @@ class MrlPluginManager:
                 self.pm.set_blocked(registered)
 
     def register(self, plugin: Any, name: str, *, source: str = "manual") -> None:
-        """Register ``plugin`` under ``name`` unless blocked."""
+        """Register ``plugin`` under ``name`` unless blocked.
+
+        Raises :class:`PluginError` for a name registered twice, a hook implementation whose signature
+        pluggy rejects, or one with required keyword-only parameters (pluggy never passes those, so
+        the first call would fail with a ``TypeError`` deep inside a run).
+        """
         if _is_blocked(name, self._disabled):
             return
         if self.pm.get_plugin(name) is not None:
             raise PluginError(f"plugin name {name!r} is registered twice ({self._sources.get(name)} and {source})")
-        self.pm.register(plugin, name=name)
+        _check_keyword_only(plugin, name)
+        try:
+            self.pm.register(plugin, name=name)
+        except pluggy.PluginValidationError as exc:
+            raise PluginError(f"plugin {name!r} ({source}) is invalid: {_one_line(exc)}") from exc
         self._sources[name] = source
 
     def load_builtins(self) -> None:
@@ -100,21 +110,47 @@ class MrlPluginManager:
             self.register(getattr(importlib.import_module(module), attr)(), name, source="builtin")
 
     def load_entry_points(self) -> None:
+        """Load the ``mrl_plugins`` entry points that are not blocked (blocked ones are never imported).
+
+        An entry point may name a module, an instance or a class (instantiated without arguments).
+        The same entry point seen twice on ``sys.path`` is loaded once; two different entry points
+        with one name, or one named like a built-in, is a :class:`PluginError`.
+        """
         from importlib.metadata import entry_points
 
+        seen: dict[str, str] = {}
         for ep in entry_points(group=ENTRY_POINT_GROUP):
-            if _is_blocked(ep.name, self._disabled) or self.pm.get_plugin(ep.name) is not None:
+            if _is_blocked(ep.name, self._disabled):
                 continue
+            if ep.name in seen:
+                if seen[ep.name] == ep.value:
+                    continue
+                raise PluginError(
+                    f"plugin name {ep.name!r} is provided by two entry points: {seen[ep.name]} and {ep.value}"
+                )
+            seen[ep.name] = ep.value
+            if self.pm.get_plugin(ep.name) is not None:
+                raise PluginError(
+                    f"entry point {ep.name!r} ({ep.value}) clashes with the "
+                    f"{self._sources.get(ep.name)} plugin of that name"
+                )
             try:
                 plugin = ep.load()
+                if inspect.isclass(plugin):
+                    plugin = plugin()
             except Exception as exc:  # noqa: BLE001 - name the broken plugin, keep the cause
                 raise PluginError(f"entry point {ep.name!r} ({ep.value}) failed to load: {exc}") from exc
             self.register(plugin, ep.name, source="entrypoint")
 
     # ------------------------------------------------------------------ introspection
     def provided_stages(self, plugin: Any) -> tuple[str, ...]:
-        callers = {c.name for c in (self.pm.get_hookcallers(plugin) or [])}
-        return tuple(s for s in STAGES if any(h in callers for h in STAGE_HOOKS[s]))
+        """Stages for which ``plugin`` implements an operation hook (hook wrappers do not count)."""
+        provided = {
+            caller.name
+            for caller in (self.pm.get_hookcallers(plugin) or [])
+            if any(impl.plugin is plugin and not _is_wrapper(impl) for impl in caller.get_hookimpls())
+        }
+        return tuple(s for s in STAGES if any(h in provided for h in STAGE_HOOKS[s]))
 
     def providers(self, stage: str) -> dict[str, Any]:
         return {n: p for n, p in self.pm.list_name_plugin() if p is not None and stage in self.provided_stages(p)}
@@ -188,10 +224,21 @@ class MrlPluginManager:
             table: dict[str, Any] = {}
             owners: dict[str, str] = {}
             for impl in getattr(self.pm.hook, hook).get_hookimpls():
-                for reg in impl.function() or ():
+                if _is_wrapper(impl):
+                    continue
+                returned = impl.function()
+                if returned is None:
+                    continue
+                if isinstance(returned, str | bytes) or not isinstance(returned, Iterable):
+                    raise PluginError(
+                        f"plugin {impl.plugin_name!r}: {hook} returned {type(returned).__name__}, expected an "
+                        f"iterable of {cls.__name__}"
+                    )
+                for reg in returned:
                     if not isinstance(reg, cls):
                         raise PluginError(
-                            f"plugin {impl.plugin_name!r}: {hook} returned {type(reg).__name__}, expected {cls.__name__}"
+                            f"plugin {impl.plugin_name!r}: {hook} returned a {type(reg).__name__}, "
+                            f"expected {cls.__name__}"
                         )
                     if reg.name in table:
                         raise PluginError(
@@ -207,11 +254,19 @@ class MrlPluginManager:
         table = self.registry(hook)
         if name not in table:
             section, key = _BACKEND_KEYS[hook]
-            raise ConfigError(f"{section}.{key}: unknown {REGISTRATION_HOOKS[hook][2]} {name!r}; valid: {choices(table)}")
+            raise ConfigError(
+                f"{section}.{key}: unknown {REGISTRATION_HOOKS[hook][2]} {name!r}; valid: {choices(table)}"
+            )
         return table[name]
 
     def validate_backends(self, config: Any) -> None:
+        """Check every backend name in ``config`` against the registrations.
+
+        Stages run by ``upstream`` are skipped: TRL's own path ignores those keys.
+        """
         for hook, (section, key) in _BACKEND_KEYS.items():
+            if self._selected and self.is_upstream(section):
+                continue
             self.backend(hook, getattr(getattr(config, section), key))
 
     # ------------------------------------------------------------------ lifecycle facade
@@ -252,6 +307,34 @@ class MrlPluginManager:
         return self._caller("comm", "mrl_comm_receive")(ctx=ctx, timeout=timeout)
 
 
+def _one_line(exc: BaseException) -> str:
+    return "; ".join(line.strip() for line in str(exc).splitlines() if line.strip())
+
+
+def _is_wrapper(impl: Any) -> bool:
+    return bool(getattr(impl, "wrapper", False) or getattr(impl, "hookwrapper", False))
+
+
+def _check_keyword_only(plugin: Any, name: str) -> None:
+    """Refuse hook implementations with required keyword-only parameters (pluggy passes only positional ones)."""
+    for attr in dir(plugin):
+        if not attr.startswith("mrl_"):
+            continue
+        func = getattr(plugin, attr, None)
+        if not callable(func) or getattr(func, f"{PROJECT_NAME}_impl", None) is None:
+            continue
+        try:
+            params = inspect.signature(func).parameters.values()
+        except (TypeError, ValueError):
+            continue
+        kwonly = [p.name for p in params if p.kind is inspect.Parameter.KEYWORD_ONLY and p.default is p.empty]
+        if kwonly:
+            raise PluginError(
+                f"plugin {name!r}: hook {attr} declares keyword-only parameters {kwonly}; pluggy passes hook "
+                f"arguments positionally, so declare them as plain parameters (drop the '*')"
+            )
+
+
 def get_plugin_manager(
     config: Any = None,
     *,
@@ -279,9 +362,10 @@ def get_plugin_manager(
     try:
         mgr.pm.check_pending()
     except pluggy.PluginValidationError as exc:
-        raise PluginError(f"plugin {exc.plugin!r} implements an unknown hook: {exc}") from exc
+        name = mgr.pm.get_name(exc.plugin) or repr(exc.plugin)
+        raise PluginError(f"plugin {name!r} implements an unknown hook: {_one_line(exc)}") from exc
     if select:
-        mgr.validate_backends(cfg)
         mgr.select(cfg.plugins.as_dict())
+        mgr.validate_backends(cfg)
     mgr.configure(cfg)
     return mgr

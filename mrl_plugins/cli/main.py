@@ -23,6 +23,22 @@ def _add_selection(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-autoload", action="store_true", help="do not load third-party entry-point plugins")
 
 
+def _parse_plugins(value: str) -> dict[str, str]:
+    """``rollout=mrl,comm=upstream`` -> ``{"rollout": "mrl", "comm": "upstream"}`` (ConfigError otherwise)."""
+    from mrl_plugins.errors import ConfigError, choices
+    from mrl_plugins.hookspecs import STAGES
+
+    plugins: dict[str, str] = {}
+    for part in value.split(","):
+        stage, sep, name = (x.strip() for x in part.partition("="))
+        if not sep or not stage or not name:
+            raise ConfigError(
+                f"--plugins: expected STAGE=PLUGIN[,STAGE=PLUGIN...] with STAGE {choices(STAGES)}, got {part!r}"
+            )
+        plugins[stage] = name
+    return plugins
+
+
 def _selection_config(ns: argparse.Namespace) -> dict:
     from mrl_plugins.adapters.trl import config_from_env
     from mrl_plugins.config import load_yaml
@@ -33,7 +49,7 @@ def _selection_config(ns: argparse.Namespace) -> dict:
         env_value = config_from_env(source)
         data = load_yaml(env_value) if isinstance(env_value, str) else (env_value or {})
     if ns.plugins:
-        data["plugins"] = {**(data.get("plugins") or {}), **config_from_env(ns.plugins)["plugins"]}
+        data["plugins"] = {**(data.get("plugins") or {}), **_parse_plugins(ns.plugins)}
     if ns.disable:
         data["disable"] = [*(data.get("disable") or []), *ns.disable]
     if ns.no_autoload:
@@ -73,8 +89,11 @@ def cmd_run(argv: list[str]) -> int:
 def cmd_trl(argv: list[str]) -> int:
     """``mrl trl grpo --config x.yaml``: TRL's own CLI with the plugins switched on in its processes."""
     if not argv:
-        print("usage: mrl trl {grpo,rloo} --config x.yaml [trl options]; MRL_PLUGINS picks the mrl config "
-              "(default: colocate)", file=sys.stderr)
+        print(
+            "usage: mrl trl {grpo,rloo} --config x.yaml [trl options]; MRL_PLUGINS picks the mrl config "
+            "(default: colocate)",
+            file=sys.stderr,
+        )
         return 2
     os.environ.setdefault("MRL_PLUGINS", "colocate")
     from mrl_plugins._autoenable import install
@@ -126,8 +145,10 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_module("mrl_plugins.cli.plan")(rest)
         if command == "bench":
             if not rest or rest[0] not in BENCHES:
-                print(f"usage: mrl bench {{{','.join(sorted(BENCHES))}}} [--json PATH] [--reps N] [--quick]",
-                      file=sys.stderr)
+                print(
+                    f"usage: mrl bench {{{','.join(sorted(BENCHES))}}} [--json PATH] [--reps N] [--quick]",
+                    file=sys.stderr,
+                )
                 return 2
             return cmd_module(BENCHES[rest[0]])(rest[1:])
         parser.parse_args(argv)  # prints the usage error for an unknown command
