@@ -1,0 +1,151 @@
+"""``mrl plugins``: the installed console script (subprocess) and ``main([...])`` in-process."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from mrl_plugins.cli.main import main
+
+MRL = Path(sys.executable).parent / "mrl"
+BUILTINS = {
+    "upstream": "rollout, weight_sync, comm",
+    "mrl.rollout": "rollout",
+    "mrl.weight_sync": "weight_sync",
+    "mrl.comm": "comm",
+}
+
+
+@pytest.fixture(autouse=True)
+def _no_plugin_env(monkeypatch):
+    for var in ("MRL_PLUGINS", "MRL_DISABLED_PLUGINS", "MRL_DISABLE_PLUGIN_AUTOLOAD"):
+        monkeypatch.delenv(var, raising=False)
+
+
+def _rows(output: str) -> dict[str, dict[str, str]]:
+    """Parse the table: plugin -> {source, stages, active}; column starts come from the header line."""
+    lines = output.splitlines()
+    header = lines[0]
+    assert header.split()[:3] == ["plugin", "source", "stages"] and header.rstrip().endswith("active for")
+    starts = [header.index("source"), header.index("stages"), header.index("active for")]
+    rows = {}
+    for line in lines[1:]:
+        if not line.strip():
+            break
+        rows[line[: starts[0]].strip()] = {
+            "source": line[starts[0] : starts[1]].strip(),
+            "stages": line[starts[1] : starts[2]].strip(),
+            "active": line[starts[2] :].strip(),
+        }
+    return rows
+
+
+def _run_mrl(*args: str) -> subprocess.CompletedProcess:
+    if not MRL.exists():
+        pytest.fail(f"console script {MRL} is not installed (pip install -e .)")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MRL_")}
+    return subprocess.run([str(MRL), *args], capture_output=True, text=True, timeout=120, env=env, cwd="/tmp")
+
+
+def _in_process(capsys, *args: str) -> tuple[int, str, str]:
+    code = main(["plugins", *args])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_console_script_lists_builtins():
+    proc = _run_mrl("plugins")
+    assert proc.returncode == 0, proc.stderr
+    rows = _rows(proc.stdout)
+    for name, stages in BUILTINS.items():
+        assert rows[name]["stages"] == stages
+        assert rows[name]["source"] == "builtin"
+    assert rows["mrl.rollout"]["active"] == "rollout"
+    assert rows["mrl.weight_sync"]["active"] == "weight_sync"
+    assert rows["mrl.comm"]["active"] == "comm"
+    assert rows["upstream"]["active"] == "-"
+    assert "comm codecs: " in proc.stdout and "weight transports: " in proc.stdout
+
+
+def test_console_script_unknown_plugin_exit_2():
+    proc = _run_mrl("plugins", "--plugins", "rollout=nosuch")
+    assert proc.returncode == 2
+    assert proc.stdout == ""
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert "nosuch" in lines[0] and "'mrl'" in lines[0] and "'upstream'" in lines[0]
+
+
+def test_in_process_default(capsys):
+    code, out, _ = _in_process(capsys)
+    assert code == 0
+    rows = _rows(out)
+    assert {name: r["stages"] for name, r in rows.items() if name in BUILTINS} == BUILTINS
+    assert rows["mrl.rollout"]["active"] == "rollout" and rows["upstream"]["active"] == "-"
+
+
+def test_plugins_option_changes_active_column(capsys):
+    code, out, _ = _in_process(capsys, "--plugins", "rollout=upstream")
+    assert code == 0
+    rows = _rows(out)
+    assert rows["upstream"]["active"] == "rollout"
+    assert rows["mrl.rollout"]["active"] == "-"
+    assert rows["mrl.comm"]["active"] == "comm"
+    code, out, _ = _in_process(capsys, "--plugins", "rollout=upstream,weight_sync=upstream,comm=upstream")
+    assert code == 0
+    assert _rows(out)["upstream"]["active"] == "rollout, weight_sync, comm"
+
+
+def test_config_option_and_override(capsys):
+    code, out, _ = _in_process(capsys, "--config", "upstream")
+    assert code == 0 and _rows(out)["upstream"]["active"] == "rollout, weight_sync, comm"
+    code, out, _ = _in_process(capsys, "--config", "upstream", "--plugins", "comm=mrl")
+    assert code == 0
+    rows = _rows(out)
+    assert rows["upstream"]["active"] == "rollout, weight_sync" and rows["mrl.comm"]["active"] == "comm"
+
+
+def test_disable_shows_blocked(capsys):
+    code, out, _ = _in_process(capsys, "--disable", "mrl.comm", "--plugins", "comm=upstream")
+    assert code == 0
+    rows = _rows(out)
+    assert rows["mrl.comm"]["active"] == "blocked"
+    assert rows["upstream"]["active"] == "comm"
+    assert rows["mrl.rollout"]["active"] == "rollout"
+
+
+def test_disable_selected_plugin_is_an_error(capsys):
+    code, out, err = _in_process(capsys, "--disable", "mrl.comm")
+    assert code == 2 and out == ""
+    assert err.count("\n") == 1 and "blocked" in err and "plugins.comm" in err
+
+
+def test_env_disable_shows_blocked(capsys, monkeypatch):
+    monkeypatch.setenv("MRL_DISABLED_PLUGINS", "mrl")
+    code, out, _ = _in_process(capsys, "--config", "upstream")
+    assert code == 0
+    rows = _rows(out)
+    assert rows["mrl"]["active"] == "blocked"
+    assert not any(name.startswith("mrl.") for name in rows)
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (["--plugins", "rollout=nosuch"], ["nosuch", "'mrl'", "'upstream'"]),
+        (["--plugins", "rollout"], ["--plugins", "STAGE=PLUGIN", "'rollout'"]),
+        (["--plugins", "bogus=mrl"], ["'bogus'", "plugins"]),
+        (["--config", "nosuch"], ["'nosuch'", "'colocate'"]),
+    ],
+)
+def test_bad_selection_exit_2_one_line(capsys, args, expected):
+    code, out, err = _in_process(capsys, *args)
+    assert code == 2 and out == ""
+    assert err.count("\n") == 1, err
+    assert err.startswith("mrl plugins: error: ")
+    for word in expected:
+        assert word in err, (word, err)

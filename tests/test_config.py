@@ -1,0 +1,238 @@
+"""Configuration loading: bundled YAML files, typed sections, clear errors naming key and valid values."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from mrl_plugins.config import (
+    MODES,
+    MrlConfig,
+    PluginsConfig,
+    TrainConfig,
+    apply_env_overrides,
+    bundled_configs,
+    load_config,
+    load_yaml,
+    resolve_config_path,
+)
+from mrl_plugins.errors import ConfigError
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+BUNDLED = ("upstream", "colocate", "disaggregated", "hybrid", "compare_small")
+
+
+# --------------------------------------------------------------------------- bundled files
+
+
+@pytest.mark.parametrize("name", BUNDLED)
+def test_bundled_configs_load(name):
+    path = resolve_config_path(name)
+    assert path == REPO_ROOT / "configs" / f"{name}.yaml"
+    cfg = load_config(path)
+    assert isinstance(cfg, MrlConfig)
+    assert cfg.mode in MODES
+    raw = load_yaml(path)
+    assert cfg.plugins.as_dict() == {**PluginsConfig().as_dict(), **raw["plugins"]}
+    if "mode" in raw:
+        assert cfg.mode == raw["mode"]
+    for section in ("rollout", "weight_sync", "comm", "train"):
+        for key, value in (raw.get(section) or {}).items():
+            assert getattr(getattr(cfg, section), key) == value, f"{section}.{key}"
+
+
+def test_bundled_set_and_upstream_contents():
+    assert set(BUNDLED) <= set(bundled_configs())
+    cfg = load_config("upstream")
+    assert cfg.plugins.as_dict() == {"rollout": "upstream", "weight_sync": "upstream", "comm": "upstream"}
+    assert load_config("hybrid").mode == "hybrid"
+    assert load_config("disaggregated").mode == "disaggregated"
+
+
+def test_resolve_config_path():
+    assert resolve_config_path("colocate") == REPO_ROOT / "configs" / "colocate.yaml"
+    assert resolve_config_path("colocate.yaml") == REPO_ROOT / "configs" / "colocate.yaml"
+    assert (
+        resolve_config_path("configs/colocate.yaml").read_text() == (REPO_ROOT / "configs/colocate.yaml").read_text()
+    )
+    with pytest.raises(ConfigError, match=r"config file 'nosuch' not found; bundled configs: .*'colocate'"):
+        resolve_config_path("nosuch")
+    with pytest.raises(ConfigError, match="not found"):
+        resolve_config_path("/some/where/colocate.yaml")  # a real path is never swapped for the bundled one
+
+
+def test_user_file_preferred_over_bundled(tmp_path, monkeypatch):
+    (tmp_path / "colocate.yaml").write_text("mode: hybrid\n")
+    monkeypatch.chdir(tmp_path)
+    assert load_config("colocate.yaml").mode == "hybrid"
+    assert load_config(tmp_path / "colocate.yaml").mode == "hybrid"
+
+
+# --------------------------------------------------------------------------- inputs
+
+
+def test_input_kinds(tmp_path):
+    default = load_config(None)
+    assert default == MrlConfig()
+    assert default.plugins.as_dict() == {"rollout": "mrl", "weight_sync": "mrl", "comm": "mrl"}
+    assert isinstance(default.train, TrainConfig)
+    from_dict = load_config({"mode": "hybrid", "rollout": {"workers": 2}})
+    assert from_dict.mode == "hybrid" and from_dict.rollout.workers == 2
+    path = tmp_path / "c.yaml"
+    path.write_text("mode: disaggregated\ncomm:\n  codec: raw\n")
+    assert load_config(path).comm.codec == "raw"
+    assert load_config(str(path)).mode == "disaggregated"
+    obj = MrlConfig(mode="hybrid")
+    assert load_config(obj) is obj
+    with pytest.raises(ConfigError, match="expected a YAML path, a dict or an MrlConfig, got int"):
+        load_config(3)
+
+
+def test_config_object_is_validated():
+    with pytest.raises(ConfigError, match="mode: 'cluster'"):
+        load_config(MrlConfig(mode="cluster"))
+
+
+def test_empty_file_means_defaults(tmp_path):
+    path = tmp_path / "empty.yaml"
+    path.write_text("# nothing\n")
+    assert load_config(path) == MrlConfig()
+
+
+def test_round_trip_through_dict():
+    cfg = load_config("colocate")
+    data = cfg.to_dict()
+    assert load_config(data) == cfg
+
+
+def test_float_fields_accept_ints():
+    cfg = load_config({"train": {"learning_rate": 1}})
+    assert cfg.train.learning_rate == 1.0 and isinstance(cfg.train.learning_rate, float)
+
+
+# --------------------------------------------------------------------------- errors
+
+
+def test_unknown_top_level_key():
+    with pytest.raises(ConfigError) as err:
+        load_config({"pluggins": {}})
+    msg = str(err.value)
+    assert "'pluggins'" in msg
+    for key in ("plugins", "disable", "mode", "device", "rollout", "weight_sync", "comm", "train"):
+        assert f"'{key}'" in msg, key
+
+
+@pytest.mark.parametrize(
+    ("data", "key", "valid"),
+    [
+        ({"rollout": {"foo": 1}}, "rollout", "pipeline"),
+        ({"comm": {"foo": 1}}, "comm", "codec"),
+        ({"weight_sync": {"foo": 1}}, "weight_sync", "transport"),
+        ({"train": {"foo": 1}}, "train", "steps"),
+        ({"plugins": {"foo": "mrl"}}, "plugins", "rollout"),
+    ],
+)
+def test_unknown_nested_key(data, key, valid):
+    with pytest.raises(ConfigError) as err:
+        load_config(data)
+    msg = str(err.value)
+    assert msg.startswith(key) and "'foo'" in msg and valid in msg
+    assert not msg.startswith(f"{key}: {key}")  # the section is named once
+
+
+@pytest.mark.parametrize(
+    ("data", "pattern"),
+    [
+        ({"mode": "cluster"}, r"^mode: 'cluster'.*'colocate', 'disaggregated' or 'hybrid'"),
+        ({"device": "tpu"}, r"^device: 'tpu'.*'auto', 'cpu', 'cuda' or 'npu'"),
+        ({"device": "cuda:x"}, r"^device: 'cuda:x'"),
+        ({"device": "cpu:3"}, r"^device: 'cpu:3'"),
+        ({"rollout": {"pipeline": "eager"}}, r"^rollout\.pipeline: 'eager'.*'async' or 'sync'"),
+        ({"train": {"trainer": "ppo"}}, r"^train\.trainer: 'ppo'.*'grpo' or 'rloo'"),
+        ({"comm": {"codec": "zip"}}, r"comm\.codec.*'zip'.*'bf16', 'fp16' or 'raw'"),
+    ],
+)
+def test_bad_enum_values_name_valid_values(data, pattern):
+    with pytest.raises(ConfigError, match=pattern):
+        load_config(data)
+
+
+@pytest.mark.parametrize(
+    ("data", "pattern"),
+    [
+        ({"mode": 5}, r"^mode: expected str, got 5"),
+        ({"autoload": "no"}, r"^autoload: expected bool, got 'no'"),
+        ({"disable": "mrl"}, r"^disable: expected list, got 'mrl'"),
+        ({"disable": ["mrl", 3]}, r"^disable: expected list"),
+        ({"train": {"steps": "10"}}, r"^train\.steps: expected int, got '10'"),
+        ({"train": {"steps": True}}, r"^train\.steps: expected int, got True"),
+        ({"rollout": {"workers": 1.5}}, r"^rollout\.workers: expected int, got 1\.5"),
+        ({"plugins": {"rollout": 3}}, r"^plugins\.rollout: expected str, got 3"),
+        ({"rollout": 5}, r"^rollout: expected a mapping, got int"),
+        ({"comm": []}, r"^comm: expected a mapping, got list"),
+        ({"train": [1]}, r"^train: expected a mapping, got list"),
+        ({"train": {"steps": 0}}, r"^train\.steps: must be >= 1"),
+    ],
+)
+def test_wrong_types(data, pattern):
+    with pytest.raises(ConfigError, match=pattern):
+        load_config(data)
+
+
+def test_non_mapping_top_level(tmp_path):
+    path = tmp_path / "list.yaml"
+    path.write_text("- mode\n- colocate\n")
+    with pytest.raises(ConfigError, match=r"list\.yaml: the top level must be a mapping, got list"):
+        load_config(path)
+    with pytest.raises(ConfigError, match="expected a mapping at the top level, got list"):
+        MrlConfig.from_dict(["mode"])
+
+
+def test_malformed_yaml_names_file_and_line(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("mode: colocate\nrollout:\n  workers: [1, 2\n  pipeline: async\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    msg = str(err.value)
+    assert str(path) in msg and "malformed YAML" in msg
+    assert "line 4" in msg
+    assert "\n" not in msg
+
+
+def test_tab_indentation_is_malformed(tmp_path):
+    path = tmp_path / "tabs.yaml"
+    path.write_text("rollout:\n\tworkers: 1\n")
+    with pytest.raises(ConfigError, match=r"tabs\.yaml: line 2 malformed YAML"):
+        load_config(path)
+
+
+# --------------------------------------------------------------------------- environment
+
+
+def test_env_overrides():
+    cfg = MrlConfig.from_dict({"disable": ["a"]})
+    out = apply_env_overrides(cfg, {"MRL_DISABLED_PLUGINS": " b, a ,,c", "MRL_DISABLE_PLUGIN_AUTOLOAD": "1"})
+    assert out.disable == ["a", "b", "c"]
+    assert out.autoload is False
+    assert cfg.disable == ["a"] and cfg.autoload is True  # the input is never modified
+    assert apply_env_overrides(cfg, {}) == cfg
+    for value, expected in (("true", False), ("yes", False), ("0", True), ("", True)):
+        assert apply_env_overrides(MrlConfig(), {"MRL_DISABLE_PLUGIN_AUTOLOAD": value}).autoload is expected
+
+
+def test_env_overrides_from_process_env(monkeypatch):
+    monkeypatch.setenv("MRL_DISABLED_PLUGINS", "mrl.comm")
+    monkeypatch.delenv("MRL_DISABLE_PLUGIN_AUTOLOAD", raising=False)
+    assert apply_env_overrides(MrlConfig()).disable == ["mrl.comm"]
+
+
+def test_every_field_has_help():
+    from mrl_plugins.comm.config import CommConfig
+    from mrl_plugins.rollout.config import RolloutConfig
+    from mrl_plugins.weight_sync.config import WeightSyncConfig
+
+    for cls in (MrlConfig, PluginsConfig, TrainConfig, RolloutConfig, WeightSyncConfig, CommConfig):
+        for f in dataclasses.fields(cls):
+            assert f.metadata.get("help"), f"{cls.__name__}.{f.name} has no help"

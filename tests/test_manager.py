@@ -1,0 +1,508 @@
+"""The plugin manager on real pluggy, real built-in plugins and real entry points (dist-info on ``sys.path``)."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from mrl_plugins.config import MrlConfig
+from mrl_plugins.errors import ConfigError, PluginError
+from mrl_plugins.hookspecs import (
+    STAGES,
+    CommCodec,
+    RolloutEngine,
+    StageContext,
+    WeightTransport,
+    hookimpl,
+)
+
+UPSTREAM = {"plugins": {"rollout": "upstream", "weight_sync": "upstream", "comm": "upstream"}}
+BUILTIN_STAGES = {
+    "upstream": ("rollout", "weight_sync", "comm"),
+    "mrl.rollout": ("rollout",),
+    "mrl.weight_sync": ("weight_sync",),
+    "mrl.comm": ("comm",),
+}
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _names(mgr) -> set[str]:
+    return {name for name, plugin in mgr.pm.list_name_plugin() if plugin is not None}
+
+
+def _infos(mgr) -> dict:
+    return {row.name: row for row in mgr.plugin_infos() if not row.blocked}
+
+
+@pytest.fixture
+def install_dist(tmp_path, monkeypatch):
+    """Install a real distribution with ``mrl_plugins`` entry points on a temporary ``sys.path`` entry.
+
+    ``install_dist(name, {ep_name: "module:attr"}, {module: source})``; modules are removed from
+    ``sys.modules`` afterwards.
+    """
+    modules: list[str] = []
+
+    def install(dist: str, entry_points: dict[str, str], sources: dict[str, str]) -> Path:
+        root = tmp_path / f"site-{dist}"
+        info = root / f"{dist}-0.1.dist-info"
+        info.mkdir(parents=True)
+        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: 0.1\n", encoding="utf-8")
+        lines = "".join(f"{k} = {v}\n" for k, v in entry_points.items())
+        (info / "entry_points.txt").write_text(f"[mrl_plugins]\n{lines}", encoding="utf-8")
+        for module, source in sources.items():
+            (root / f"{module}.py").write_text(textwrap.dedent(source), encoding="utf-8")
+            modules.append(module)
+        monkeypatch.syspath_prepend(str(root))
+        importlib.invalidate_caches()
+        return root
+
+    yield install
+    for module in modules:
+        sys.modules.pop(module, None)
+    importlib.invalidate_caches()
+
+
+FAKEPLUG = """
+    from mrl_plugins.hookspecs import hookimpl
+
+    CALLS = []
+
+
+    class _FakePlug:
+        @hookimpl
+        def mrl_comm_encode(self, ctx, batch, meta):
+            CALLS.append(("encode", sorted(batch)))
+            return b"fakeplug:" + ",".join(sorted(batch)).encode()
+
+        @hookimpl
+        def mrl_comm_decode(self, ctx, frame):
+            CALLS.append(("decode", bytes(frame)))
+            return ({}, {"frame": bytes(frame)})
+
+
+    plugin = _FakePlug()
+"""
+
+BOOM = """
+    raise RuntimeError("boom_mod must never be imported while blocked")
+"""
+
+
+# --------------------------------------------------------------------------- built-ins and selection
+
+
+def test_builtins_listed_with_their_stages(fresh_pm):
+    infos = _infos(fresh_pm())
+    for name, stages in BUILTIN_STAGES.items():
+        assert name in infos, f"built-in {name!r} missing from {sorted(infos)}"
+        assert infos[name].stages == stages
+        assert infos[name].source == "builtin"
+
+
+def test_selecting_mrl_resolves_to_stage_plugin(fresh_pm):
+    mgr = fresh_pm()
+    assert mgr.selected == {"rollout": "mrl.rollout", "weight_sync": "mrl.weight_sync", "comm": "mrl.comm"}
+    infos = _infos(mgr)
+    assert infos["mrl.comm"].active_for == ("comm",)
+    assert infos["upstream"].active_for == ()
+
+
+def test_upstream_selected_everywhere(fresh_pm):
+    mgr = fresh_pm(UPSTREAM)
+    assert mgr.selected == {stage: "upstream" for stage in STAGES}
+    assert all(mgr.is_upstream(s) for s in STAGES)
+    infos = _infos(mgr)
+    assert infos["upstream"].active_for == STAGES
+    assert infos["mrl.rollout"].active_for == ()
+
+
+def test_mixed_selection(fresh_pm):
+    mgr = fresh_pm({"plugins": {"rollout": "mrl", "weight_sync": "upstream", "comm": "mrl"}})
+    assert mgr.selected == {"rollout": "mrl.rollout", "weight_sync": "upstream", "comm": "mrl.comm"}
+    assert not mgr.is_upstream("rollout") and mgr.is_upstream("weight_sync")
+
+
+def test_unknown_plugin_names_valid_choices(fresh_pm):
+    with pytest.raises(PluginError) as err:
+        fresh_pm({"plugins": {"rollout": "nosuch"}})
+    msg = str(err.value)
+    assert "nosuch" in msg and "plugins.rollout" in msg
+    assert "'mrl'" in msg and "'upstream'" in msg
+
+
+def test_plugin_that_does_not_provide_the_stage(fresh_pm):
+    with pytest.raises(PluginError, match=r"plugins\.comm: unknown plugin 'mrl\.rollout'"):
+        fresh_pm({"plugins": {"comm": "mrl.rollout"}})
+
+
+def test_unknown_stage(fresh_pm):
+    mgr = fresh_pm(UPSTREAM)
+    with pytest.raises(PluginError, match=r"unknown stage 'bogus'.*'comm', 'rollout' or 'weight_sync'"):
+        mgr.resolve("bogus", "mrl")
+    with pytest.raises(PluginError, match="unknown stage 'bogus'"):
+        mgr.select({"bogus": "mrl", **UPSTREAM["plugins"]})
+    assert mgr.selected == {stage: "upstream" for stage in STAGES}  # nothing half-applied
+    with pytest.raises(ConfigError, match="unknown key 'bogus'"):
+        fresh_pm({"plugins": {"bogus": "mrl"}})
+
+
+def test_stage_call_before_select_is_an_error(fresh_pm):
+    mgr = fresh_pm(select=False)
+    with pytest.raises(PluginError, match="no plugin selected for stage 'comm'"):
+        mgr.comm_encode(ctx=StageContext(config=mgr.config), batch={}, meta={})
+
+
+# --------------------------------------------------------------------------- blocking
+
+
+def test_blocked_via_config(fresh_pm):
+    with pytest.raises(PluginError, match=r"plugins\.rollout: 'upstream' is blocked"):
+        fresh_pm({"disable": ["upstream"], "plugins": {"rollout": "upstream"}})
+    mgr = fresh_pm({"disable": ["upstream"]})
+    assert "upstream" not in _names(mgr)
+    assert [r.name for r in mgr.plugin_infos() if r.blocked] == ["upstream"]
+
+
+def test_blocked_via_env(fresh_pm, monkeypatch):
+    monkeypatch.setenv("MRL_DISABLED_PLUGINS", "upstream, mrl.comm")
+    with pytest.raises(PluginError, match=r"plugins\.comm: 'mrl' is blocked"):
+        fresh_pm()
+    mgr = fresh_pm(select=False)
+    assert _names(mgr) == {"mrl.rollout", "mrl.weight_sync"}
+
+
+def test_blocked_via_argument(fresh_pm):
+    with pytest.raises(PluginError, match="'upstream' is blocked"):
+        fresh_pm(UPSTREAM, disable=["upstream"])
+
+
+def test_blocking_mrl_blocks_every_mrl_stage_plugin(fresh_pm):
+    with pytest.raises(PluginError, match=r"plugins\.rollout: 'mrl' is blocked"):
+        fresh_pm(disable=["mrl"])
+    mgr = fresh_pm(UPSTREAM, disable=["mrl"])
+    assert _names(mgr) == {"upstream"}
+    assert mgr.selected == {stage: "upstream" for stage in STAGES}
+
+
+def test_block_prefix_matches_dotted_names_only(fresh_pm):
+    class Other:
+        @hookimpl
+        def mrl_configure(self, config):
+            pass
+
+    mgr = fresh_pm(UPSTREAM, disable=["mrl"], plugins=[("mrlx", Other())])
+    assert "mrlx" in _names(mgr)
+
+
+def test_config_object_not_modified_by_env(fresh_pm, monkeypatch):
+    cfg = MrlConfig.from_dict(UPSTREAM)
+    monkeypatch.setenv("MRL_DISABLED_PLUGINS", "mrl")
+    monkeypatch.setenv("MRL_DISABLE_PLUGIN_AUTOLOAD", "1")
+    mgr = fresh_pm(cfg)
+    assert "mrl.comm" not in _names(mgr)
+    assert mgr.config.disable == ["mrl"] and mgr.config.autoload is False
+    assert cfg.disable == [] and cfg.autoload is True
+
+
+# --------------------------------------------------------------------------- entry points
+
+
+def test_blocked_entry_point_is_never_imported(fresh_pm, install_dist):
+    install_dist("boomdist", {"boom": "boom_mod:plugin"}, {"boom_mod": BOOM})
+    mgr = fresh_pm(UPSTREAM, disable=["boom"])
+    assert "boom" not in _names(mgr)
+    assert "boom_mod" not in sys.modules
+    with pytest.raises(PluginError, match=r"entry point 'boom' \(boom_mod:plugin\) failed to load"):
+        fresh_pm(UPSTREAM)
+
+
+def test_blocked_entry_point_via_env_is_never_imported(fresh_pm, install_dist, monkeypatch):
+    install_dist("boomdist", {"boom": "boom_mod:plugin"}, {"boom_mod": BOOM})
+    monkeypatch.setenv("MRL_DISABLED_PLUGINS", "boom")
+    fresh_pm(UPSTREAM)
+    assert "boom_mod" not in sys.modules
+
+
+def test_autoload_off_loads_no_entry_points(fresh_pm, install_dist, monkeypatch):
+    install_dist("boomdist", {"boom": "boom_mod:plugin"}, {"boom_mod": BOOM})
+    fresh_pm({**UPSTREAM, "autoload": False})
+    fresh_pm(UPSTREAM, autoload=False)
+    monkeypatch.setenv("MRL_DISABLE_PLUGIN_AUTOLOAD", "1")
+    mgr = fresh_pm(UPSTREAM)
+    assert mgr.config.autoload is False
+    assert "boom_mod" not in sys.modules
+
+
+def test_third_party_plugin_selected_for_comm(fresh_pm, install_dist):
+    install_dist("fakeplug", {"fakeplug": "fakeplug_mod:plugin"}, {"fakeplug_mod": FAKEPLUG})
+    mgr = fresh_pm({"plugins": {"rollout": "upstream", "weight_sync": "upstream", "comm": "fakeplug"}})
+    fake = sys.modules["fakeplug_mod"]
+    infos = _infos(mgr)
+    assert infos["fakeplug"].source == "entrypoint"
+    assert infos["fakeplug"].stages == ("comm",)
+    assert infos["fakeplug"].active_for == ("comm",)
+    ctx = StageContext(config=mgr.config)
+    assert mgr.comm_encode(ctx=ctx, batch={"b": 1, "a": 2}, meta={"seq": 0}) == b"fakeplug:a,b"
+    assert mgr.comm_decode(ctx=ctx, frame=b"xyz") == ({}, {"frame": b"xyz"})
+    assert fake.CALLS == [("encode", ["a", "b"]), ("decode", b"xyz")]
+
+
+def test_third_party_plugin_not_selected_is_not_called(fresh_pm, install_dist):
+    install_dist("fakeplug", {"fakeplug": "fakeplug_mod:plugin"}, {"fakeplug_mod": FAKEPLUG})
+    mgr = fresh_pm(UPSTREAM)
+    fake = sys.modules["fakeplug_mod"]
+    assert "fakeplug" in _names(mgr)
+    ctx = StageContext(config=mgr.config)
+    frame = mgr.comm_encode(ctx=ctx, batch={"a": 1}, meta={"seq": 3})
+    assert mgr.comm_decode(ctx=ctx, frame=frame) == ({"seq": 3}, {"a": 1})  # upstream's pickle frame
+    assert fake.CALLS == []
+
+
+def test_entry_point_class_is_instantiated(fresh_pm, install_dist):
+    source = """
+        from mrl_plugins.hookspecs import hookimpl
+
+        class Plug:
+            @hookimpl
+            def mrl_comm_encode(self, ctx, batch, meta):
+                return b"from-class"
+    """
+    install_dist("classplug", {"classplug": "classplug_mod:Plug"}, {"classplug_mod": source})
+    mgr = fresh_pm({"plugins": {**UPSTREAM["plugins"], "comm": "classplug"}})
+    assert mgr.comm_encode(ctx=StageContext(config=mgr.config), batch={}, meta={}) == b"from-class"
+
+
+def test_entry_point_named_like_a_builtin_is_an_error(fresh_pm, install_dist):
+    install_dist("fakeplug", {"upstream": "fakeplug_mod:plugin"}, {"fakeplug_mod": FAKEPLUG})
+    with pytest.raises(PluginError, match="entry point 'upstream'.*clashes with the builtin plugin"):
+        fresh_pm(UPSTREAM)
+
+
+# --------------------------------------------------------------------------- routing and wrappers
+
+
+class Tracer:
+    """A non-provider plugin: only a hook wrapper around the comm encode operation."""
+
+    def __init__(self) -> None:
+        self.events: list[str] = []
+
+    @hookimpl(wrapper=True)
+    def mrl_comm_encode(self, ctx, batch, meta):
+        self.events.append("before")
+        result = yield
+        self.events.append("after")
+        return result + b"|traced"
+
+
+def test_wrapper_of_non_provider_runs_around_routed_call(fresh_pm):
+    tracer = Tracer()
+    mgr = fresh_pm(UPSTREAM, plugins=[("tracer", tracer)])
+    assert _infos(mgr)["tracer"].stages == ()
+    assert "tracer" not in mgr.providers("comm")
+    frame = mgr.comm_encode(ctx=StageContext(config=mgr.config), batch={"a": 1}, meta={"seq": 1})
+    assert tracer.events == ["before", "after"]
+    assert frame.endswith(b"|traced")
+    assert mgr.comm_decode(ctx=StageContext(config=mgr.config), frame=frame[: -len(b"|traced")]) == (
+        {"seq": 1},
+        {"a": 1},
+    )
+
+
+def test_only_selected_provider_answers(fresh_pm):
+    class Second:
+        calls = 0
+
+        @hookimpl
+        def mrl_comm_encode(self, ctx, batch, meta):
+            Second.calls += 1
+            return b"second"
+
+    mgr = fresh_pm(UPSTREAM, plugins=[("second", Second())])
+    ctx = StageContext(config=mgr.config)
+    assert mgr.comm_encode(ctx=ctx, batch={"a": 1}, meta={}) != b"second"
+    assert Second.calls == 0
+    mgr.select({**UPSTREAM["plugins"], "comm": "second"})
+    assert mgr.comm_encode(ctx=ctx, batch={"a": 1}, meta={}) == b"second"
+    assert Second.calls == 1
+
+
+def test_weight_sync_routed_to_selected_plugin(fresh_pm):
+    ctx = StageContext(config=MrlConfig())
+    upstream = fresh_pm(UPSTREAM)
+    assert upstream.weight_sync_receive(ctx=ctx, model_id="policy", timeout=1.0) is None  # in-process: nothing to poll
+    mrl = fresh_pm({"plugins": {**UPSTREAM["plugins"], "rollout": "mrl", "weight_sync": "mrl"}})
+    with pytest.raises(PluginError, match=r"weight_sync.*ctx\.resources\['weight_sync\.receiver'\]"):
+        mrl.weight_sync_receive(ctx=ctx, model_id="policy", timeout=1.0)
+
+
+# --------------------------------------------------------------------------- registrations
+
+
+def _transports(*names):
+    class Provider:
+        @hookimpl
+        def mrl_weight_sync_register_transports(self):
+            return [WeightTransport(name=n, factory=dict) for n in names]
+
+    return Provider()
+
+
+def test_duplicate_registration_names_both_plugins(fresh_pm):
+    with pytest.raises(PluginError) as err:
+        fresh_pm(plugins=[("alpha", _transports("rdma")), ("beta", _transports("rdma"))])
+    msg = str(err.value)
+    assert "'rdma'" in msg and "'alpha'" in msg and "'beta'" in msg
+
+
+def test_duplicate_of_builtin_registration(fresh_pm):
+    with pytest.raises(PluginError, match=r"weight-sync transport 'shm' is registered by both 'mrl\.weight_sync'"):
+        fresh_pm(plugins=[("mine", _transports("shm"))])
+
+
+def test_registration_of_wrong_type(fresh_pm):
+    class WrongItems:
+        @hookimpl
+        def mrl_rollout_register_engines(self):
+            return ["transformers2"]
+
+    class NotIterable:
+        @hookimpl
+        def mrl_rollout_register_engines(self):
+            return RolloutEngine(name="single", factory=dict)
+
+    class WrongClass:
+        @hookimpl
+        def mrl_comm_register_codecs(self):
+            return [WeightTransport(name="zip", factory=dict)]
+
+    for plugin, hook, expected in (
+        (WrongItems(), "mrl_rollout_register_engines", "returned a str, expected RolloutEngine"),
+        (NotIterable(), "mrl_rollout_register_engines", "returned RolloutEngine, expected an iterable"),
+        (WrongClass(), "mrl_comm_register_codecs", "returned a WeightTransport, expected CommCodec"),
+    ):
+        mgr = fresh_pm(UPSTREAM, plugins=[("bad", plugin)])
+        with pytest.raises(PluginError, match=f"plugin 'bad': {hook} {expected}"):
+            mgr.registry(hook)
+
+
+def test_third_party_backend_selectable_by_name(fresh_pm):
+    mgr = fresh_pm({"weight_sync": {"transport": "rdma"}}, plugins=[("rdmaplug", _transports("rdma"))])
+    assert mgr.backend("mrl_weight_sync_register_transports", "rdma").name == "rdma"
+    assert {"shm", "rdma"} <= set(mgr.registry("mrl_weight_sync_register_transports"))
+
+
+def test_unknown_backend_names_valid_choices(fresh_pm):
+    with pytest.raises(ConfigError, match=r"weight_sync\.transport: unknown weight-sync transport 'rdma'.*'shm'"):
+        fresh_pm({"weight_sync": {"transport": "rdma"}})
+    with pytest.raises(ConfigError, match=r"comm\.codec.*'zip'.*'bf16', 'fp16' or 'raw'"):
+        fresh_pm({"comm": {"codec": "zip"}})
+    with pytest.raises(ConfigError, match=r"rollout\.engine: unknown rollout engine 'nosuch'.*'transformers'"):
+        fresh_pm({"rollout": {"engine": "nosuch"}})
+
+
+def test_backends_of_upstream_stages_not_required(fresh_pm):
+    """TRL's own path ignores backend keys: with ``mrl`` blocked an all-upstream config still builds."""
+    mgr = fresh_pm(UPSTREAM, disable=["mrl"])
+    assert mgr.registry("mrl_comm_register_codecs") == {}
+
+
+def test_registration_object_validation():
+    with pytest.raises(ValueError, match="registration name"):
+        CommCodec(name="bad name!", factory=dict)
+    with pytest.raises(TypeError, match="factory must be callable"):
+        CommCodec(name="ok", factory=3)
+
+
+# --------------------------------------------------------------------------- hook validation and lifecycle
+
+
+def test_unknown_mrl_hook_fails_check_pending(fresh_pm):
+    class Typo:
+        @hookimpl
+        def mrl_comm_encdoe(self, ctx, batch, meta):
+            return b""
+
+    with pytest.raises(PluginError, match=r"plugin 'typo' implements an unknown hook.*mrl_comm_encdoe"):
+        fresh_pm(UPSTREAM, plugins=[("typo", Typo())])
+
+
+def test_hook_with_unknown_argument_is_plugin_error(fresh_pm):
+    class ExtraArg:
+        @hookimpl
+        def mrl_comm_encode(self, ctx, batch, meta, compression):
+            return b""
+
+    with pytest.raises(PluginError, match=r"plugin 'extra'.*compression"):
+        fresh_pm(UPSTREAM, plugins=[("extra", ExtraArg())])
+
+
+def test_keyword_only_hook_parameters_rejected(fresh_pm):
+    """pluggy passes hook arguments positionally: a ``*``-only signature would fail on the first call."""
+
+    class KwOnly:
+        @hookimpl
+        def mrl_comm_encode(self, *, ctx, batch, meta):
+            return b""
+
+    with pytest.raises(PluginError, match=r"plugin 'kw': hook mrl_comm_encode declares keyword-only"):
+        fresh_pm(UPSTREAM, plugins=[("kw", KwOnly())])
+
+
+def test_duplicate_plugin_name(fresh_pm):
+    mgr = fresh_pm(UPSTREAM)
+    with pytest.raises(PluginError, match="'upstream' is registered twice"):
+        mgr.register(object(), "upstream")
+
+
+def test_configure_is_historic(fresh_pm):
+    class Late:
+        config = None
+
+        @hookimpl
+        def mrl_configure(self, config):
+            Late.config = config
+
+    mgr = fresh_pm({**UPSTREAM, "mode": "hybrid"})
+    assert isinstance(mgr.config, MrlConfig) and mgr.config.mode == "hybrid"
+    late = Late()
+    mgr.register(late, "late")
+    assert Late.config is mgr.config
+
+
+def test_shutdown_reaches_every_plugin(fresh_pm):
+    seen = []
+
+    class Closer:
+        @hookimpl
+        def mrl_shutdown(self, ctx, reason):
+            seen.append(reason)
+
+    mgr = fresh_pm(UPSTREAM, plugins=[("closer", Closer())])
+    mgr.shutdown(StageContext(config=mgr.config), reason="error")
+    assert seen == ["error"]
+
+
+def test_fresh_managers_are_independent(fresh_pm):
+    class Extra:
+        @hookimpl
+        def mrl_comm_encode(self, ctx, batch, meta):
+            return b"extra"
+
+    first = fresh_pm(UPSTREAM, plugins=[("extra", Extra())])
+    second = fresh_pm(UPSTREAM)
+    assert first is not second and first.pm is not second.pm
+    assert "extra" in _names(first) and "extra" not in _names(second)
+    first.register(_transports("late"), "late")
+    assert "late" not in _names(second)
+    first.select({**UPSTREAM["plugins"], "comm": "extra"})
+    assert second.selected["comm"] == "upstream"
+    ctx = StageContext(config=second.config)
+    assert second.comm_encode(ctx=ctx, batch={"a": 1}, meta={}) != b"extra"
