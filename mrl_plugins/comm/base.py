@@ -1,0 +1,146 @@
+"""Pieces shared by the experience transports: errors, received batches, heartbeats, waiting."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+
+from mrl_plugins.errors import MrlError, StageTimeoutError
+
+
+class PeerDeadError(StageTimeoutError):
+    """The process at the other end stopped heartbeating (killed, crashed or hung)."""
+
+
+class ChannelClosedError(MrlError):
+    """Every producer closed its end and all their frames were received."""
+
+
+class Received:
+    """One received batch: ``meta`` (dict), ``batch`` (field -> tensor/array), ``nbytes`` (frame bytes).
+
+    For the shared-memory ring, raw fields of ``batch`` are zero-copy views into the ring, valid
+    until :meth:`release` (also called on leaving a ``with`` block); copy what you keep longer
+    (:meth:`detach` does it for you).
+    """
+
+    __slots__ = ("meta", "batch", "nbytes", "producer", "_release")
+
+    def __init__(
+        self,
+        meta: dict[str, Any],
+        batch: dict[str, Any],
+        nbytes: int,
+        producer: int = 0,
+        release: Callable[[], None] | None = None,
+    ) -> None:
+        self.meta = meta
+        self.batch = batch
+        self.nbytes = nbytes
+        self.producer = producer
+        self._release = release
+
+    def release(self) -> None:
+        """Give the ring slot back to the producer (idempotent)."""
+        rel, self._release = self._release, None
+        if rel is not None:
+            rel()
+
+    def detach(self) -> Received:
+        """Copy every field out of the transport buffer and release it; returns ``self``."""
+        if self._release is not None:
+            self.batch = {k: _own(v) for k, v in self.batch.items()}
+            self.release()
+        return self
+
+    @property
+    def released(self) -> bool:
+        """Whether the slot was given back."""
+        return self._release is None
+
+    def __enter__(self) -> Received:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+    def __repr__(self) -> str:
+        return f"Received(meta={self.meta!r}, fields={list(self.batch)}, nbytes={self.nbytes})"
+
+
+def _own(v: Any) -> Any:
+    if isinstance(v, torch.Tensor):
+        return v.clone()
+    if isinstance(v, np.ndarray):
+        return v.copy()
+    return v
+
+
+class Heartbeat:
+    """A daemon thread calling ``beat()`` every ``interval`` seconds until :meth:`stop`."""
+
+    def __init__(self, beat: Callable[[], None], interval: float, name: str) -> None:
+        self._beat = beat
+        self._interval = interval
+        self._stop = threading.Event()
+        beat()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._interval):
+            try:
+                self._beat()
+            except (ValueError, OSError, BufferError):  # the mapping was closed under us
+                return
+
+    def stop(self) -> None:
+        """Stop beating (waits at most two intervals for the thread)."""
+        self._stop.set()
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout=2 * self._interval + 1.0)
+
+
+class Backoff:
+    """Polling waits: a few yields, then sleeps growing to ``cap`` seconds."""
+
+    def __init__(self, cap: float = 2e-4) -> None:
+        self.n = 0
+        self.cap = cap
+
+    def wait(self) -> None:
+        if self.n < 4:
+            self.n += 1
+            time.sleep(0)
+            return
+        delay = 2e-5 * (1.6 ** (self.n - 4))
+        if delay < self.cap:
+            self.n += 1
+        time.sleep(min(self.cap, delay))
+
+    def reset(self) -> None:
+        self.n = 0
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether a process with ``pid`` exists on this host (zombies count as alive)."""
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def deadline_of(timeout: float | None, default: float) -> float:
+    """Absolute monotonic deadline for ``timeout`` (``None`` -> ``default``)."""
+    return time.monotonic() + (default if timeout is None else max(0.0, float(timeout)))

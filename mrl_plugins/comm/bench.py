@@ -1,0 +1,224 @@
+"""``mrl bench comm``: experience batches between two processes through three paths.
+
+Cases (each producer and consumer process limited to one torch thread, same batches):
+
+* ``pickle_queue`` -- ``multiprocessing.Queue`` + pickle of numpy arrays (the ``queue`` transport);
+* ``shm_raw`` -- the shared-memory ring, codec ``raw`` (lossless, zero-copy views);
+* ``shm_fp16`` -- the shared-memory ring, codec ``fp16`` (floats cast, ints narrowed, overflow-guarded).
+
+Batches are GRPO experience: ``prompt_ids``/``prompt_mask`` [B, T/4] and ``completion_ids``/
+``completion_mask`` [B, T] int64, ``old_per_token_logps`` [B, T] fp32 (a few -inf entries, which send
+the overflow guard down its exact path), ``advantages``/``rewards`` [B] fp32; sizes 64x1024 and 8x128.
+The consumer times ``receive`` + ``release`` of a run of batches after a warm-up (the ring path
+verifies the crc32c of every frame, so its data are read); throughput is the median over ``reps``
+runs, with min and max.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import statistics
+import sys
+import time
+from typing import Any
+
+import torch
+
+SIZES = {"64x1024": (64, 1024), "8x128": (8, 128)}
+CASES = {"pickle_queue": ("queue", "raw"), "shm_raw": ("shm", "raw"), "shm_fp16": ("shm", "fp16")}
+#: batches per timed run: (case kind, size) -> count, chosen so a run takes ~0.1-0.4 s here
+_COUNTS = {("queue", "64x1024"): 60, ("queue", "8x128"): 1500, ("shm", "64x1024"): 600, ("shm", "8x128"): 3000}
+_WARMUP = 10
+
+
+def make_batch(b: int, t: int, seed: int = 0) -> dict[str, torch.Tensor]:
+    """A GRPO-like experience batch of ``b`` sequences with ``t`` completion tokens (``t // 4`` prompt tokens)."""
+    g = torch.Generator().manual_seed(seed)
+    p = max(1, t // 4)
+    prompt_mask = torch.ones(b, p, dtype=torch.int64)
+    prompt_mask[:, : p // 8] = 0
+    lengths = torch.randint(t // 2, t + 1, (b,), generator=g)
+    completion_mask = (torch.arange(t)[None, :] < lengths[:, None]).to(torch.int64)
+    logps = -torch.rand(b, t, generator=g) * 12.0
+    logps.view(-1)[:: max(1, (b * t) // 8)] = float("-inf")
+    rewards = torch.randn(b, generator=g)
+    return {
+        "prompt_ids": torch.randint(0, 151_000, (b, p), generator=g),
+        "prompt_mask": prompt_mask,
+        "completion_ids": torch.randint(0, 151_000, (b, t), generator=g),
+        "completion_mask": completion_mask,
+        "old_per_token_logps": logps,
+        "advantages": (rewards - rewards.mean()) / (rewards.std() + 1e-4),
+        "rewards": rewards,
+    }
+
+
+def _producer(handle: Any, commands: Any) -> None:
+    torch.set_num_threads(1)
+    prod = handle.attach()
+    batches: dict[str, dict[str, torch.Tensor]] = {}
+    seq = 0
+    try:
+        while True:
+            cmd = commands.get(timeout=300)
+            if cmd is None:
+                return
+            size, count = cmd
+            batch = batches.setdefault(size, make_batch(*SIZES[size]))
+            for _ in range(_WARMUP + count):
+                prod.send(batch, {"model_id": "policy", "version": 1, "seq": seq}, timeout=120)
+                seq += 1
+    finally:
+        prod.close()
+
+
+def _run_cases(reps: int, scale: float) -> dict[str, Any]:
+    """All cases side by side: one producer process per case, runs interleaved (rotating order) so
+    that drift of a shared machine hits every case alike; only one case moves data at a time."""
+    from .config import CommConfig
+    from .queue_transport import queue_factory
+    from .shm_ring import shm_factory
+
+    ctx = mp.get_context("spawn")
+    cons: dict[str, Any] = {}
+    cmds: dict[str, Any] = {}
+    procs: dict[str, Any] = {}
+    rates: dict[str, dict[str, list[float]]] = {c: {s: [] for s in SIZES} for c in CASES}
+    nbytes: dict[str, dict[str, int]] = {c: {} for c in CASES}
+    counts = {(c, s): max(5, int(_COUNTS[(CASES[c][0], s)] * scale)) for c in CASES for s in SIZES}
+    try:
+        for name, (kind, codec) in CASES.items():
+            cfg = CommConfig(transport=kind, codec=codec, ring_slots=8, slot_bytes=4 << 20, heartbeat_timeout_s=60.0)
+            cons[name] = (shm_factory if kind == "shm" else queue_factory)(cfg, n_producers=1, run_id="bench")
+            cmds[name] = ctx.Queue()
+            procs[name] = ctx.Process(target=_producer, args=(cons[name].producer_handle(0), cmds[name]), daemon=True)
+            procs[name].start()
+        names = list(CASES)
+        for size in SIZES:
+            for rep in range(reps):
+                for name in names[rep % len(names) :] + names[: rep % len(names)]:
+                    count = counts[(name, size)]
+                    cmds[name].put((size, count))
+                    c = cons[name]
+                    for _ in range(_WARMUP):
+                        c.receive(timeout=120).release()
+                    t0 = time.perf_counter()
+                    for _ in range(count):
+                        r = c.receive(timeout=120)
+                        nbytes[name][size] = r.nbytes
+                        r.release()
+                    rates[name][size].append(count / (time.perf_counter() - t0))
+        for name in names:
+            cmds[name].put(None)
+        for p in procs.values():
+            p.join(timeout=60)
+    finally:
+        for name, p in procs.items():
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=10)
+            cmds[name].close()
+            cmds[name].join_thread()
+        for c in cons.values():
+            c.close(unlink=True)
+    out: dict[str, Any] = {}
+    for name in CASES:
+        out[name] = {}
+        for size in SIZES:
+            raw = sum(v.numel() * v.element_size() for v in make_batch(*SIZES[size]).values())
+            rs, nb = rates[name][size], nbytes[name][size]
+            out[name][size] = {
+                "batches_per_s": _spread(rs),
+                "gb_per_s": _spread([x * nb / 1e9 for x in rs]),
+                "logical_gb_per_s": _spread([x * raw / 1e9 for x in rs]),
+                "bytes_per_batch": nb,
+                "raw_bytes_per_batch": raw,
+                "batches_per_run": counts[(name, size)],
+            }
+    return out
+
+
+def _spread(xs: list[float]) -> dict[str, float]:
+    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs)}
+
+
+def run_bench(reps: int = 5, json_path: str | None = None, quick: bool = False) -> dict[str, Any]:
+    """Run all cases; print a table; optionally write JSON; return the results dict."""
+    reps = max(1, min(reps, 2) if quick else reps)
+    scale = 0.25 if quick else 1.0
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        t0 = time.perf_counter()
+        cases = _run_cases(reps, scale)
+        elapsed = time.perf_counter() - t0
+    finally:
+        torch.set_num_threads(threads)
+
+    def bps(case: str, size: str) -> float:
+        return cases[case][size]["batches_per_s"]["median"]
+
+    ratios: dict[str, float] = {}
+    for size in SIZES:
+        ratios[f"shm_vs_pickle_{size}"] = bps("shm_raw", size) / bps("pickle_queue", size)
+        ratios[f"compressed_vs_pickle_{size}"] = bps("shm_fp16", size) / bps("pickle_queue", size)
+        ratios[f"compressed_bytes_{size}"] = (
+            cases["shm_fp16"][size]["bytes_per_batch"] / cases["shm_raw"][size]["bytes_per_batch"]
+        )
+        ratios[f"compressed_vs_uncompressed_speed_{size}"] = bps("shm_fp16", size) / bps("shm_raw", size)
+    targets = {
+        "shm_vs_pickle_64x1024": (">=", 8.0),
+        "compressed_bytes_64x1024": ("<=", 0.55),
+        "compressed_vs_uncompressed_speed_64x1024": (">=", 0.8),
+    }
+    met = {k: (ratios[k] >= v if op == ">=" else ratios[k] <= v) for k, (op, v) in targets.items()}
+    result = {
+        "cases": cases,
+        "ratios": ratios,
+        "targets": {k: f"{op} {v}" for k, (op, v) in targets.items()},
+        "targets_met": met,
+        "reps": reps,
+        "threads_per_process": 1,
+        "seconds": elapsed,
+    }
+    _print(result)
+    if json_path:
+        with open(json_path, "w", encoding="utf-8") as f:
+            json.dump(result, f, indent=2)
+    return result
+
+
+def _print(res: dict[str, Any]) -> None:
+    print(f"comm bench: median of {res['reps']} runs [min-max], 1 thread per process")
+    print(f"{'case':<14}{'batch':<9}{'batches/s':>26}{'GB/s (wire)':>22}{'bytes/batch':>13}{'vs pickle':>11}")
+    for size in SIZES:
+        base = res["cases"]["pickle_queue"][size]["batches_per_s"]["median"]
+        for name, per in res["cases"].items():
+            r = per[size]
+            b, g = r["batches_per_s"], r["gb_per_s"]
+            print(
+                f"{name:<14}{size:<9}{b['median']:>10.0f} [{b['min']:>6.0f}-{b['max']:>6.0f}]"
+                f"{g['median']:>10.2f} [{g['min']:.2f}-{g['max']:.2f}]{r['bytes_per_batch']:>13}"
+                f"{b['median'] / base:>10.1f}x"
+            )
+    for k, v in res["ratios"].items():
+        tgt = res["targets"].get(k)
+        ok = "" if tgt is None else f"  (target {tgt}: {'met' if res['targets_met'][k] else 'MISSED'})"
+        print(f"  {k} = {v:.3f}{ok}")
+
+
+def cli(argv: list[str] | None = None) -> int:
+    """``mrl bench comm [--json PATH] [--reps N] [--quick]``; returns 0 if all targets are met, else 1."""
+    ap = argparse.ArgumentParser(prog="mrl bench comm", description=__doc__.split("\n")[0])
+    ap.add_argument("--json", metavar="PATH", help="write the results as JSON")
+    ap.add_argument("--reps", type=int, default=5, help="timed runs per case (median reported)")
+    ap.add_argument("--quick", action="store_true", help="fewer batches and at most 2 reps (smoke run)")
+    args = ap.parse_args(argv)
+    res = run_bench(reps=args.reps, json_path=args.json, quick=args.quick)
+    return 0 if all(res["targets_met"].values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(cli(sys.argv[1:]))

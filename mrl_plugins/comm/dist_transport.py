@@ -1,0 +1,298 @@
+"""``torch_distributed`` transport: frames sent with point-to-point send/recv over a private process group.
+
+The consumer is rank 0, producer ``i`` is rank ``i + 1`` of a group built on its own ``TCPStore``
+(so it works beside, and independent of, any default group the trainer already has). Each batch
+goes as two messages: a length header and the encoded frame (:mod:`mrl_plugins.comm.frame`, codec
+applied, crc32c-checked on receipt).
+
+Backend: :func:`mrl_plugins.device.collective_backend` when the device layer provides it, else
+``"gloo"``. Frames live in host memory, so they always travel over gloo: an ``hccl``/``nccl``
+backend would need each frame copied to the device and back; the backend the device layer names is
+kept in ``DistConsumer.device_backend`` for the logs.
+
+Every wait has a deadline. Gloo's own timeouts break the connection, so blocking gloo waits run
+in a receiver thread (consumer) and a sender thread (producer) with a week-long group timeout,
+and ``receive``/``send`` wait on bounded in-process queues of ``ring_slots`` frames with their own
+deadlines (backpressure: a producer blocks once ``ring_slots`` frames wait unreceived). Producers
+stamp a heartbeat counter in the store (no clock comparison across hosts) and the consumer raises
+:class:`PeerDeadError` when one stops changing for ``heartbeat_timeout_s``.
+All producers must attach before the first frame moves (the group forms once every rank joined).
+"""
+
+from __future__ import annotations
+
+import datetime
+import queue
+import threading
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from mrl_plugins.errors import MrlError, StageTimeoutError
+
+from .base import ChannelClosedError, Heartbeat, PeerDeadError, Received, deadline_of
+from .codec import make_codec
+from .config import CommConfig
+from .frame import FrameError, FramePlan, decode_frame
+from .segment import check_run_id
+
+_TAG_LEN, _TAG_FRAME = 11, 12
+
+
+def device_backend() -> str:
+    """The collective backend named by the device layer (``gloo`` when it names none)."""
+    try:
+        from mrl_plugins.device import collective_backend  # type: ignore[attr-defined]
+    except ImportError:
+        return "gloo"
+    try:
+        return str(collective_backend())
+    except Exception:  # a device layer that cannot answer on this host
+        return "gloo"
+
+
+def _make_group(host: str, port: int, rank: int, world: int, run_id: str, timeout_s: float, store: Any = None):
+    import torch.distributed as dist
+
+    td = datetime.timedelta(seconds=timeout_s)
+    if store is None:
+        store = dist.TCPStore(host, port, world, False, timeout=td)
+    prefixed = dist.PrefixStore(f"mrl-comm/{run_id}/", store)
+    opts = dist.ProcessGroupGloo._Options()
+    opts._timeout = datetime.timedelta(days=7)  # gloo timeouts kill the pair: deadlines are enforced above it
+    if host in ("127.0.0.1", "localhost"):
+        opts._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
+    else:
+        opts._devices = [dist.ProcessGroupGloo.create_default_device()]
+    return store, dist.ProcessGroupGloo(prefixed, rank, world, opts)
+
+
+class DistConsumer:
+    """Rank 0 of the private group: receives frames from ``n_producers`` ranks."""
+
+    def __init__(self, config: CommConfig, *, n_producers: int, run_id: str, host: str = "127.0.0.1") -> None:
+        import torch.distributed as dist
+
+        config.validate()
+        self.config = config
+        self.n = n_producers
+        self.run_id = check_run_id(run_id)
+        self.host = host
+        self.device_backend = device_backend()
+        td = datetime.timedelta(seconds=max(config.receive_timeout_s, config.send_timeout_s))
+        self._master = dist.TCPStore(host, 0, n_producers + 1, True, timeout=td, wait_for_workers=False)
+        self.port = self._master.port
+        self._pg = None
+        self._err: BaseException | None = None
+        self._closing = threading.Event()
+        self._inbox: queue.Queue = queue.Queue(maxsize=config.ring_slots)
+        self._seen: dict[int, tuple[int, float]] = {}
+        self._reported: set[int] = set()
+        self._stats = dict.fromkeys(("frames", "bytes", "raw_bytes", "corrupt", "wait_s", "dead_peers"), 0)
+        self._rx = threading.Thread(target=self._connect, name="mrl-comm-dist-rx", daemon=True)
+        self._rx.start()
+
+    def _connect(self) -> None:
+        """Form the group, then receive frames forever (blocking waits live here, not in receive())."""
+        try:
+            timeout = max(self.config.receive_timeout_s, self.config.send_timeout_s)
+            _store, self._pg = _make_group(self.host, self.port, 0, self.n + 1, self.run_id, timeout, self._master)
+            pg = self._pg
+            while not self._closing.is_set():
+                hdr = torch.zeros(1, dtype=torch.int64)
+                work = pg.recv_anysource([hdr], _TAG_LEN)
+                work.wait()
+                src = work._source_rank()
+                frame = torch.empty(int(hdr[0]), dtype=torch.uint8)
+                pg.recv([frame], src, _TAG_FRAME).wait()
+                while not self._closing.is_set():
+                    try:
+                        self._inbox.put((src, frame), timeout=0.1)
+                        break
+                    except queue.Full:
+                        continue
+        except BaseException as exc:  # handed to receive()
+            if not self._closing.is_set():
+                self._err = exc
+
+    def producer_handle(self, i: int) -> DistProducerHandle:
+        """Picklable handle for producer ``i`` (rank ``i + 1``)."""
+        if not 0 <= i < self.n:
+            raise MrlError(f"producer index {i} out of range 0..{self.n - 1}")
+        return DistProducerHandle(self.host, self.port, i, self.n, self.run_id, self.config.to_dict())
+
+    def _check_peers(self) -> None:
+        now = time.monotonic()
+        closed = 0
+        for i in range(self.n):
+            if self._master.check([f"closed/{i}"]) or i in self._reported:
+                closed += 1
+                continue
+            if not self._master.check([f"hb/{i}"]):
+                continue
+            val = int(self._master.get(f"hb/{i}"))
+            last = self._seen.get(i)
+            if last is None or last[0] != val:
+                self._seen[i] = (val, now)
+            elif now - last[1] > self.config.heartbeat_timeout_s:
+                self._reported.add(i)
+                self._stats["dead_peers"] += 1
+                raise PeerDeadError(
+                    f"torch_distributed producer {i} (rank {i + 1}) is dead: heartbeat unchanged for "
+                    f"{now - last[1]:.2f} s (comm.heartbeat_timeout_s={self.config.heartbeat_timeout_s})"
+                )
+        if closed == self.n and self._inbox.empty() and self._err is None:
+            raise ChannelClosedError(f"all {self.n} torch_distributed producers closed")
+
+    def receive(self, timeout: float | None = None) -> Received:
+        """Next frame from any producer; StageTimeoutError / PeerDeadError / FrameError as for ``shm``."""
+        t = self.config.receive_timeout_s if timeout is None else timeout
+        deadline = deadline_of(timeout, self.config.receive_timeout_s)
+        t0 = time.perf_counter()
+        try:
+            while True:
+                try:
+                    src, frame = self._inbox.get(timeout=max(0.0, min(0.05, deadline - time.monotonic())))
+                    break
+                except queue.Empty:
+                    pass
+                self._check_peers()
+                if self._err is not None:
+                    raise PeerDeadError(f"torch_distributed consumer: the group failed: {self._err}") from self._err
+                if time.monotonic() >= deadline:
+                    what = "no frame" if self._pg is not None else f"{self.n} producers did not all attach"
+                    raise StageTimeoutError(f"torch_distributed consumer: {what} within {t} s")
+        finally:
+            self._stats["wait_s"] += time.perf_counter() - t0
+        try:
+            meta, batch = decode_frame(frame.numpy().data)
+        except FrameError as exc:
+            self._stats["corrupt"] += 1
+            raise FrameError(f"torch_distributed producer {src - 1}: frame dropped: {exc}") from None
+        self._stats["frames"] += 1
+        self._stats["bytes"] += frame.numel()
+        self._stats["raw_bytes"] += sum(int(v.nbytes) for v in batch.values())
+        return Received(meta, batch, frame.numel(), src - 1)
+
+    def stats(self) -> dict[str, float]:
+        """Counters: frames, bytes, raw_bytes, corrupt, wait_s, dead_peers, queue_depth (always 0)."""
+        return {**self._stats, "queue_depth": 0}
+
+    def close(self, unlink: bool = True) -> None:
+        """Stop receiving and drop the group (nothing to unlink). A receive blocked in gloo is abandoned
+        (daemon thread), it does not delay the caller."""
+        self._closing.set()
+        self._pg = None
+
+
+class DistProducerHandle:
+    """Picklable reference to producer ``index`` (rank ``index + 1``)."""
+
+    def __init__(self, host: str, port: int, index: int, n: int, run_id: str, config: dict[str, Any]) -> None:
+        self.host, self.port, self.index, self.n, self.run_id, self.config = host, port, index, n, run_id, config
+
+    def attach(self, timeout: float | None = None) -> DistProducer:
+        """Join the group (blocks until every producer and the consumer joined, at most ``timeout`` s)."""
+        return DistProducer(self, CommConfig.from_dict(self.config), timeout)
+
+
+class DistProducer:
+    """Sending end of the ``torch_distributed`` transport."""
+
+    def __init__(self, h: DistProducerHandle, config: CommConfig, timeout: float | None) -> None:
+        self.config = config
+        self.index = h.index
+        self.codec = make_codec(config)
+        t = timeout if timeout is not None else max(config.send_timeout_s, config.receive_timeout_s)
+        self._store, self._pg = _make_group(h.host, h.port, h.index + 1, h.n + 1, h.run_id, t)
+        self._beats = 0
+        self._err: BaseException | None = None
+        self._outbox: queue.Queue = queue.Queue(maxsize=config.ring_slots)
+        self._tx = threading.Thread(target=self._run, name=f"mrl-comm-dist{h.index}-tx", daemon=True)
+        self._tx.start()
+        self._stats = dict.fromkeys(("frames", "bytes", "raw_bytes", "fallbacks", "wait_s", "dropped"), 0)
+        self._hb = Heartbeat(self._beat, config.heartbeat_interval_s, f"mrl-comm-dist{h.index}-hb")
+
+    def _beat(self) -> None:
+        self._beats += 1
+        self._store.set(f"hb/{self.index}", str(self._beats))
+
+    def _run(self) -> None:
+        pg = self._pg
+        while True:
+            item = self._outbox.get()
+            if item is None:
+                return
+            hdr, frame = item
+            try:
+                w1 = pg.send([hdr], 0, _TAG_LEN)
+                w2 = pg.send([frame], 0, _TAG_FRAME)
+                w1.wait()
+                w2.wait()
+            except BaseException as exc:  # reported by the next send()
+                self._err = exc
+                return
+            finally:
+                self._outbox.task_done()
+
+    def send(self, batch: Mapping[str, Any], meta: Mapping[str, Any], timeout: float | None = None) -> int:
+        """Encode one frame and queue it for the sender thread; blocks up to ``timeout`` s when
+        ``ring_slots`` frames are already waiting for the consumer (backpressure)."""
+        if self._err is not None:
+            raise PeerDeadError(f"torch_distributed producer {self.index}: sending failed: {self._err}")
+        if self._pg is None:
+            raise MrlError("send on a closed torch_distributed producer")
+        t = self.config.send_timeout_s if timeout is None else timeout
+        plan = FramePlan(batch, meta, self.codec, self.config.checksum)
+        frame = torch.empty(plan.nbytes, dtype=torch.uint8)
+        plan.write_into(frame.numpy().data)
+        hdr = torch.tensor([plan.nbytes], dtype=torch.int64)
+        if self.config.full_policy == "drop_newest" and self._outbox.full():
+            self._stats["dropped"] += 1
+            return 0
+        t0 = time.perf_counter()
+        try:
+            self._outbox.put((hdr, frame), timeout=t)
+        except queue.Full:
+            raise StageTimeoutError(
+                f"torch_distributed producer {self.index}: {self.config.ring_slots} frames unreceived for {t} s"
+            ) from None
+        finally:
+            self._stats["wait_s"] += time.perf_counter() - t0
+        self._stats["frames"] += 1
+        self._stats["bytes"] += plan.nbytes
+        self._stats["raw_bytes"] += plan.raw_nbytes
+        self._stats["fallbacks"] += plan.fallbacks
+        return plan.nbytes
+
+    def flush(self, timeout: float | None = None) -> None:
+        """Wait until every queued frame was taken by the consumer (at most ``timeout`` s)."""
+        deadline = deadline_of(timeout, self.config.send_timeout_s)
+        while self._outbox.unfinished_tasks and self._err is None and self._tx.is_alive():
+            if time.monotonic() >= deadline:
+                raise StageTimeoutError(f"torch_distributed producer {self.index}: flush timed out")
+            time.sleep(0.005)
+
+    def stats(self) -> dict[str, float]:
+        """Counters: frames, bytes, raw_bytes, fallbacks, wait_s, dropped, queue_depth."""
+        return {**self._stats, "queue_depth": self._outbox.qsize()}
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Flush (bounded), mark closed in the store and stop heartbeating."""
+        if self._pg is None:
+            return
+        try:
+            self.flush(timeout)
+        finally:
+            self._outbox.put(None)
+            self._tx.join(timeout=1.0)
+            self._hb.stop()
+            self._store.set(f"closed/{self.index}", "1")
+            self._pg = None
+
+
+def dist_factory(config: CommConfig, *, n_producers: int, run_id: str) -> DistConsumer:
+    """Transport factory registered as ``torch_distributed``."""
+    return DistConsumer(config, n_producers=n_producers, run_id=run_id)

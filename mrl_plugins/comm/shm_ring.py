@@ -1,0 +1,367 @@
+"""Shared-memory ring transport: N producer processes -> one consumer on the same host.
+
+One segment, allocated and pre-faulted once by the consumer, is reused for every frame. Each
+producer owns a single-producer/single-consumer ring of ``ring_slots`` slots of ``slot_bytes``
+bytes, so producers never contend and a killed producer cannot leave a lock held. Frames are
+written straight into the slot (codec casts included) and read back as zero-copy views.
+
+Segment layout::
+
+    0      global block: magic, layout version, n_producers, ring_slots, slot_bytes,
+           consumer pid, consumer heartbeat (monotonic s), consumer-closed flag
+    4096   one 256-byte control block per producer:
+           +0 head (frames published, producer-written), +8 pid, +16 heartbeat, +24 state
+           (0 free, 1 attached, 2 closed), +128 tail (frames released, consumer-written)
+    data   producer i, slot j at data + (i * ring_slots + j) * slot_bytes:
+           +0 frame length (u64), +64 the frame (see :mod:`mrl_plugins.comm.frame`)
+
+Liveness: both ends stamp a heartbeat every ``heartbeat_interval_s`` from a daemon thread; a
+receive that finds a producer's heartbeat older than ``heartbeat_timeout_s`` (or its pid gone)
+raises :class:`PeerDeadError` once that producer's published frames are drained; a producer waiting
+for space does the same for the consumer. A frame that fails its checksum is dropped, counted
+(``corrupt``) and reported as :class:`FrameError`; the ring stays usable.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+import time
+from collections.abc import Mapping
+from typing import Any
+
+from mrl_plugins.errors import MrlError, StageTimeoutError
+
+from .base import Backoff, ChannelClosedError, Heartbeat, PeerDeadError, Received, deadline_of, pid_alive
+from .codec import make_codec
+from .config import CommConfig
+from .frame import FrameError, FramePlan, decode_frame
+from .segment import Segment, new_path, remove_stale
+
+_MAGIC = b"MRLR"
+_LAYOUT = 1
+_GLOBAL = struct.Struct("<4sIIIQQdI")  # magic, layout, n_prod, slots, slot_bytes, cons pid, cons hb, closed
+_CB_BASE, _CB_SIZE = 4096, 256
+_SLOT_HDR = 64
+_U64 = struct.Struct("<Q")
+_F64 = struct.Struct("<d")
+_U32 = struct.Struct("<I")
+_FREE, _ATTACHED, _CLOSED = 0, 1, 2
+_CONS_HB_OFF = 4 + 4 + 4 + 4 + 8 + 8
+_CLOSED_OFF = _CONS_HB_OFF + 8
+
+
+def _layout(n_producers: int, slots: int, slot_bytes: int) -> tuple[int, int]:
+    data = (_CB_BASE + _CB_SIZE * n_producers + 4095) // 4096 * 4096
+    return data, data + n_producers * slots * slot_bytes
+
+
+class ShmConsumer:
+    """The receiving end (trainer). Build with :func:`shm_factory`; hand :meth:`producer_handle` to workers."""
+
+    def __init__(self, config: CommConfig, *, n_producers: int, run_id: str) -> None:
+        if n_producers < 1:
+            raise MrlError(f"n_producers must be >= 1, got {n_producers}")
+        config.validate()
+        self.config = config
+        self.n = n_producers
+        self.slots = config.ring_slots
+        self.slot_bytes = config.slot_bytes
+        remove_stale()
+        self._data, size = _layout(n_producers, self.slots, self.slot_bytes)
+        self.seg = Segment.create(new_path(run_id), size)
+        _GLOBAL.pack_into(
+            self.seg.buf, 0, _MAGIC, _LAYOUT, n_producers, self.slots, self.slot_bytes, os.getpid(),
+            time.monotonic(), 0,
+        )  # fmt: skip
+        self._read = [0] * n_producers  # next frame to read, per producer
+        self._tail = [0] * n_producers  # frames released, per producer
+        self._done: list[set[int]] = [set() for _ in range(n_producers)]
+        self._reported: set[int] = set()
+        self._rr = 0
+        self._next_check = 0.0
+        self._stats = dict.fromkeys(("frames", "bytes", "raw_bytes", "corrupt", "wait_s", "dead_peers"), 0)
+        self._hb = Heartbeat(self._beat, config.heartbeat_interval_s, "mrl-comm-consumer-hb")
+
+    @property
+    def path(self) -> str:
+        """The segment file."""
+        return self.seg.path
+
+    def _beat(self) -> None:
+        if self.seg.buf is not None:
+            _F64.pack_into(self.seg.buf, _CONS_HB_OFF, time.monotonic())
+
+    def producer_handle(self, i: int) -> ShmProducerHandle:
+        """Picklable handle for producer ``i`` (0 <= i < n_producers)."""
+        if not 0 <= i < self.n:
+            raise MrlError(f"producer index {i} out of range 0..{self.n - 1}")
+        return ShmProducerHandle(self.seg.path, i, self.config.to_dict())
+
+    def _cb(self, i: int) -> int:
+        return _CB_BASE + _CB_SIZE * i
+
+    def receive(self, timeout: float | None = None) -> Received:
+        """Next frame from any producer (round robin); raises StageTimeoutError, PeerDeadError, FrameError."""
+        if self.seg.buf is None:
+            raise MrlError("receive on a closed shm consumer")
+        deadline = deadline_of(timeout, self.config.receive_timeout_s)
+        buf = self.seg.buf
+        backoff = Backoff()
+        t0 = time.perf_counter()
+        waited = False
+        while True:
+            for k in range(self.n):
+                i = (self._rr + k) % self.n
+                cb = self._cb(i)
+                if _U64.unpack_from(buf, cb)[0] > self._read[i]:
+                    self._rr = i + 1
+                    if waited:
+                        self._stats["wait_s"] += time.perf_counter() - t0
+                    return self._take(i)
+            now = time.monotonic()
+            if now >= self._next_check:
+                self._next_check = now + min(0.05, self.config.heartbeat_interval_s)
+                self._check_peers(now)
+            if now >= deadline:
+                self._stats["wait_s"] += time.perf_counter() - t0
+                t = self.config.receive_timeout_s if timeout is None else timeout
+                raise StageTimeoutError(
+                    f"shm consumer: no frame within {t} s from {self.n} producer(s) (segment {self.seg.path})"
+                )
+            waited = True
+            backoff.wait()
+
+    def _check_peers(self, now: float) -> None:
+        buf = self.seg.buf
+        closed = 0
+        for i in range(self.n):
+            cb = self._cb(i)
+            state = _U32.unpack_from(buf, cb + 24)[0]
+            if state == _CLOSED or i in self._reported:
+                closed += 1
+                continue
+            if state != _ATTACHED:
+                continue
+            pid = _U64.unpack_from(buf, cb + 8)[0]
+            age = now - _F64.unpack_from(buf, cb + 16)[0]
+            if age > self.config.heartbeat_timeout_s or not pid_alive(pid):
+                if _U64.unpack_from(buf, cb)[0] > self._read[i]:
+                    continue  # deliver what it published first
+                self._reported.add(i)
+                self._stats["dead_peers"] += 1
+                raise PeerDeadError(
+                    f"shm producer {i} (pid {pid}) is dead: last heartbeat {age:.2f} s ago "
+                    f"(comm.heartbeat_timeout_s={self.config.heartbeat_timeout_s})"
+                )
+        if closed == self.n and all(_U64.unpack_from(buf, self._cb(i))[0] <= self._read[i] for i in range(self.n)):
+            raise ChannelClosedError(f"all {self.n} shm producers closed and were drained")
+
+    def _take(self, i: int) -> Received:
+        seq = self._read[i]
+        self._read[i] = seq + 1
+        base = self._data + (i * self.slots + seq % self.slots) * self.slot_bytes
+        buf = self.seg.buf
+        length = _U64.unpack_from(buf, base)[0]
+        try:
+            if length > self.slot_bytes - _SLOT_HDR:
+                raise FrameError(f"frame length {length} exceeds the slot ({self.slot_bytes - _SLOT_HDR} bytes)")
+            meta, batch = decode_frame(buf[base + _SLOT_HDR : base + _SLOT_HDR + length])
+        except FrameError as exc:
+            self._stats["corrupt"] += 1
+            self._release(i, seq)
+            raise FrameError(f"shm producer {i}, frame #{seq} dropped: {exc}") from None
+        self._stats["frames"] += 1
+        self._stats["bytes"] += length
+        self._stats["raw_bytes"] += sum(_nbytes(v) for v in batch.values())
+        return Received(meta, batch, length, i, lambda: self._release(i, seq))
+
+    def _release(self, i: int, seq: int) -> None:
+        if self.seg.buf is None:
+            return
+        done = self._done[i]
+        done.add(seq)
+        tail = self._tail[i]
+        while tail in done:
+            done.discard(tail)
+            tail += 1
+        if tail != self._tail[i]:
+            self._tail[i] = tail
+            _U64.pack_into(self.seg.buf, self._cb(i) + 128, tail)
+
+    def stats(self) -> dict[str, float]:
+        """Counters: frames, bytes, raw_bytes, corrupt, wait_s, dead_peers, queue_depth, dropped (producer side)."""
+        out = dict(self._stats)
+        depth = 0
+        dropped = 0
+        if self.seg.buf is not None:
+            for i in range(self.n):
+                depth += _U64.unpack_from(self.seg.buf, self._cb(i))[0] - self._read[i]
+                dropped += _U64.unpack_from(self.seg.buf, self._cb(i) + 32)[0]
+        out["queue_depth"] = depth
+        out["dropped"] = dropped
+        return out
+
+    def close(self, unlink: bool = True) -> None:
+        """Stop heartbeating, flag producers, unmap and (by default) remove the segment."""
+        if self.seg.buf is None:
+            if unlink:
+                self.seg.close(unlink_file=True)
+            return
+        self._hb.stop()
+        _U32.pack_into(self.seg.buf, _CLOSED_OFF, 1)
+        self.seg.close(unlink_file=unlink)
+
+    def __enter__(self) -> ShmConsumer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _nbytes(v: Any) -> int:
+    return int(v.nbytes) if hasattr(v, "nbytes") else int(v.numel() * v.element_size())
+
+
+class ShmProducerHandle:
+    """Picklable reference to one producer slot of a consumer's ring."""
+
+    def __init__(self, path: str, index: int, config: dict[str, Any]) -> None:
+        self.path = path
+        self.index = index
+        self.config = config
+
+    def attach(self) -> ShmProducer:
+        """Map the ring and claim this producer slot."""
+        return ShmProducer(self.path, self.index, CommConfig.from_dict(self.config))
+
+    def __repr__(self) -> str:
+        return f"ShmProducerHandle({self.path!r}, {self.index})"
+
+
+class ShmProducer:
+    """The sending end (rollout worker)."""
+
+    def __init__(self, path: str, index: int, config: CommConfig) -> None:
+        try:
+            self.seg = Segment.attach(path)
+        except FileNotFoundError:
+            raise PeerDeadError(f"shm ring {path} does not exist (consumer gone or closed)") from None
+        magic, layout, n, slots, slot_bytes, cpid, _hb, _closed = _GLOBAL.unpack_from(self.seg.buf, 0)
+        if magic != _MAGIC or layout != _LAYOUT or not 0 <= index < n:
+            self.seg.close()
+            raise MrlError(f"{path} is not an mrl ring of layout {_LAYOUT} with producer {index}")
+        self.config = config
+        self.index = index
+        self.slots, self.slot_bytes, self.consumer_pid = slots, slot_bytes, cpid
+        self.codec = make_codec(config)
+        data, _ = _layout(n, slots, slot_bytes)
+        self._slot0 = data + index * slots * slot_bytes
+        self._cb = _CB_BASE + _CB_SIZE * index
+        buf = self.seg.buf
+        state = _U32.unpack_from(buf, self._cb + 24)[0]
+        old = _U64.unpack_from(buf, self._cb + 8)[0]
+        if state == _ATTACHED and old != os.getpid() and pid_alive(old):
+            age = time.monotonic() - _F64.unpack_from(buf, self._cb + 16)[0]
+            if age < config.heartbeat_timeout_s:
+                self.seg.close()
+                raise MrlError(f"producer slot {index} of {path} is already attached by live pid {old}")
+        self._head = _U64.unpack_from(buf, self._cb)[0]
+        _U64.pack_into(buf, self._cb + 8, os.getpid())
+        _F64.pack_into(buf, self._cb + 16, time.monotonic())
+        _U32.pack_into(buf, self._cb + 24, _ATTACHED)
+        self._stats = dict.fromkeys(("frames", "bytes", "raw_bytes", "fallbacks", "wait_s", "dropped"), 0)
+        self._hb = Heartbeat(self._beat, config.heartbeat_interval_s, f"mrl-comm-producer{index}-hb")
+
+    def _beat(self) -> None:
+        if self.seg.buf is not None:
+            _F64.pack_into(self.seg.buf, self._cb + 16, time.monotonic())
+
+    def _consumer_gone(self) -> str | None:
+        buf = self.seg.buf
+        if _U32.unpack_from(buf, _CLOSED_OFF)[0]:
+            return "the consumer closed the ring"
+        age = time.monotonic() - _F64.unpack_from(buf, _CONS_HB_OFF)[0]
+        if age > self.config.heartbeat_timeout_s or not pid_alive(self.consumer_pid):
+            return f"consumer pid {self.consumer_pid} is dead (last heartbeat {age:.2f} s ago)"
+        return None
+
+    def send(self, batch: Mapping[str, Any], meta: Mapping[str, Any], timeout: float | None = None) -> int:
+        """Encode ``batch`` into the next slot; returns the frame bytes (0 if dropped by ``drop_newest``)."""
+        buf = self.seg.buf
+        if buf is None:
+            raise MrlError("send on a closed shm producer")
+        plan = FramePlan(batch, meta, self.codec, self.config.checksum)
+        if plan.nbytes > self.slot_bytes - _SLOT_HDR:
+            raise FrameError(
+                f"frame of {plan.nbytes} bytes does not fit a ring slot of {self.slot_bytes - _SLOT_HDR} bytes: "
+                f"raise comm.slot_bytes to at least {plan.nbytes + _SLOT_HDR}"
+            )
+        self._stats["fallbacks"] += plan.fallbacks
+        head = self._head
+        if head - _U64.unpack_from(buf, self._cb + 128)[0] >= self.slots:
+            if self.config.full_policy == "drop_newest":
+                self._stats["dropped"] += 1
+                _U64.pack_into(buf, self._cb + 32, self._stats["dropped"])
+                return 0
+            self._wait_space(head, timeout)
+        base = self._slot0 + (head % self.slots) * self.slot_bytes
+        n = plan.write_into(buf[base + _SLOT_HDR : base + self.slot_bytes])
+        _U64.pack_into(buf, base, n)
+        self._head = head + 1
+        _U64.pack_into(buf, self._cb, head + 1)
+        self._stats["frames"] += 1
+        self._stats["bytes"] += n
+        self._stats["raw_bytes"] += plan.raw_nbytes
+        return n
+
+    def _wait_space(self, head: int, timeout: float | None) -> None:
+        buf = self.seg.buf
+        t = self.config.send_timeout_s if timeout is None else timeout
+        deadline = deadline_of(timeout, self.config.send_timeout_s)
+        t0 = time.perf_counter()
+        backoff = Backoff()
+        next_check = 0.0
+        try:
+            while head - _U64.unpack_from(buf, self._cb + 128)[0] >= self.slots:
+                now = time.monotonic()
+                if now >= next_check:
+                    next_check = now + 0.05
+                    why = self._consumer_gone()
+                    if why:
+                        raise PeerDeadError(f"shm producer {self.index}: {why}")
+                if now >= deadline:
+                    raise StageTimeoutError(
+                        f"shm producer {self.index}: ring full ({self.slots} slots) for {t} s; the consumer is "
+                        "not keeping up (raise comm.send_timeout_s or comm.ring_slots, or use full_policy "
+                        "'drop_newest')"
+                    )
+                backoff.wait()
+        finally:
+            self._stats["wait_s"] += time.perf_counter() - t0
+
+    def stats(self) -> dict[str, float]:
+        """Counters: frames, bytes, raw_bytes, fallbacks, wait_s, dropped, queue_depth."""
+        out = dict(self._stats)
+        if self.seg.buf is not None:
+            out["queue_depth"] = self._head - _U64.unpack_from(self.seg.buf, self._cb + 128)[0]
+        return out
+
+    def close(self) -> None:
+        """Mark this producer closed (not dead) and unmap."""
+        if self.seg.buf is None:
+            return
+        self._hb.stop()
+        _U32.pack_into(self.seg.buf, self._cb + 24, _CLOSED)
+        self.seg.close()
+
+    def __enter__(self) -> ShmProducer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def shm_factory(config: CommConfig, *, n_producers: int, run_id: str) -> ShmConsumer:
+    """Transport factory registered as ``shm``."""
+    return ShmConsumer(config, n_producers=n_producers, run_id=run_id)
