@@ -363,6 +363,26 @@ def test_triage_utilisation_definitions():
     assert measured.utilisation == 0.3 and measured.utilisation_from == "measured" and measured.verdict == "scheduling"
 
 
+def test_triage_reads_the_run_module_layout():
+    """``mrl_plugins.run`` results: ``transfer_wait`` (trainer idle waiting for experience) and ``train_s``."""
+    run = {
+        "wall_s": 30.0,
+        "train_s": 20.0,  # the training loop; wall_s also counts model loading
+        "steps_per_s": 0.4,
+        "time_split": {"generate": 4.0, "weight_sync": 0.5, "transfer_wait": 11.0, "train": 4.5},
+        "mrl_metrics": {"mrl/time/wait_s": 11.0},
+    }
+    t = triage("all", run)
+    assert t.verdict == "scheduling" and t.utilisation == pytest.approx(8.5 / 20)
+    assert t.wait_share == pytest.approx(11 / 20) and t.comm_share == pytest.approx(0.5 / 20)
+    assert "train_s 20 s x 1 lane(s)" in t.utilisation_from
+    both = dict(run, time_split={"generate": 1.0, "train": 1.0, "wait": 1.0, "transfer_wait": 1.0})
+    with pytest.raises(ConfigError, match="both 'transfer_wait' and 'wait'"):
+        triage("all", both)
+    with pytest.raises(ConfigError, match="exceeds train_s 20 s x 1 lane"):
+        triage("all", dict(run, time_split={"generate": 15.0, "train": 10.0}), lanes=1)
+
+
 @pytest.mark.parametrize(
     ("run", "match"),
     [
@@ -373,6 +393,7 @@ def test_triage_utilisation_definitions():
         ({"time_split": {"generate": 1.0, "train": 1.0}, "wall_s": 0}, "must be > 0"),
         ({"time_split": {"generate": -1.0, "train": 1.0}, "wall_s": 5}, "non-negative"),
         ({"time_split": {"generate": 1.0, "train": 1.0}, "wall_s": 5, "utilization": 1.5}, "0..1"),
+        ({"time_split": {"generate": 1.0, "train": 1.0}, "wall_s": 5, "target_steps_per_s": "fast"}, "target"),
     ],
 )
 def test_triage_bad_runs(run, match):

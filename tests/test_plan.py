@@ -162,12 +162,14 @@ def test_frame_bytes_from_report(tmp_path, capsys):
                     "upstream": {"wall_s": 10.0},
                     "all": {"comm_bytes": 4096 * 100, "comm_frames": 100},
                     "comm": {"metrics": {"mrl/comm/bytes": 3000.0, "mrl/comm/frames": 3}},
+                    "compare": {"mrl_metrics": {"mrl/comm/bytes": 500.0, "mrl/comm/frames": 5}},
                 }
             }
         )
     )
     assert frame_bytes_from_report(report) == ("all", 4096.0)
     assert frame_bytes_from_report(report, run="comm") == ("comm", 1000.0)
+    assert frame_bytes_from_report(report, run="compare") == ("compare", 100.0)  # mrl compare's per-run metrics
     with pytest.raises(ConfigError, match="no run 'nope'"):
         frame_bytes_from_report(report, run="nope")
     rc = cli(["--envs", "10", "--rate", "100", "--frame-bytes-from", str(report), "--link", "1Gbit"])

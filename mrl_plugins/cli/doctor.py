@@ -542,6 +542,9 @@ def inputs_from_config(cfg: Mapping[str, Any]) -> dict[str, Any]:
 # ---------------------------------------------------------------------------------------------------------------------
 
 TIME_PARTS = ("generate", "weight_sync", "transfer", "train", "wait")
+#: Other spellings accepted in ``time_split`` (``mrl_plugins.run`` writes ``transfer_wait``: the trainer waiting
+#: for experience, i.e. idle while rollouts are produced or in flight).
+TIME_ALIASES = {"transfer_wait": "wait"}
 #: Flat-metrics keys read for each number (first present wins).
 METRIC_KEYS: dict[str, tuple[str, ...]] = {
     "generate": ("mrl/time/generate_s", "mrl/rollout/generate_s"),
@@ -579,10 +582,12 @@ def load_report(path: str | os.PathLike[str]) -> list[tuple[str, dict[str, Any]]
     """Runs of a JSON report as ``(name, run)`` with each run in the schema below.
 
     Accepted layouts: ``{"runs": {name: run, ...}}``, ``{"runs": [{"name": ..., ...}, ...]}``, a single run object,
-    or a flat metrics dict (keys such as ``mrl/time/train_s``, ``mrl/comm/wait_s``; see :data:`METRIC_KEYS`).
+    or a flat metrics dict (keys such as ``mrl/time/train_s``, ``mrl/comm/wait_s``; see :data:`METRIC_KEYS`), also
+    as a run's ``metrics`` / ``mrl_metrics`` object when it has no ``time_split``.
 
     Run schema (seconds): ``time_split: {generate, weight_sync, transfer, train, wait}`` (``generate``, ``train``
-    required, the rest default 0), ``wall_s`` (> 0); optional ``steps_per_s``, ``tokens_per_s``,
+    required, the rest default 0; ``transfer_wait`` is read as ``wait``), ``wall_s`` (> 0); optional ``train_s``
+    (wall time of the training loop alone, used instead of ``wall_s`` when present), ``steps_per_s``, ``tokens_per_s``,
     ``utilization`` (0..1, measured device busy share), ``lanes`` (parallel compute lanes), ``comm_wait_s``
     (measured communication wait; default ``weight_sync + transfer``), ``target_steps_per_s`` /
     ``target_tokens_per_s`` (expected throughput), or ``metrics`` (a flat metrics dict, read as above).
@@ -608,7 +613,8 @@ def load_report(path: str | os.PathLike[str]) -> list[tuple[str, dict[str, Any]]
         if not isinstance(run, Mapping):
             raise ConfigError(f"report run {name!r}: expected an object, got {type(run).__name__}")
         if "time_split" not in run:
-            run = _from_metrics(run.get("metrics", run)) | {k: v for k, v in run.items() if k != "metrics"}
+            flat = run.get("metrics", run.get("mrl_metrics", run))
+            run = _from_metrics(flat) | {k: v for k, v in run.items() if k not in ("metrics", "mrl_metrics")}
         out.append((name, dict(run)))
     if not out:
         raise ConfigError(f"report {str(p)!r} has no runs")
@@ -646,11 +652,13 @@ def triage(
 ) -> Triage:
     """The source's triage (§5) for one run.
 
+    * window: the run's ``train_s`` (training loop) if present, else ``wall_s``.
     * utilisation: the run's ``utilization`` when measured (device busy share), else the CPU busy share
-      ``(generate + train) / (wall_s x lanes)``; ``lanes`` (parallel compute lanes: 1 when rollout and training
-      take turns, 2 when they overlap on separate cores) is the argument, else the run's ``lanes``, else the
-      smallest whole number consistent with the times, ``ceil((generate + train) / wall_s)``, at least 1.
-    * communication wait share: ``comm_wait_s`` (else ``weight_sync + transfer``) / ``wall_s``.
+      ``(generate + train) / (window x lanes)``; ``lanes`` (parallel compute lanes whose busy time is in the split:
+      1 when rollout and training take turns, 2 when both times are recorded and overlap) is the argument, else
+      the run's ``lanes``, else the smallest whole number consistent with the times, ``ceil(busy / window)``.
+    * communication wait share: ``comm_wait_s`` (else ``weight_sync + transfer``) / window; ``wait`` (idle,
+      waiting for experience) is reported as the idle share and counts against utilisation, not communication.
     * verdicts, in order: comm wait > 30% -> communication (compress first, then overlap); utilisation < 50% ->
       scheduling (uneven arrivals, small batches); utilisation >= ``high_util`` with throughput below a target
       (argument or the run's ``target_*``) -> kernels; >= ``high_util`` otherwise -> compute-bound; else no clear
@@ -660,6 +668,12 @@ def triage(
     split = run.get("time_split")
     if not isinstance(split, Mapping):
         raise ConfigError(f"{where}: needs 'time_split' {{generate, weight_sync, transfer, train, wait}} seconds")
+    split = dict(split)
+    for alias, key in TIME_ALIASES.items():
+        if alias in split:
+            if key in split:
+                raise ConfigError(f"{where}: time_split has both {alias!r} and {key!r} (the same time)")
+            split[key] = split.pop(alias)
     for key in ("generate", "train"):
         if key not in split:
             raise ConfigError(f"{where}: time_split lacks {key!r}; keys: {choices(TIME_PARTS)}")
@@ -669,7 +683,8 @@ def triage(
     t = {k: _num(split.get(k, 0.0), f"{where} time_split.{k}") for k in TIME_PARTS}
     if "wall_s" not in run:
         raise ConfigError(f"{where}: needs 'wall_s' (wall-clock seconds of the run)")
-    wall = _num(run["wall_s"], f"{where} wall_s", positive=True)
+    window_key = "train_s" if run.get("train_s") is not None else "wall_s"
+    wall = _num(run[window_key], f"{where} {window_key}", positive=True)
     busy = t["generate"] + t["train"]
     if run.get("utilization") is not None:
         util = _num(run["utilization"], f"{where} utilization")
@@ -681,7 +696,14 @@ def triage(
             lanes = int(_num(run["lanes"], f"{where} lanes", positive=True)) if "lanes" in run else None
         n = lanes if lanes is not None else max(1, math.ceil(busy / wall - 1e-9))
         util = busy / (wall * n)
-        util_from = f"(generate {t['generate']:.3g} s + train {t['train']:.3g} s) / (wall {wall:.3g} s x {n} lane(s))"
+        if util > 1 + 1e-9:
+            raise ConfigError(
+                f"{where}: generate + train = {busy:.3g} s exceeds {window_key} {wall:.3g} s x {n} lane(s); "
+                "give the number of parallel lanes that recorded busy time (--lanes or the run's 'lanes')"
+            )
+        util_from = (
+            f"(generate {t['generate']:.3g} s + train {t['train']:.3g} s) / ({window_key} {wall:.3g} s x {n} lane(s))"
+        )
     if run.get("comm_wait_s") is not None:
         comm = _num(run["comm_wait_s"], f"{where} comm_wait_s")
         comm_from = f"comm wait {comm:.3g} s"
@@ -693,6 +715,8 @@ def triage(
     tps = None if run.get("tokens_per_s") is None else _num(run["tokens_per_s"], f"{where} tokens_per_s")
     tgt_s = target_steps_per_s if target_steps_per_s is not None else run.get("target_steps_per_s")
     tgt_t = target_tokens_per_s if target_tokens_per_s is not None else run.get("target_tokens_per_s")
+    tgt_s = None if tgt_s is None else _num(tgt_s, f"{where} target steps/s", positive=True)
+    tgt_t = None if tgt_t is None else _num(tgt_t, f"{where} target tokens/s", positive=True)
     detail = (
         f"utilisation {100 * util:.0f}% [{util_from}], comm wait {100 * comm_share:.0f}% [{comm_from}], "
         f"idle wait {100 * wait_share:.0f}%"
@@ -702,10 +726,10 @@ def triage(
     if tps is not None:
         detail += f", {tps:.3g} tokens/s"
     below = []
-    if tgt_s is not None and sps is not None and sps < float(tgt_s):
-        below.append(f"{sps:.3g} steps/s < target {float(tgt_s):.3g}")
-    if tgt_t is not None and tps is not None and tps < float(tgt_t):
-        below.append(f"{tps:.3g} tokens/s < target {float(tgt_t):.3g}")
+    if tgt_s is not None and sps is not None and sps < tgt_s:
+        below.append(f"{sps:.3g} steps/s < target {tgt_s:.3g}")
+    if tgt_t is not None and tps is not None and tps < tgt_t:
+        below.append(f"{tps:.3g} tokens/s < target {tgt_t:.3g}")
     if comm_share > 0.30:
         verdict, status = "communication", "warn"
         advice = (

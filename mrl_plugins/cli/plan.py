@@ -340,9 +340,12 @@ def _frame_bytes(run: Mapping[str, Any]) -> float | None:
         b, f = run.get(b_key), run.get(f_key)
         if isinstance(b, int | float) and isinstance(f, int | float) and b > 0 and f > 0:
             return float(b) / float(f)
-    metrics = run.get("metrics")
-    if isinstance(metrics, Mapping):
-        return _frame_bytes(metrics)
+    for key in ("metrics", "mrl_metrics"):
+        metrics = run.get(key)
+        if isinstance(metrics, Mapping):
+            found = _frame_bytes(metrics)
+            if found is not None:
+                return found
     return None
 
 
@@ -351,7 +354,8 @@ def frame_bytes_from_report(path: str | Path, run: str | None = None) -> tuple[s
 
     Read, per run (``runs`` as a name->run object or a list of runs with ``name``; or the top level itself):
     ``bytes_per_frame``, else ``comm_bytes / comm_frames``, else ``mrl/comm/bytes / mrl/comm/frames`` (also inside
-    a ``metrics`` object). ``run`` picks a run by name; by default the first run that has the numbers.
+    a ``metrics`` or ``mrl_metrics`` object, as ``mrl compare`` writes them). ``run`` picks a run by name; by
+    default the first run that has the numbers.
     """
     p = Path(path)
     try:
