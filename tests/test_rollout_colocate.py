@@ -129,19 +129,32 @@ def test_server_unbound_keeps_defaults():
     import subprocess
     import sys
 
-    fresh = subprocess.run(
-        [sys.executable, "-c", "import torch; print(torch.get_num_threads())"], capture_output=True, timeout=60
+    # torch's default thread count in a fresh process, measured alongside the server's start
+    fresh = subprocess.Popen(
+        [sys.executable, "-c", "import torch; print(torch.get_num_threads())"], stdout=subprocess.PIPE, text=True
     )
-    with EngineServer("tiny", params=PARAMS) as srv:
-        live = srv.binding()
-        assert live["affinity"] == sorted(os.sched_getaffinity(0))
-        assert live["threads"] == int(fresh.stdout)
+    try:
+        with EngineServer("tiny", params=PARAMS) as srv:
+            live = srv.binding()
+        default_threads = int(fresh.communicate(timeout=60)[0])
+    finally:
+        fresh.kill()
+        fresh.wait(timeout=10)
+        fresh.stdout.close()
+    assert live["affinity"] == sorted(os.sched_getaffinity(0))
+    assert live["threads"] == default_threads
 
 
 @pytest.mark.slow
-def test_dead_server_raises_within_timeout():
+def test_slow_server_times_out_recovers_then_dead_server_raises_within_timeout():
     srv = EngineServer("tiny", params=PARAMS, threads=1)
     try:
+        start = time.monotonic()
+        with pytest.raises(StageTimeoutError, match="no reply to 'sleep' within 0.3 s"):
+            srv._call("sleep", 1.0, timeout=0.3)
+        assert time.monotonic() - start < 1.5
+        out = srv.request([[3]], 1, timeout=30)  # the late 'sleep' reply is discarded, not mistaken for this one
+        assert out.prompt_ids == [[3]]
         os.kill(srv.pid, signal.SIGKILL)
         start = time.monotonic()
         with pytest.raises(StageTimeoutError, match=r"died during 'generate' \(exit code -9\)"):
@@ -150,17 +163,6 @@ def test_dead_server_raises_within_timeout():
     finally:
         srv.close(timeout=5)
     assert not srv.is_alive()
-
-
-@pytest.mark.slow
-def test_slow_server_times_out_then_recovers():
-    with EngineServer("tiny", params=PARAMS, threads=1) as srv:
-        start = time.monotonic()
-        with pytest.raises(StageTimeoutError, match="no reply to 'sleep' within 0.3 s"):
-            srv._call("sleep", 1.0, timeout=0.3)
-        assert time.monotonic() - start < 1.5
-        out = srv.request([[3]], 1, timeout=30)  # the late 'sleep' reply is discarded, not mistaken for this one
-        assert out.prompt_ids == [[3]]
 
 
 @pytest.mark.slow
@@ -196,7 +198,23 @@ def test_bad_core_reported_from_server():
         EngineServer("tiny", params=PARAMS, cores=[N_CORES + 7], threads=1, start_timeout=60)
 
 
+@pytest.mark.slow
+def test_server_with_compute_budget():
+    """A full ComputeBudget (CPU part: cores + threads; a 'high' stream is a no-op stream on CPU)."""
+    from mrl_plugins.device import ComputeBudget
+
+    budget = ComputeBudget(cores=[0], threads=1, stream_priority="high")
+    with EngineServer("tiny", params=PARAMS, budget=budget, seed=0) as srv:
+        assert srv.binding()["affinity"] == [0] and srv.info["threads"] == 1
+        assert srv.info["budget"]["cores"] == [0] and srv.info["budget"]["stream_priority"] == "high"
+        assert len(srv.request([[3, 4]], 2, timeout=30).completion_ids) == 2
+
+
 def test_bad_arguments_rejected_before_start():
+    from mrl_plugins.device import ComputeBudget
+
+    with pytest.raises(ConfigError, match="either budget or cores/threads"):
+        EngineServer("tiny", params=PARAMS, threads=1, budget=ComputeBudget(threads=1))
     with pytest.raises(ConfigError, match="threads"):
         EngineServer("tiny", params=PARAMS, threads=0)
     with pytest.raises(ConfigError, match="cores"):

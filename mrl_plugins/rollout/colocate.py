@@ -167,6 +167,7 @@ class _ServerSpec:
     device: str
     cores: list[int] | None
     threads: int | None
+    budget: Any  # ComputeBudget | None; replaces cores/threads when given
     headroom: float
     profile_prompts: list[list[int]] | None
     profile_generations: int
@@ -184,7 +185,8 @@ def _serve(conn: Any, spec: _ServerSpec) -> None:
         from mrl_plugins.device import ComputeBudget, apply_compute_budget, get_device
 
         device = get_device(spec.device)
-        applied = apply_compute_budget(ComputeBudget(cores=spec.cores, threads=spec.threads), device)
+        budget = spec.budget if spec.budget is not None else ComputeBudget(cores=spec.cores, threads=spec.threads)
+        applied = apply_compute_budget(budget, device)
         import torch
 
         from mrl_plugins.models import build_model
@@ -198,9 +200,10 @@ def _serve(conn: Any, spec: _ServerSpec) -> None:
         )
         reservation = None
         if spec.profile_prompts:
-            reservation = profile_engine_memory(
-                engine, spec.profile_prompts, spec.profile_generations, device, spec.headroom
-            )
+            with device.stream_context(applied.stream):
+                reservation = profile_engine_memory(
+                    engine, spec.profile_prompts, spec.profile_generations, device, spec.headroom
+                )
         conn.send(
             (
                 "ready",
@@ -219,8 +222,8 @@ def _serve(conn: Any, spec: _ServerSpec) -> None:
     while True:
         try:
             op, req_id, payload = conn.recv()
-        except (EOFError, OSError):
-            return  # the trainer side went away
+        except (EOFError, OSError, KeyboardInterrupt):
+            return  # the trainer side went away (or Ctrl-C reached the whole process group)
         if op == "close":
             with contextlib.suppress(Exception):
                 conn.send(("ok", req_id, None))
@@ -228,7 +231,7 @@ def _serve(conn: Any, spec: _ServerSpec) -> None:
         try:
             if op == "generate":
                 prompts, num_generations = payload
-                with guard_oom(reservation, device.type):
+                with guard_oom(reservation, device.type), device.stream_context(applied.stream):
                     out = engine.generate(prompts, num_generations)
                 reply: Any = (out.prompt_ids, out.completion_ids, out.logprobs, out.seconds)
             elif op == "update_weights":
@@ -256,6 +259,8 @@ class EngineServer:
     :param params: sampling settings.
     :param cores: CPU cores for the engine process (``None``: unchanged).
     :param threads: torch threads of the engine process (``None``: torch's default).
+    :param budget: a full :class:`mrl_plugins.device.ComputeBudget` instead of ``cores``/``threads`` (NPU cube/vector
+        core limits, stream priority); the engine then runs on the budget's stream.
     :param device: device spec for the engine (``cpu``, ``cuda:0``, ``npu:0``).
     :param seed: the engine's sampling seed.
     :param model_seed: init seed of a preset model.
@@ -273,6 +278,7 @@ class EngineServer:
         params: SamplingParams,
         cores: list[int] | None = None,
         threads: int | None = None,
+        budget: Any = None,
         device: str = "cpu",
         seed: int | None = None,
         model_seed: int = 0,
@@ -291,9 +297,17 @@ class EngineServer:
             raise ConfigError(f"cores: must be a non-empty list of core ids or None, got {cores!r}")
         if threads is not None and (not isinstance(threads, int) or threads < 1):
             raise ConfigError(f"threads: must be an int >= 1 or None, got {threads!r}")
+        if budget is not None:
+            from mrl_plugins.device import ComputeBudget
+
+            if cores is not None or threads is not None:
+                raise ConfigError("EngineServer: give either budget or cores/threads, not both")
+            if not isinstance(budget, ComputeBudget):
+                raise ConfigError(f"budget: expected mrl_plugins.device.ComputeBudget, got {type(budget).__name__}")
+            budget.validate()
         spec = _ServerSpec(
             model, model_seed, model_factory, params, seed, device, None if cores is None else list(cores), threads,
-            headroom, profile_prompts, profile_generations,
+            budget, headroom, profile_prompts, profile_generations,
         )  # fmt: skip
         ctx = mp.get_context("spawn")
         self._conn, child_conn = ctx.Pipe(duplex=True)
