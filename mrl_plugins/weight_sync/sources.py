@@ -31,7 +31,16 @@ DEFAULT_GATHER_BUCKET = 64 << 20
 
 
 def should_publish(accelerator: Any = None) -> bool:
-    """True on the process that publishes (the main process; always true without an accelerator)."""
+    """True on the process that publishes: global rank 0 when torch.distributed is initialized, else the
+    accelerator's main process (always true for a single process).
+
+    The global rank is checked first because accelerate on CPU with DeepSpeed reports every process as
+    the main one (``num_processes == 1``) while DeepSpeed runs a 2-process group.
+    """
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank() == 0
     if accelerator is None:
         return True
     return bool(getattr(accelerator, "is_main_process", True))

@@ -16,6 +16,7 @@ import torch
 
 
 def main() -> int:
+    import torch.distributed as dist
     from accelerate import Accelerator
 
     from mrl_plugins.weight_sync import DirectorySender, WeightSyncConfig, iter_trainer_weights, should_publish
@@ -44,14 +45,32 @@ def main() -> int:
         if should_publish(acc)
         else None
     )
-    stream = iter_trainer_weights(model, acc, bucket_bytes=20_000)
+    bucket = 20_000
+    peak = [0]
+
+    def watched():
+        for name, t in iter_trainer_weights(model, acc, bucket_bytes=bucket):
+            # bytes of parameters currently gathered (full) on this rank
+            peak[0] = max(peak[0], sum(p.ds_numel * p.element_size() for p in inner.parameters() if p.numel() > 0))
+            yield name, t
+
+    stream = watched()
     if sender is not None:
         report = sender.publish(1, stream)
     else:
         n = sum(1 for _ in stream)  # take part in every gather
         report = None
     acc.wait_for_everyone()
-    result = {"rank": acc.process_index, "world": acc.num_processes, "zero3": partitioned, "local_numel": local_numel}
+    result = {
+        "rank": dist.get_rank(),
+        "world": dist.get_world_size(),
+        "zero3": partitioned,
+        "local_numel": local_numel,
+        "peak_gathered_bytes": peak[0],
+        "bucket_bytes": bucket,
+        "max_param_bytes": max(p.ds_numel * p.element_size() for p in inner.parameters()),
+        "total_bytes": sum(p.ds_numel * p.element_size() for p in inner.parameters()),
+    }
     if sender is not None:
         rx = sender.receiver_handle().attach()
         dest = {n: torch.empty_like(t) for n, t in full.items()}
@@ -61,7 +80,7 @@ def main() -> int:
         result["shards"] = report.shards
     else:
         result["drained"] = n
-    with open(f"{out_path}.{acc.process_index}", "w") as f:
+    with open(f"{out_path}.{dist.get_rank()}", "w") as f:
         json.dump(result, f)
     acc.wait_for_everyone()
     return 0
