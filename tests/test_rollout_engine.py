@@ -250,6 +250,15 @@ def test_from_trainer_reads_trl_attributes():
     assert p.max_new_tokens == 32 and p.eos_token_ids == [1, 5] and p.pad_token_id == 0
     del trainer.eos_token_ids
     assert SamplingParams.from_trainer(trainer).eos_token_ids == [1]
+    trainer.args.generation_kwargs = {"top_k": 7, "eos_token_id": [1, 2], "do_sample": True}
+    p = SamplingParams.from_trainer(trainer)
+    assert p.top_k == 7 and p.eos_token_ids == [1, 2]
+    trainer.args.generation_kwargs = {"num_beams": 4}
+    with pytest.raises(ConfigError, match="generation_kwargs.num_beams: not supported"):
+        SamplingParams.from_trainer(trainer)
+    trainer.args.generation_kwargs = {"do_sample": False}
+    with pytest.raises(ConfigError, match="greedy"):
+        SamplingParams.from_trainer(trainer)
 
 
 @pytest.mark.slow

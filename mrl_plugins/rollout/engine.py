@@ -25,7 +25,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from mrl_plugins.errors import ConfigError
+from mrl_plugins.errors import ConfigError, choices
 
 __all__ = [
     "EngineOutput",
@@ -36,6 +36,20 @@ __all__ = [
     "is_vllm_available",
     "process_logits",
 ]
+
+#: keys of TRL's ``generation_kwargs`` that map onto :class:`SamplingParams` fields
+_GEN_KWARGS = {
+    "max_new_tokens": "max_new_tokens",
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "repetition_penalty": "repetition_penalty",
+    "eos_token_id": "eos_token_ids",
+    "pad_token_id": "pad_token_id",
+}
+#: keys accepted and without effect on sampling here
+_GEN_KWARGS_IGNORED = ("do_sample", "bos_token_id", "cache_implementation", "disable_compile", "use_cache")
 
 
 @dataclass
@@ -95,16 +109,31 @@ class SamplingParams:
         max_new = pick("max_completion_length", None)
         if max_new is None:
             raise ConfigError("sampling: the trainer has no max_completion_length (trainer or trainer.args)")
-        params = cls(
-            max_new_tokens=int(max_new),
-            temperature=float(pick("temperature", 1.0)),
-            top_p=float(pick("top_p", 1.0)),
-            top_k=pick("top_k", 0),
-            min_p=pick("min_p", None),
-            repetition_penalty=float(pick("repetition_penalty", 1.0)),
-            eos_token_ids=[int(t) for t in eos],
-            pad_token_id=None if pad is None else int(pad),
-        )
+        values: dict[str, Any] = {
+            "max_new_tokens": int(max_new),
+            "temperature": float(pick("temperature", 1.0)),
+            "top_p": float(pick("top_p", 1.0)),
+            "top_k": pick("top_k", 0),
+            "min_p": pick("min_p", None),
+            "repetition_penalty": float(pick("repetition_penalty", 1.0)),
+            "eos_token_ids": [int(t) for t in eos],
+            "pad_token_id": None if pad is None else int(pad),
+        }
+        # TRL lets ``args.generation_kwargs`` override its generation config; honour what we implement
+        for key, value in dict(getattr(args, "generation_kwargs", None) or {}).items():
+            if key in _GEN_KWARGS:
+                target = _GEN_KWARGS[key]
+                if target == "eos_token_ids":
+                    value = [int(value)] if isinstance(value, int) else [int(v) for v in value]
+                values[target] = value
+            elif key == "do_sample" and not value:
+                raise ConfigError("generation_kwargs.do_sample=False: greedy decoding is not supported by the engine")
+            elif key not in _GEN_KWARGS_IGNORED:
+                raise ConfigError(
+                    f"generation_kwargs.{key}: not supported by the mrl rollout engine; "
+                    f"supported: {choices([*_GEN_KWARGS, *_GEN_KWARGS_IGNORED])}"
+                )
+        params = cls(**values)
         params.validate()
         return params
 
