@@ -7,9 +7,12 @@ configuration picks one by name.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
+
+_NAME_RE = re.compile(r"[a-z0-9][a-z0-9_-]*")
 
 #: The three stages of an RL loop that plugins can replace.
 STAGES: tuple[str, ...] = ("rollout", "weight_sync", "comm")
@@ -24,12 +27,11 @@ class _Registration:
     description: str = ""
 
     def __post_init__(self) -> None:
-        if (
-            not isinstance(self.name, str)
-            or not self.name
-            or not self.name.replace("_", "-").replace("-", "").isalnum()
-        ):
-            raise ValueError(f"registration name must be a non-empty [a-z0-9_-] string, got {self.name!r}")
+        if not isinstance(self.name, str) or _NAME_RE.fullmatch(self.name) is None:
+            raise ValueError(
+                f"registration name must be lowercase ASCII letters, digits, '_' or '-' (starting with a letter "
+                f"or digit), got {self.name!r}"
+            )
         if not callable(self.factory):
             raise TypeError(f"registration {self.name!r}: factory must be callable, got {type(self.factory).__name__}")
 

@@ -56,8 +56,8 @@ def section_from_dict(cls: type, data: Any, path: str, valid_keys: typing.Iterab
     """
     if data is None:
         data = {}
-    if dataclasses.is_dataclass(data) and isinstance(data, cls):
-        return data
+    if isinstance(data, cls):  # an object built in code: check it like the mapping it stands for
+        data = {f.name: getattr(data, f.name) for f in dataclasses.fields(cls)}
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: expected a mapping, got {type(data).__name__}")
     fields = {f.name: f for f in dataclasses.fields(cls)}
@@ -179,6 +179,21 @@ class MrlConfig:
         for name, cls in _stage_classes().items():
             if getattr(self, name) is None:
                 setattr(self, name, cls())
+        for name, cls in (*_stage_classes().items(), ("plugins", PluginsConfig), ("train", TrainConfig)):
+            value = getattr(self, name)
+            if isinstance(value, dict):  # MrlConfig(rollout={...}) builds the typed section
+                setattr(self, name, _nested(cls, value, name))
+
+    def validate_all(self) -> None:
+        """Validate the top level and every section (for objects built in code rather than from a dict)."""
+        section_from_dict(_TopLevel, {f.name: getattr(self, f.name) for f in dataclasses.fields(_TopLevel)}, TOP)
+        for name, cls in _stage_classes().items():
+            section = getattr(self, name)
+            if not isinstance(section, cls):
+                raise ConfigError(f"{name}: expected a {cls.__name__} or a mapping, got {type(section).__name__}")
+            validate = getattr(section, "validate", None)
+            if validate is not None:
+                validate()
 
     @classmethod
     def from_dict(cls, data: Any) -> MrlConfig:
@@ -258,7 +273,7 @@ def resolve_config_path(path: str | os.PathLike[str]) -> Path:
 def load_config(source: Any = None) -> MrlConfig:
     """Load and validate a config from a path, a dict, an :class:`MrlConfig` or ``None`` (defaults)."""
     if isinstance(source, MrlConfig):
-        source.validate()
+        source.validate_all()
         return source
     if source is None:
         return MrlConfig.from_dict({})

@@ -83,6 +83,15 @@ class MrlPluginManager:
             for registered in [n for n, _ in self.pm.list_name_plugin() if _is_blocked(n, [name])]:
                 self.pm.unregister(name=registered)
                 self.pm.set_blocked(registered)
+                self._sources.pop(registered, None)
+                for stage in [s for s, n in self._selected.items() if n == registered]:
+                    del self._selected[stage]  # its stage calls now raise "no plugin selected"
+        self._changed()
+
+    def _changed(self) -> None:
+        """Forget routed callers and registration tables: the set of plugins changed."""
+        self._callers.clear()
+        self._registry.clear()
 
     def register(self, plugin: Any, name: str, *, source: str = "manual") -> None:
         """Register ``plugin`` under ``name`` unless blocked.
@@ -101,6 +110,7 @@ class MrlPluginManager:
         except pluggy.PluginValidationError as exc:
             raise PluginError(f"plugin {name!r} ({source}) is invalid: {_one_line(exc)}") from exc
         self._sources[name] = source
+        self._changed()
 
     def load_builtins(self) -> None:
         for name, target in BUILTIN_PLUGINS.items():
@@ -194,6 +204,9 @@ class MrlPluginManager:
         unknown = sorted(set(selection) - set(STAGES))
         if unknown:
             raise PluginError(f"unknown stage {unknown[0]!r}; valid stages: {choices(STAGES)}")
+        missing = [stage for stage in STAGES if stage not in selection]
+        if missing:
+            raise PluginError(f"select: missing stage {missing[0]!r}; every stage needs a plugin: {choices(STAGES)}")
         resolved = {stage: self.resolve(stage, selection[stage]) for stage in STAGES}
         self._selected = resolved
         self._callers.clear()
@@ -211,6 +224,7 @@ class MrlPluginManager:
             if stage not in self._selected:
                 raise PluginError(f"no plugin selected for stage {stage!r}; call select() first")
             others = [p for n, p in self.providers(stage).items() if n != self._selected[stage]]
+            # cached until the plugin set or the selection changes (register/block/select clear it)
             self._callers[key] = self.pm.subset_hook_caller(hook, remove_plugins=others)
         return self._callers[key]
 
@@ -275,7 +289,28 @@ class MrlPluginManager:
         self.pm.hook.mrl_configure.call_historic(kwargs={"config": config})
 
     def shutdown(self, ctx: Any, reason: str = "normal") -> None:
-        self.pm.hook.mrl_shutdown(ctx=ctx, reason=reason)
+        """Call every plugin's ``mrl_shutdown``, each on its own: one that raises does not stop the others.
+
+        The first failure is raised afterwards as :class:`PluginError` naming the plugin.
+        """
+        hook = self.pm.hook.mrl_shutdown
+        impls = [impl for impl in reversed(hook.get_hookimpls()) if not _is_wrapper(impl)]
+        plugins = [impl.plugin for impl in impls]
+        failures: list[tuple[str, BaseException]] = []
+        for impl in impls:
+            others = [p for p in plugins if p is not impl.plugin]
+            try:
+                self.pm.subset_hook_caller("mrl_shutdown", remove_plugins=others)(ctx=ctx, reason=reason)
+            except Exception as exc:  # noqa: BLE001 - keep shutting the other plugins down
+                failures.append((impl.plugin_name, exc))
+        if failures:
+            name, exc = failures[0]
+            more = (
+                f" (and {len(failures) - 1} more: {', '.join(n for n, _ in failures[1:])})"
+                if len(failures) > 1
+                else ""
+            )
+            raise PluginError(f"mrl_shutdown failed in plugin {name!r}: {type(exc).__name__}: {exc}{more}") from exc
 
     # ------------------------------------------------------------------ stage facade
     def rollout_generate(self, *, ctx: Any, prompts: list[list[int]], num_generations: int, model_id: str = "policy"):

@@ -506,3 +506,76 @@ def test_fresh_managers_are_independent(fresh_pm):
     assert second.selected["comm"] == "upstream"
     ctx = StageContext(config=second.config)
     assert second.comm_encode(ctx=ctx, batch={"a": 1}, meta={}) != b"extra"
+
+
+# --------------------------------------------------------------------------- changes after construction
+
+
+class Second:
+    """A second comm provider, registered late."""
+
+    @hookimpl
+    def mrl_comm_encode(self, ctx, batch, meta):
+        return b"second"
+
+
+def test_late_provider_does_not_take_over_selected_stage(fresh_pm):
+    mgr = fresh_pm(UPSTREAM)
+    ctx = StageContext(config=mgr.config)
+    first = mgr.comm_encode(ctx=ctx, batch={"a": 1}, meta={})  # builds the routed caller
+    mgr.register(Second(), "second")
+    assert mgr.comm_encode(ctx=ctx, batch={"a": 1}, meta={}) == first
+    mgr.select({**UPSTREAM["plugins"], "comm": "second"})
+    assert mgr.comm_encode(ctx=ctx, batch={"a": 1}, meta={}) == b"second"
+
+
+def test_late_registration_appears_in_registry(fresh_pm):
+    mgr = fresh_pm(UPSTREAM)
+    assert "rdma" not in mgr.registry("mrl_weight_sync_register_transports")
+    mgr.register(_transports("rdma"), "rdmaplug")
+    assert "rdma" in mgr.registry("mrl_weight_sync_register_transports")
+
+
+def test_blocking_a_selected_plugin_unselects_its_stage(fresh_pm):
+    mgr = fresh_pm(UPSTREAM, plugins=[("second", Second())])
+    mgr.select({**UPSTREAM["plugins"], "comm": "second"})
+    ctx = StageContext(config=mgr.config)
+    assert mgr.comm_encode(ctx=ctx, batch={}, meta={}) == b"second"
+    mgr.block(["second"])
+    assert "second" not in _names(mgr) and "comm" not in mgr.selected
+    with pytest.raises(PluginError, match="no plugin selected for stage 'comm'"):
+        mgr.comm_encode(ctx=ctx, batch={}, meta={})
+
+
+def test_select_needs_every_stage(fresh_pm):
+    mgr = fresh_pm(UPSTREAM)
+    with pytest.raises(PluginError, match=r"missing stage 'rollout'.*'comm', 'rollout' or 'weight_sync'"):
+        mgr.select({"comm": "upstream", "weight_sync": "upstream"})
+    assert mgr.selected == {stage: "upstream" for stage in STAGES}
+
+
+def test_shutdown_reaches_every_plugin_when_one_raises(fresh_pm):
+    seen = []
+
+    class Broken:
+        @hookimpl
+        def mrl_shutdown(self, ctx, reason):
+            seen.append("broken")
+            raise RuntimeError("broken shutdown")
+
+    class Fine:
+        @hookimpl
+        def mrl_shutdown(self, ctx, reason):
+            seen.append("fine")
+
+    # pluggy calls the last registered first: Broken runs before Fine
+    mgr = fresh_pm(UPSTREAM, plugins=[("fine", Fine()), ("broken", Broken())])
+    with pytest.raises(PluginError, match=r"mrl_shutdown failed in plugin 'broken': RuntimeError: broken shutdown"):
+        mgr.shutdown(StageContext(config=mgr.config), reason="normal")
+    assert sorted(seen) == ["broken", "fine"]
+
+
+@pytest.mark.parametrize("name", ["", "Zip", "bad name", "zïp", "a/b", "-x"])
+def test_registration_names_are_lowercase_identifiers(name):
+    with pytest.raises(ValueError, match=r"registration name must be"):
+        CommCodec(name=name, factory=dict)
