@@ -11,13 +11,13 @@ Codecs (``comm.codec``):
   float32 / float64       float16 (``fp16``)          relative 2**-11 (4.9e-4) of |x| for
                                                       6.1e-5 <= |x| <= 65504; absolute 2**-25 (3e-8)
                                                       below (subnormal range, |x| < 3e-8 -> 0).
-                                                      Log-probabilities in [-16, 0]: abs <= 3.9e-3,
-                                                      in [-32, -16]: abs <= 7.8e-3 (0.4% / 0.8% on the
-                                                      probability ratio); measured max 7e-3 on
-                                                      GRPO-like logprobs. Rewards/advantages in
-                                                      [-8, 8]: abs <= 3.9e-3.
+                                                      Log-probabilities in [-16, 0]: abs <= 2**-8 (3.9e-3),
+                                                      in [-32, -16]: abs <= 2**-7 (0.4% / 0.8% on the
+                                                      probability ratio); a prototype measured max
+                                                      7e-3 on GRPO logprobs. Rewards/advantages in
+                                                      [-8, 8]: abs <= 2**-9 (2e-3).
   float32 / float64       bfloat16 (``bf16``)         relative 2**-8 (3.9e-3) of |x| over the whole
-                                                      fp32 range; logprobs in [-16, 0]: abs <= 3.1e-2
+                                                      fp32 range; logprobs in [-16, 0]: abs <= 2**-5
                                                       (~3% on the ratio -- prefer ``fp16``).
   float16 / bfloat16      unchanged                   none
   int64 / int32 / int16   int8/int16/int32, the       none (lossless; chosen from the field's

@@ -65,8 +65,11 @@ class CommConfig:
         """Check every field; raise :class:`ConfigError` naming the key and the valid values."""
         if not isinstance(self.transport, str) or not self.transport:
             raise ConfigError(f"comm.transport must be a non-empty string, got {self.transport!r}")
-        if self.codec not in CODECS:
-            raise ConfigError(f"comm.codec: unknown codec {self.codec!r}; valid: {choices(CODECS)}")
+        if not isinstance(self.codec, str) or not self.codec:
+            # names are checked against the registered codecs by the plugin manager (plugins may add codecs)
+            raise ConfigError(
+                f"comm.codec must be a non-empty string (built in: {choices(CODECS)}), got {self.codec!r}"
+            )
         if not isinstance(self.lossless_fields, (list, tuple)) or not all(
             isinstance(f, str) and f for f in self.lossless_fields
         ):

@@ -235,12 +235,14 @@ def decode_frame(buf: memoryview | bytes | bytearray, *, copy: bool = False) -> 
         mv = memoryview(bytearray(mv))
     total = peek_length(mv)
     (_m, _v, flags, hlen, _t, version, seq, nf, nx, pcrc, hcrc, uid, model_id) = _FIXED.unpack_from(mv, 0)
-    if total > len(mv) or hlen > total or hlen < _FIXED.size + _EXTRA.size * nx + _FIELD.size * nf:
-        raise FrameError(f"bad frame layout: header_len={hlen}, total_len={total}, buffer={len(mv)} bytes")
+    if not _FIXED.size <= hlen <= len(mv):
+        raise FrameError(f"bad frame layout: header_len={hlen} for a buffer of {len(mv)} bytes")
     hdr = bytearray(mv[:hlen])
     hdr[_HCRC_OFF : _HCRC_OFF + 4] = b"\x00\x00\x00\x00"
     if crc32c.crc32c(hdr) != hcrc:
         raise FrameError("frame header checksum mismatch: the header is corrupted")
+    if total > len(mv) or hlen > total or hlen < _FIXED.size + _EXTRA.size * nx + _FIELD.size * nf:
+        raise FrameError(f"bad frame layout: header_len={hlen}, total_len={total}, buffer={len(mv)} bytes")
     if flags & FLAG_CHECKSUM and crc32c.crc32c(mv[hlen:total]) != pcrc:
         raise FrameError(f"frame payload checksum mismatch (seq={seq}): the payload is corrupted")
     meta: dict[str, Any] = {
