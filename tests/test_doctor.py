@@ -106,8 +106,9 @@ def test_port_collision_fails_and_busy_port_warns(capsys):
 
 
 def test_ports_need_a_table_for_several_processes():
-    assert check_ports({}, processes=3)[0].status == "warn"
-    assert check_ports({}, processes=1)[0].status == "ok"
+    needs = check_ports({}, network=["comm.transport=torch_distributed"])
+    assert needs[0].status == "warn" and "comm.transport=torch_distributed" in needs[0].detail
+    assert check_ports({})[0].status == "ok"  # shared-memory transports need no port
     for bad in (0, 70000, "x", True):
         with pytest.raises(ConfigError, match="1..65535"):
             check_ports({"a": bad})
@@ -182,7 +183,8 @@ def test_config_file(tmp_path, capsys):
     out = capsys.readouterr().out
     assert rc == 1  # the port collision
     assert f"port {port} assigned to master and weights" in out
-    assert "1+1+1 = 3 threads over 3 process(es) (trainer: train.threads, workers: rollout.engine_threads)" in out
+    trainer = "trainer: rollout.trainer_threads, workers: rollout.engine_threads"  # the adapter's CPU placement
+    assert f"1+1+1 = 3 threads over 3 process(es) ({trainer})" in out
     assert "device 'cpu' present" in out
     other = _free_port()
     rc = cli(["--config", str(cfg), "--ports", f"weights={other}"], env={})  # the command line overrides the table
@@ -192,6 +194,11 @@ def test_config_file(tmp_path, capsys):
     assert cli(["--config", str(bad)], env={}) == 2
     assert "'colocate', 'disaggregated' or 'hybrid'" in capsys.readouterr().err
     assert cli(["--config", str(tmp_path / "missing.yaml")], env={}) == 2
+    net = tmp_path / "net.yaml"
+    net.write_text("mode: disaggregated\ndevice: cpu\ncomm: {transport: torch_distributed}\n")
+    assert cli(["--config", str(net)], env={}) == 0
+    out = capsys.readouterr().out
+    assert _lines(out)["ports"] == ["warn"] and "comm.transport=torch_distributed need(s) rendezvous ports" in out
 
 
 def test_module_entry_point():
@@ -309,6 +316,30 @@ def test_fake_npu_visible_devices_explicit_per_process(fake_npu, capsys):
     assert rc == 0 and checks["visible devices"] == ["warn"] and checks["memory"] == ["warn"]
     assert cli(["--visible-devices", "0;1", "--processes", "3"], env=env) == 2
     assert "2 assignments for 3 processes" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("yaml_text", "visible", "status", "text"),
+    [
+        ("mode: disaggregated\nrollout: {workers: 2}\n", "4,5,6", "ok", "ASCEND_RT_VISIBLE_DEVICES=4; process 1: "),
+        ("mode: disaggregated\nrollout: {workers: 2}\n", "4,5", "fail", "needs device index 2 but"),
+        ("mode: disaggregated\ndevice: npu:1\nrollout: {workers: 1}\n", "0,1,2", "ok", "process 1: "),
+        ("mode: colocate\nrollout: {workers: 1}\n", "3", "warn", "both get card 3"),
+        ("mode: hybrid\nrollout: {workers: 2, colocated_workers: 1}\n", "0,1", "warn", "processes 0 and 1 both"),
+        ("mode: colocate\nrollout: {workers: 0}\n", "0", "ok", "process 0: ASCEND_RT_VISIBLE_DEVICES=0 (no card"),
+    ],
+)
+def test_fake_npu_config_card_plan(fake_npu, tmp_path, capsys, yaml_text, visible, status, text):
+    """FAKE NPUs: the config's placement (trainer on its index, workers colocated or on the next cards)."""
+    env, _ = fake_npu
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(yaml_text)
+    cli(["--config", str(cfg)], env=env | {"ASCEND_RT_VISIBLE_DEVICES": visible})
+    out = capsys.readouterr().out
+    line = [x for x in out.splitlines() if x.startswith(f"{status:<5} visible devices:")]
+    assert line and text in line[0], out
+    if "device: npu:1" in yaml_text:
+        assert "process 0: ASCEND_RT_VISIBLE_DEVICES=1; process 1: ASCEND_RT_VISIBLE_DEVICES=2" in out
 
 
 def test_cuda_variable_named_for_cuda():

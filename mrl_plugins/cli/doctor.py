@@ -86,6 +86,8 @@ class DoctorInputs:
     reserve: dict[str, float] = field(default_factory=dict)
     threads: list[int] | None = None
     threads_source: str = ""
+    card_plan: list[int] | None = None
+    network: list[str] = field(default_factory=list)
     env: Mapping[str, str] = field(default_factory=lambda: dict(os.environ))
 
 
@@ -255,6 +257,27 @@ def _visible(
     return "ok", f"{text} ({var}={value}, one entry per process)", False
 
 
+def plan_cards(card_plan: Sequence[int], var: str, env: Mapping[str, str]) -> tuple[list[list[int]] | None, str]:
+    """Physical card of each process from per-process device indices (into ``var``'s list when it is set).
+
+    Returns ``(assignments, '')`` or ``(None, problem)`` when an index is beyond the cards ``var`` lists.
+    """
+    value = env.get(var, "").strip()
+    if not value:
+        return [[i] for i in card_plan], ""
+    try:
+        cards = parse_card_list(value, var)
+    except ConfigError as exc:
+        return None, str(exc)
+    for proc, idx in enumerate(card_plan):
+        if idx >= len(cards):
+            return None, (
+                f"process {proc} ({'trainer' if proc == 0 else f'worker {proc - 1}'}) needs device index {idx} but "
+                f"{var}={value} lists {len(cards)} card(s): list more cards or use fewer workers"
+            )
+    return [[cards[i]] for i in card_plan], ""
+
+
 def check_visible_devices(
     device_type: str,
     processes: int,
@@ -320,13 +343,18 @@ def port_free(port: int, host: str = "127.0.0.1") -> tuple[bool, str]:
     return True, ""
 
 
-def check_ports(table: Mapping[str, int], processes: int = 1) -> list[Check]:
-    """One table: a port used by two names fails; a port that cannot be bound on 127.0.0.1 now warns."""
+def check_ports(table: Mapping[str, int], network: Sequence[str] = ()) -> list[Check]:
+    """One table: a port used by two names fails; a port that cannot be bound on 127.0.0.1 now warns.
+
+    ``network`` names the settings that need ports (e.g. ``comm.transport=torch_distributed``); without a table
+    they warn, without them an empty table is fine (shared-memory transports use no port).
+    """
     if not table:
-        if processes > 1:
-            return [Check("warn", "ports", f"no port table for {processes} processes: assign ports from one table "
-                          "(--ports name=port,... or ports: in the config), not at random")]  # fmt: skip
-        return [Check("ok", "ports", "none assigned (single process)")]
+        if network:
+            return [Check("warn", "ports", f"{', '.join(network)} need(s) rendezvous ports but no port table was "
+                          "given: assign them from one table (--ports name=port,... or ports: in the config), "
+                          "not at random")]  # fmt: skip
+        return [Check("ok", "ports", "none assigned (no network transport configured)")]
     by_port: dict[int, list[str]] = {}
     for name, port in table.items():
         by_port.setdefault(check_port_number(name, port), []).append(name)
@@ -468,9 +496,18 @@ def run_checks(inputs: DoctorInputs) -> list[Check]:
     checks = [check_torch_npu_hazard(env)]
     backend, device_type = check_backend(inputs.device, env)
     checks += backend
-    visible, shared = check_visible_devices(device_type, inputs.processes, inputs.mode, env, inputs.visible)
-    checks.append(visible)
-    checks += check_ports(inputs.ports, inputs.processes)
+    assignments = inputs.visible
+    var = _device().visible_devices_env(device_type)
+    if assignments is None and inputs.card_plan is not None and var is not None:
+        assignments, problem = plan_cards(inputs.card_plan, var, env)
+        if problem:
+            checks.append(Check("fail", "visible devices", problem))
+    if assignments is not None or inputs.card_plan is None or var is None:
+        visible, shared = check_visible_devices(device_type, inputs.processes, inputs.mode, env, assignments)
+        checks.append(visible)
+    else:
+        shared = False
+    checks += check_ports(inputs.ports, inputs.network)
     checks += check_memory(inputs.reserve_root, inputs.reserve, shared)
     checks.append(check_core_limits(device_type))
     threads, source = inputs.threads, inputs.threads_source
@@ -513,10 +550,17 @@ def _int_key(section: Mapping[str, Any], key: str, where: str, minimum: int) -> 
 
 
 def inputs_from_config(cfg: Mapping[str, Any]) -> dict[str, Any]:
-    """What doctor uses from a config: ``device``, ``mode``, processes, per-process threads and ``ports``."""
+    """What doctor uses from a config, following how the TRL adapter places processes.
+
+    ``processes`` = 1 trainer + ``rollout.workers`` (0 workers: the engine runs inside the trainer). ``card_plan``:
+    the device index of each process -- the trainer on the configured index (``npu:2`` -> 2, else 0); workers on
+    the same index when colocated (all in ``colocate``, the first ``rollout.colocated_workers`` in ``hybrid``, none
+    in ``disaggregated``), else on the next indices. ``threads_cfg``: (trainer threads or 0 for the default, its
+    source, engine threads): with workers the trainer keeps ``rollout.trainer_threads``, else ``train.threads``.
+    """
     out: dict[str, Any] = {}
-    if "device" in cfg:
-        out["device"] = str(cfg["device"])
+    device = str(cfg.get("device", "auto"))
+    out["device"] = device
     mode = cfg.get("mode", "colocate")
     if mode not in MODES:
         raise ConfigError(f"mode: {mode!r} is not a deployment mode; valid: {choices(MODES)}")
@@ -525,21 +569,47 @@ def inputs_from_config(cfg: Mapping[str, Any]) -> dict[str, Any]:
     train = cfg.get("train") or {}
     if not isinstance(rollout, Mapping) or not isinstance(train, Mapping):
         raise ConfigError("config: 'rollout' and 'train' must be mappings")
-    workers = _int_key(rollout, "workers", "rollout", 1) or 1
-    out["processes"] = 1 if mode == "colocate" else 1 + workers
+    workers = _int_key(rollout, "workers", "rollout", 0)
+    workers = 1 if workers is None else workers
+    colocated = {"colocate": workers, "disaggregated": 0}.get(
+        mode, _int_key(rollout, "colocated_workers", "rollout", 0)
+    )
+    colocated = colocated or 0
+    if colocated > workers:
+        raise ConfigError(f"rollout.colocated_workers: {colocated} exceeds rollout.workers ({workers})")
+    out["processes"] = 1 + workers
+    base = _device().parse_device_spec(device)[1] or 0
+    out["card_plan"] = [base] + [base if i < colocated else base + 1 + (i - colocated) for i in range(workers)]
     engine = _int_key(rollout, "engine_threads", "rollout", 1) or 1
-    trainer = _int_key(train, "threads", "train", 0) or 0
-    out["threads_cfg"] = (trainer, engine)
+    if workers:
+        out["threads_cfg"] = (
+            _int_key(rollout, "trainer_threads", "rollout", 1) or 1,
+            "rollout.trainer_threads",
+            engine,
+        )
+    else:
+        out["threads_cfg"] = (_int_key(train, "threads", "train", 0) or 0, "train.threads", engine)
     ports = cfg.get("ports") or {}
     if not isinstance(ports, Mapping):
         raise ConfigError(f"config ports: expected a mapping name -> port, got {type(ports).__name__}")
     out["ports"] = {str(k): check_port_number(str(k), v) for k, v in ports.items()}
+    out["network"] = []
+    for section, names in NETWORK_TRANSPORTS.items():
+        transport = (cfg.get(section) or {}).get("transport") if isinstance(cfg.get(section), Mapping) else None
+        if transport in names:
+            out["network"].append(f"{section}.transport={transport}")
     return out
 
 
 # ---------------------------------------------------------------------------------------------------------------------
 # post-run triage
 # ---------------------------------------------------------------------------------------------------------------------
+
+#: Transports that talk over the network (need rendezvous ports), per config section.
+NETWORK_TRANSPORTS: dict[str, tuple[str, ...]] = {
+    "comm": ("torch_distributed",),
+    "weight_sync": ("broadcast", "per_param"),
+}
 
 TIME_PARTS = ("generate", "weight_sync", "transfer", "train", "wait")
 #: Other spellings accepted in ``time_split`` (``mrl_plugins.run`` writes ``transfer_wait``: the trainer waiting
@@ -813,6 +883,7 @@ def _inputs_from_args(args: argparse.Namespace, env: Mapping[str, str]) -> Docto
         inputs.processes = cfg.get("processes", 1)
     inputs.visible = visible
     inputs.ports = dict(cfg.get("ports", {}))
+    inputs.network = list(cfg.get("network", []))
     if args.ports:
         inputs.ports |= {k: check_port_number(k, v) for k, v in parse_assignments(args.ports, "--ports").items()}
     if args.reserve:
@@ -834,15 +905,16 @@ def _inputs_from_args(args: argparse.Namespace, env: Mapping[str, str]) -> Docto
             raise ConfigError(f"--threads gives {len(values)} values for {inputs.processes} processes")
         inputs.threads = [int(v) for v in values] * (inputs.processes if len(values) == 1 else 1)
         inputs.threads_source = "--threads"
-    elif "threads_cfg" in cfg:
-        trainer, engine = cfg["threads_cfg"]
+    elif "threads_cfg" in cfg and inputs.processes == cfg["processes"]:
+        trainer, src, engine = cfg["threads_cfg"]
         if trainer == 0:
             trainer, src = default_threads(env)
-            src = f"trainer: {src}"
-        else:
-            src = "trainer: train.threads"
         inputs.threads = [trainer] + [engine] * (inputs.processes - 1)
-        inputs.threads_source = src + (", workers: rollout.engine_threads" if inputs.processes > 1 else "")
+        inputs.threads_source = f"trainer: {src}" + (
+            ", workers: rollout.engine_threads" if inputs.processes > 1 else ""
+        )
+    if visible is None and cfg.get("processes") == inputs.processes:
+        inputs.card_plan = cfg.get("card_plan")
     return inputs
 
 
