@@ -10,7 +10,7 @@ request decodes exactly ``new_tokens`` tokens); a trainer process runs forward +
 * ``threads_only`` (not with ``quick``): 1 thread each, no pinning -- separates the thread budget from pinning.
 
 Per case: ``reps`` windows of ``requests`` requests each (``gap_ms`` apart; a window stops early after
-``window_s`` seconds once it has 5 requests, so the slow unbound case stays short); per window p50/p99 request latency
+``window_s`` seconds once it has 3 requests, so the slow unbound case stays short); per window p50/p99 request latency
 (round trip through the pipe, as a trainer-side caller sees it) and the trainer's steps/s during the window.
 Reported: medians over windows with [min, max] spread, plus the trainer's steps/s alone (engine idle) before the
 windows. ``ratios.p99_bound_vs_unbound`` = median bound p99 / median unbound p99 (target <= 0.5).
@@ -30,7 +30,7 @@ from typing import Any
 
 __all__ = ["cli", "run_bench"]
 
-_MIN_REQUESTS = 5
+_MIN_REQUESTS = 3
 
 
 def _apply_budget(cores: list[int] | None, threads: int | None) -> dict[str, Any]:
@@ -135,8 +135,11 @@ def _run_case(
             raise TimeoutError(f"bench trainer ({name}) not ready within {timeout:g} s")
 
         def rate_over(seconds: float) -> float:
+            # at least `seconds` and at least 2 steps (a loaded machine may be slower), at most 5x `seconds`
             s0, t0 = steps.value, time.perf_counter()
             time.sleep(seconds)
+            while steps.value - s0 < 2 and time.perf_counter() - t0 < 5 * seconds:
+                time.sleep(0.05)
             return (steps.value - s0) / (time.perf_counter() - t0)
 
         alone = rate_over(alone_s)
@@ -218,7 +221,7 @@ def run_bench(
     common = dict(
         reps=reps, requests=n_requests, gap_ms=gap_ms, engine_model=engine_model, prompts=prompts,
         new_tokens=new_tokens, train_batch=train_batch, train_seq=train_seq, alone_s=1.0 if quick else 1.5,
-        window_s=window_s if window_s is not None else (1.5 if quick else 2.5), timeout=timeout,
+        window_s=window_s if window_s is not None else (1.5 if quick else 2.0), timeout=timeout,
     )  # fmt: skip
     start = time.perf_counter()
     cases: dict[str, dict[str, Any]] = {}
