@@ -8,8 +8,9 @@ Two backends, both registered by :func:`engine_registrations`:
   its log-probability under that distribution (vLLM's ``processed_logprobs``). With top-k/top-p/min-p off and no
   repetition penalty that equals TRL's teacher-forced ``log_softmax(logits / temperature)``.
   The loop is our own rather than ``model.generate``: it takes a private ``torch.Generator`` (``seed`` makes runs
-  reproducible without touching the global RNG) and skips ``generate``'s per-step bookkeeping (see
-  :func:`mrl_plugins.rollout.bench` notes in the final report for the measured difference).
+  reproducible without touching the global RNG) and skips ``generate``'s per-step bookkeeping. Measured on 2 shared
+  vCPUs, 1 thread, medians of 7: ``tiny`` 4 sequences x 16 tokens 32 ms vs 51 ms for ``generate`` with
+  ``output_scores``; ``small`` 16 x 48 tokens 665 ms vs 721 ms (there the matmuls dominate).
 * :class:`VLLMEngine` -- delegates to ``vllm.LLM.generate`` (``logprobs=0``). **Unverified**: vLLM is not
   installed where this package is tested; its tests are skipped there.
 
