@@ -162,7 +162,7 @@ def test_frame_bytes_from_report(tmp_path, capsys):
                     "upstream": {"wall_s": 10.0},
                     "all": {"comm_bytes": 4096 * 100, "comm_frames": 100},
                     "comm": {"metrics": {"mrl/comm/bytes": 3000.0, "mrl/comm/frames": 3}},
-                    "compare": {"mrl_metrics": {"mrl/comm/bytes": 500.0, "mrl/comm/frames": 5}},
+                    "compare": {"mrl_metrics": {"mrl//comm/bytes": 500.0, "mrl//comm/frames": 5}},
                 }
             }
         )

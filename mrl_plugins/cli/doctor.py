@@ -639,6 +639,7 @@ def _num(value: Any, where: str, *, positive: bool = False) -> float:
 
 
 def _from_metrics(metrics: Mapping[str, Any]) -> dict[str, Any]:
+    metrics = {"/".join(filter(None, str(k).split("/"))): v for k, v in metrics.items()}  # 'mrl//comm/x' too
     run: dict[str, Any] = {"time_split": {}}
     for key, names in METRIC_KEYS.items():
         for n in names:
@@ -802,9 +803,12 @@ def triage(
         below.append(f"{tps:.3g} tokens/s < target {tgt_t:.3g}")
     if comm_share > 0.30:
         verdict, status = "communication", "warn"
+        parts = {"weight sync": t["weight_sync"], "experience transfer": t["transfer"]}
+        top = max(parts, key=parts.__getitem__) if run.get("comm_wait_s") is None else "communication"
         advice = (
-            "comm wait > 30%: compress first (comm codec: fp16/int16 fields, fewer bytes per frame), then overlap "
-            "transfer with compute (async pipeline, prefetch the next batch), pull weights on version change"
+            f"comm wait > 30%, mostly {top}: compress first (fewer bytes per frame/update: fp16/int16 experience "
+            "fields, bf16 weights), then overlap with compute (async pipeline, prefetch; pull weights on version "
+            "change)"
         )
     elif util < 0.50:
         verdict, status = "scheduling", "warn"

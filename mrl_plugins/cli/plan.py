@@ -333,6 +333,7 @@ def _runs_of(report: Any) -> list[tuple[str, Mapping[str, Any]]]:
 
 
 def _frame_bytes(run: Mapping[str, Any]) -> float | None:
+    run = {re.sub("/+", "/", k) if isinstance(k, str) else k: v for k, v in run.items()}  # 'mrl//comm/x' too
     direct = run.get("bytes_per_frame")
     if isinstance(direct, int | float) and not isinstance(direct, bool) and direct > 0:
         return float(direct)
