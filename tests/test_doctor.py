@@ -346,6 +346,12 @@ def test_cuda_variable_named_for_cuda():
     """CUDA_VISIBLE_DEVICES is the variable for CUDA devices (no GPU needed: only the env is read)."""
     check, shared = doctor.check_visible_devices("cuda", 2, None, {"CUDA_VISIBLE_DEVICES": "3,2"})
     assert check.status == "ok" and "CUDA_VISIBLE_DEVICES=3,2" in check.detail and not shared  # order free on CUDA
+    uuids = {"CUDA_VISIBLE_DEVICES": "GPU-8f3c2d1e,GPU-77aa01bc"}
+    check, shared = doctor.check_visible_devices("cuda", 2, None, uuids)
+    assert check.status == "ok" and "process 1 -> card GPU-77aa01bc" in check.detail
+    check, shared = doctor.check_visible_devices("cuda", 3, "disaggregated", uuids)
+    assert check.status == "fail" and shared
+    assert doctor.check_visible_devices("npu", 1, None, {"ASCEND_RT_VISIBLE_DEVICES": "GPU-1"})[0].status == "fail"
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -8,11 +8,14 @@ check, ``ok|warn|fail  <check>: <detail>``, and exits 1 if any check failed (0 o
 * ``torch_npu+CANN``: torch_npu installed without a CANN toolkit makes ``import torch`` itself fail (torch
   autoloads torch_npu) -- fail, with the fix.
 * ``visible devices``: every process gets its own ``ASCEND_RT_VISIBLE_DEVICES`` / ``CUDA_VISIBLE_DEVICES`` entry.
-  Without ``--visible-devices`` the current variable is read and process *i* is assumed to take entry *i*; two
-  processes on one card ("sudden OOM or slowdown") fail in disaggregated mode and warn in colocate/hybrid mode,
-  where sharing is by design and needs memory reservations.
+  The cards come from ``--visible-devices '0;1'`` (one list per process), else from ``--config`` (the card each
+  process gets under the adapter's placement, looked up in the current variable's list), else process *i* is
+  assumed to take entry *i* of the current variable. Two processes on one card ("sudden OOM or slowdown") fail
+  in disaggregated mode and warn in colocate/hybrid mode, where sharing is by design and needs memory
+  reservations. On NPU the list must be ascending (torch_npu sees no device otherwise).
 * ``ports``: one table (``--ports name=port,...`` and the config's ``ports:`` mapping); a port used twice fails,
-  a port that cannot be bound on 127.0.0.1 now warns.
+  a port that cannot be bound on 127.0.0.1 now warns; no table warns only when the config uses a network
+  transport (``comm.transport: torch_distributed``, ``weight_sync.transport: broadcast | per_param``).
 * ``memory``: fractions of one card (``--reserve name=fraction,...``, or ``--peak name=SIZE --device-memory SIZE``
   sized as peak x (1 + headroom)) plus ``--reserve-root``; a sum over 1 fails, a root/system reserve over 0.20
   fails.
@@ -21,7 +24,8 @@ check, ``ok|warn|fail  <check>: <detail>``, and exits 1 if any check failed (0 o
   summed over processes against the cores this process may use; oversubscription warns (measured here: a
   2-thread forward runs 15-200x slower when a core is busy elsewhere).
 
-Processes: ``--processes`` or, from ``--config``, 1 (``mode: colocate``) or 1 trainer + ``rollout.workers``.
+Processes: ``--processes``, else the number of ``--visible-devices`` lists, else from ``--config`` 1 trainer +
+``rollout.workers`` (see :func:`inputs_from_config`), else 1.
 
 Post-run (``mrl doctor --report PATH``) reads a JSON report and prints a verdict per run, see :func:`triage`
 and :func:`load_report` for the schema and the definitions of utilisation and communication wait.
@@ -196,12 +200,15 @@ def _share_status(mode: str | None) -> tuple[str, str]:
     return "fail", "give each process its own card"
 
 
-def parse_card_list(text: str, what: str) -> list[int]:
-    """``'0,1,3'`` -> ``[0, 1, 3]``; ConfigError for anything that is not distinct non-negative integers."""
+def parse_card_list(text: str, what: str, ids: bool = False) -> list[Any]:
+    """``'0,1,3'`` -> ``[0, 1, 3]``; ConfigError for anything that is not distinct non-negative integers.
+
+    ``ids=True`` (CUDA) also accepts device UUIDs / MIG ids such as ``GPU-8f3c...`` (kept as strings).
+    """
     items = [s.strip() for s in text.split(",")]
-    if not text.strip() or any(not s.isdigit() for s in items):
+    if not text.strip() or any(not (s.isdigit() or (ids and s and " " not in s)) for s in items):
         raise ConfigError(f"{what}: {text!r} is not a comma-separated list of card indices (e.g. '0,1')")
-    cards = [int(s) for s in items]
+    cards = [int(s) if s.isdigit() else s for s in items]
     if len(set(cards)) != len(cards):
         raise ConfigError(f"{what}: {text!r} lists a card twice")
     return cards
@@ -246,7 +253,7 @@ def _visible(
             True,
         )
     try:
-        cards = parse_card_list(value, var)
+        cards = parse_card_list(value, var, ids=not npu)
     except ConfigError as exc:
         return "fail", str(exc), False
     if npu and cards != sorted(cards):
@@ -257,7 +264,7 @@ def _visible(
     return "ok", f"{text} ({var}={value}, one entry per process)", False
 
 
-def plan_cards(card_plan: Sequence[int], var: str, env: Mapping[str, str]) -> tuple[list[list[int]] | None, str]:
+def plan_cards(card_plan: Sequence[int], var: str, env: Mapping[str, str]) -> tuple[list[list[Any]] | None, str]:
     """Physical card of each process from per-process device indices (into ``var``'s list when it is set).
 
     Returns ``(assignments, '')`` or ``(None, problem)`` when an index is beyond the cards ``var`` lists.
@@ -266,7 +273,7 @@ def plan_cards(card_plan: Sequence[int], var: str, env: Mapping[str, str]) -> tu
     if not value:
         return [[i] for i in card_plan], ""
     try:
-        cards = parse_card_list(value, var)
+        cards = parse_card_list(value, var, ids=var != "ASCEND_RT_VISIBLE_DEVICES")
     except ConfigError as exc:
         return None, str(exc)
     for proc, idx in enumerate(card_plan):
