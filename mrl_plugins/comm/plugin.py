@@ -126,25 +126,25 @@ class CommPlugin:
         ]
 
     @hookimpl
-    def mrl_comm_encode(self, *, ctx: Any, batch: Mapping[str, Any], meta: Mapping[str, Any]) -> bytes:
+    def mrl_comm_encode(self, ctx: Any, batch: Mapping[str, Any], meta: Mapping[str, Any]) -> bytes:
         return _codec(ctx).encode(batch, meta)
 
     @hookimpl
-    def mrl_comm_decode(self, *, ctx: Any, frame: bytes | memoryview) -> tuple[dict, dict]:
+    def mrl_comm_decode(self, ctx: Any, frame: bytes | memoryview) -> tuple[dict, dict]:
         return _codec(ctx).decode(frame)
 
     @hookimpl
-    def mrl_comm_send(self, *, ctx: Any, batch: Mapping[str, Any], meta: Mapping[str, Any], timeout: float) -> int:
+    def mrl_comm_send(self, ctx: Any, batch: Mapping[str, Any], meta: Mapping[str, Any], timeout: float) -> int:
         return _need(ctx, "comm.producer").send(batch, meta, timeout=timeout)
 
     @hookimpl
-    def mrl_comm_receive(self, *, ctx: Any, timeout: float) -> tuple[dict, dict]:
+    def mrl_comm_receive(self, ctx: Any, timeout: float) -> tuple[dict, dict]:
         pf = ctx.resources.get("comm.prefetcher")
         r = pf.get(timeout=timeout) if pf is not None else _need(ctx, "comm.consumer").receive(timeout).detach()
         return r.meta, r.batch
 
     @hookimpl
-    def mrl_shutdown(self, *, ctx: Any, reason: str) -> None:
+    def mrl_shutdown(self, ctx: Any, reason: str) -> None:
         for key in RESOURCE_KEYS:
             obj = ctx.resources.pop(key, None)
             if obj is None:

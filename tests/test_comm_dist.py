@@ -1,0 +1,143 @@
+"""torch_distributed transport across real gloo processes, and the comm plugin through the real manager."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+from mrl_plugins.comm import ChannelClosedError, CommConfig, PeerDeadError
+from mrl_plugins.comm.dist_transport import dist_factory
+from mrl_plugins.comm.plugin import CommPlugin, FrameCodec, comm_metrics
+from mrl_plugins.comm.segment import shm_dir
+from mrl_plugins.comm.shm_ring import shm_factory
+from mrl_plugins.errors import StageTimeoutError
+from mrl_plugins.hookspecs.types import StageContext
+
+RUN = f"tcommd{os.getpid()}"
+CTX = mp.get_context("spawn")
+
+
+def _cfg(**kw) -> CommConfig:
+    base = {"ring_slots": 2, "heartbeat_interval_s": 0.1, "heartbeat_timeout_s": 1.5, "receive_timeout_s": 60.0}
+    base.update(kw)
+    return CommConfig.from_dict(base)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def no_segments_left():
+    yield
+    assert sorted(n for n in os.listdir(shm_dir()) if n.startswith(f"mrl-comm-{RUN}-")) == []
+
+
+def _batch(seq: int) -> dict[str, torch.Tensor]:
+    return {
+        "completion_ids": torch.arange(32 * 256).reshape(32, 256) * 1000 + seq,
+        "mask": torch.ones(32, 256, dtype=torch.bool),
+        "logps": -torch.linspace(0, 8, 32 * 256).reshape(32, 256) - seq,
+        "big": torch.tensor([1e6, -2.0]),
+    }
+
+
+def _dist_child(handle, n: int, hang: bool) -> None:
+    torch.set_num_threads(1)
+    prod = handle.attach(timeout=60)
+    for seq in range(n):
+        prod.send(_batch(seq), {"model_id": "policy", "version": 4, "seq": seq}, timeout=30)
+    if hang:
+        prod.flush(timeout=30)
+        time.sleep(120)
+    prod.close()
+
+
+def _join(p, timeout: float = 30.0) -> None:
+    p.join(timeout=timeout)
+    if p.is_alive():
+        p.kill()
+        p.join(timeout=5)
+
+
+@pytest.mark.slow
+def test_torch_distributed_round_trip_order_codec_and_close():
+    cons = dist_factory(_cfg(codec="fp16"), n_producers=1, run_id=RUN)
+    assert cons.device_backend  # named by the device layer or 'gloo'
+    p = CTX.Process(target=_dist_child, args=(cons.producer_handle(0), 6, False))
+    try:
+        p.start()
+        for seq in range(6):
+            r = cons.receive(timeout=60)
+            assert r.producer == 0 and r.meta["seq"] == seq and r.meta["version"] == 4
+            want = _batch(seq)
+            assert torch.equal(r.batch["completion_ids"], want["completion_ids"])
+            assert r.batch["completion_ids"].dtype == torch.int64 and r.batch["mask"].dtype == torch.bool
+            assert (r.batch["logps"] - want["logps"]).abs().max() <= 2**-7
+            assert torch.equal(r.batch["big"], want["big"])  # 1e6 does not fit fp16: sent as fp32
+            time.sleep(0.02)
+        _join(p)
+        assert p.exitcode == 0
+        with pytest.raises(ChannelClosedError):
+            cons.receive(timeout=10)
+        st = cons.stats()
+        assert st["frames"] == 6 and st["bytes"] < st["raw_bytes"]
+    finally:
+        _join(p, timeout=5)
+        cons.close()
+
+
+@pytest.mark.slow
+def test_torch_distributed_dead_producer_detected():
+    cfg = _cfg()
+    cons = dist_factory(cfg, n_producers=1, run_id=RUN)
+    p = CTX.Process(target=_dist_child, args=(cons.producer_handle(0), 1, True))
+    try:
+        p.start()
+        cons.receive(timeout=60)
+        with pytest.raises(StageTimeoutError, match="no frame within 0.3 s"):
+            cons.receive(timeout=0.3)
+        os.kill(p.pid, signal.SIGKILL)
+        t0 = time.monotonic()
+        with pytest.raises(PeerDeadError):
+            cons.receive(timeout=30)
+        assert time.monotonic() - t0 < cfg.heartbeat_timeout_s + 1.0
+    finally:
+        _join(p, timeout=5)
+        cons.close()
+
+
+def test_plugin_hooks_through_the_manager(fresh_pm):
+    mgr = fresh_pm()
+    assert {"shm", "queue", "torch_distributed"} <= set(mgr.registry("mrl_comm_register_transports"))
+    assert {"raw", "fp16", "bf16"} <= set(mgr.registry("mrl_comm_register_codecs"))
+    ctx = StageContext(config=mgr.config)
+    factory = mgr.backend("mrl_comm_register_transports", "shm").factory
+    cons = factory(_cfg(slot_bytes=1 << 20), n_producers=1, run_id=RUN)
+    ctx.resources["comm.consumer"] = cons
+    ctx.resources["comm.producer"] = cons.producer_handle(0).attach()
+    path = cons.path
+    try:
+        frame = mgr.comm_encode(ctx=ctx, batch=_batch(1), meta={"model_id": "policy", "version": 2, "seq": 1})
+        meta, batch = mgr.comm_decode(ctx=ctx, frame=frame)
+        assert meta["seq"] == 1 and torch.equal(batch["completion_ids"], _batch(1)["completion_ids"])
+        assert mgr.comm_send(ctx=ctx, batch=_batch(2), meta={"seq": 2}, timeout=5) > 0
+        meta, batch = mgr.comm_receive(ctx=ctx, timeout=5)
+        assert meta["seq"] == 2 and torch.equal(batch["mask"], _batch(2)["mask"])
+        m = comm_metrics(ctx.resources)
+        assert m["mrl/comm/frames"] == 1 and m["mrl/comm/producer_fallbacks"] == 1 and "mrl/comm/wait_s" in m
+        assert m["mrl/comm/codec_fallbacks"] == 1  # 'big' in the encoded frame
+    finally:
+        mgr.shutdown(ctx, "normal")
+    assert ctx.resources == {} and not os.path.exists(path)
+
+
+def test_codec_registration_builds_frame_codecs():
+    regs = {r.name: r for r in CommPlugin().mrl_comm_register_codecs()}
+    codec = regs["bf16"].factory(_cfg(lossless_fields=["logps"]))
+    assert isinstance(codec, FrameCodec) and codec.name == "bf16"
+    _, out = codec.decode(codec.encode(_batch(0), {}))
+    assert torch.equal(out["logps"], _batch(0)["logps"])  # kept lossless by name
+    shm = shm_factory(_cfg(), n_producers=1, run_id=RUN)
+    shm.close()

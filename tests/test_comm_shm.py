@@ -1,0 +1,353 @@
+"""Shared-memory ring, queue transport, control channel and prefetch: real processes, real /dev/shm."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import struct
+import time
+
+import pytest
+import torch
+
+from mrl_plugins.comm import CommConfig, FrameError, PeerDeadError
+from mrl_plugins.comm.control import ControlHub, ControlKind, model_hash
+from mrl_plugins.comm.prefetch import Prefetcher
+from mrl_plugins.comm.queue_transport import queue_factory
+from mrl_plugins.comm.segment import shm_dir
+from mrl_plugins.comm.shm_ring import shm_factory
+from mrl_plugins.errors import StageTimeoutError
+
+RUN = f"tcomm{os.getpid()}"
+CTX = mp.get_context("spawn")
+
+
+def _cfg(**kw) -> CommConfig:
+    base = {"ring_slots": 4, "slot_bytes": 64 << 10, "heartbeat_interval_s": 0.1, "heartbeat_timeout_s": 1.0}
+    base.update(kw)
+    return CommConfig.from_dict(base)
+
+
+def _mine() -> list[str]:
+    return sorted(n for n in os.listdir(shm_dir()) if n.startswith(f"mrl-comm-{RUN}-"))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def no_segments_left():
+    """Every segment this module's run id created is gone at the end."""
+    yield
+    assert _mine() == []
+
+
+def _batch(i: int, seq: int) -> dict[str, torch.Tensor]:
+    return {"ids": torch.arange(50) + 1000 * i + seq, "logps": torch.full((5, 10), -0.5 * seq), "i": torch.tensor(i)}
+
+
+def _join(*procs, timeout: float = 30.0) -> None:
+    for p in procs:
+        p.join(timeout=timeout)
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join(timeout=5)
+
+
+# --------------------------------------------------------------------------- child processes
+
+
+def _producer_child(handle, index: int, n: int, delay: float = 0.0) -> None:
+    torch.set_num_threads(1)
+    prod = handle.attach()
+    try:
+        for seq in range(n):
+            prod.send(_batch(index, seq), {"model_id": "policy", "version": 1, "seq": seq}, timeout=30)
+            if delay:
+                time.sleep(delay)
+    finally:
+        prod.close()
+
+
+def _send_then_hang(handle) -> None:
+    torch.set_num_threads(1)
+    prod = handle.attach()
+    prod.send(_batch(0, 0), {"seq": 0}, timeout=10)
+    time.sleep(120)
+
+
+def _owner_child(run_id: str, q) -> None:
+    torch.set_num_threads(1)
+    cons = shm_factory(_cfg(), n_producers=1, run_id=run_id)
+    q.put(cons.path)
+    time.sleep(120)
+
+
+def _control_child(handle, ctl_handle, slots: int) -> None:
+    torch.set_num_threads(1)
+    prod = handle.attach()
+    peer = ctl_handle.attach()
+    try:
+        for seq in range(slots):  # fill the bulk ring; nobody reads it
+            prod.send(_batch(0, seq), {"seq": seq}, timeout=10)
+        peer.send(ControlKind.NEW_VERSION, model_id="policy", version=7)
+        msg = peer.poll(timeout=10)
+        if msg is None or msg.kind != ControlKind.STOP:
+            raise SystemExit(3)
+    finally:
+        peer.close()
+        prod.close()
+
+
+# --------------------------------------------------------------------------- single process
+
+
+def test_round_trip_views_and_stats():
+    cons = shm_factory(_cfg(codec="raw"), n_producers=1, run_id=RUN)
+    prod = cons.producer_handle(0).attach()
+    try:
+        for seq in range(3):
+            assert prod.send(_batch(0, seq), {"model_id": "policy", "version": 2, "seq": seq}) > 0
+        for seq in range(3):
+            with cons.receive(timeout=5) as r:
+                assert r.meta["seq"] == seq and r.meta["version"] == 2
+                assert torch.equal(r.batch["ids"], _batch(0, seq)["ids"])
+                assert r.batch["ids"].untyped_storage().data_ptr() != 0
+            assert r.released
+        st = cons.stats()
+        assert st["frames"] == 3 and st["corrupt"] == 0 and st["queue_depth"] == 0
+        assert prod.stats()["frames"] == 3 and prod.stats()["bytes"] == st["bytes"]
+        with pytest.raises(StageTimeoutError, match="no frame within 0.2 s"):
+            cons.receive(timeout=0.2)
+    finally:
+        prod.close()
+        cons.close()
+
+
+@pytest.mark.parametrize("where", ["payload", "header"])
+def test_corrupted_frame_is_dropped_counted_and_ring_stays_usable(where):
+    cons = shm_factory(_cfg(codec="fp16", ring_slots=2), n_producers=1, run_id=RUN)
+    prod = cons.producer_handle(0).attach()
+    try:
+        prod.send(_batch(0, 0), {"seq": 0})
+        prod.send(_batch(0, 1), {"seq": 1})
+        slot0 = cons._data + 64  # first slot of producer 0, after the slot header
+        length = struct.unpack_from("<Q", cons.seg.buf, cons._data)[0]
+        off = slot0 + (40 if where == "header" else length - 1)
+        cons.seg.buf[off] ^= 0xFF
+        with pytest.raises(FrameError, match="frame #0 dropped.*checksum"):
+            cons.receive(timeout=5)
+        assert cons.stats()["corrupt"] == 1
+        with cons.receive(timeout=5) as r:
+            assert r.meta["seq"] == 1
+        for seq in range(2, 8):  # the dropped slot is reused
+            prod.send(_batch(0, seq), {"seq": seq}, timeout=5)
+            with cons.receive(timeout=5) as r:
+                assert r.meta["seq"] == seq and torch.equal(r.batch["ids"], _batch(0, seq)["ids"])
+    finally:
+        prod.close()
+        cons.close()
+
+
+def test_backpressure_blocks_then_times_out_and_drop_policy_counts():
+    cons = shm_factory(_cfg(ring_slots=2), n_producers=1, run_id=RUN)
+    prod = cons.producer_handle(0).attach()
+    try:
+        prod.send(_batch(0, 0), {"seq": 0})
+        prod.send(_batch(0, 1), {"seq": 1})
+        t0 = time.monotonic()
+        with pytest.raises(StageTimeoutError, match="ring full"):
+            prod.send(_batch(0, 2), {"seq": 2}, timeout=0.3)
+        assert 0.3 <= time.monotonic() - t0 < 2.0
+        cons.receive(timeout=5).release()
+        assert prod.send(_batch(0, 2), {"seq": 2}, timeout=1) > 0
+    finally:
+        prod.close()
+        cons.close()
+    cons = shm_factory(_cfg(ring_slots=1, full_policy="drop_newest"), n_producers=1, run_id=RUN)
+    prod = cons.producer_handle(0).attach()
+    try:
+        assert prod.send(_batch(0, 0), {"seq": 0}) > 0
+        assert prod.send(_batch(0, 1), {"seq": 1}) == 0
+        assert prod.stats()["dropped"] == 1 and cons.stats()["dropped"] == 1
+    finally:
+        prod.close()
+        cons.close()
+
+
+def test_frame_larger_than_slot_is_refused_clearly():
+    cons = shm_factory(_cfg(slot_bytes=4096), n_producers=1, run_id=RUN)
+    prod = cons.producer_handle(0).attach()
+    try:
+        with pytest.raises(FrameError, match="raise comm.slot_bytes to at least"):
+            prod.send({"x": torch.zeros(10_000)}, {})
+    finally:
+        prod.close()
+        cons.close()
+
+
+def test_stale_segment_of_dead_owner_is_removed_at_start():
+    p = CTX.Process(target=time.sleep, args=(0,))
+    p.start()
+    p.join(timeout=30)
+    stale = os.path.join(shm_dir(), f"mrl-comm-{RUN}-p{p.pid}-0badf00d")
+    with open(stale, "wb") as f:
+        f.write(b"\0" * 4096)
+    live = os.path.join(shm_dir(), f"mrl-comm-{RUN}-p{os.getpid()}-0000beef")
+    with open(live, "wb") as f:
+        f.write(b"\0" * 16)
+    try:
+        cons = shm_factory(_cfg(), n_producers=1, run_id=RUN)
+        cons.close()
+        assert not os.path.exists(stale) and os.path.exists(live)
+    finally:
+        for path in (stale, live):
+            if os.path.exists(path):
+                os.unlink(path)
+
+
+def test_close_unlinks_even_with_views_alive():
+    cons = shm_factory(_cfg(), n_producers=1, run_id=RUN)
+    prod = cons.producer_handle(0).attach()
+    prod.send(_batch(0, 0), {"seq": 0})
+    r = cons.receive(timeout=5)
+    prod.close()
+    cons.close(unlink=True)  # r.batch still references the mapping
+    assert not os.path.exists(cons.path)
+    assert r.batch["ids"][0] == 0
+    del r
+
+
+# --------------------------------------------------------------------------- multi process
+
+
+@pytest.mark.slow
+def test_n_producers_keep_order_and_lose_nothing_under_backpressure():
+    n_prod, n_frames = 3, 40
+    cons = shm_factory(_cfg(ring_slots=2), n_producers=n_prod, run_id=RUN)
+    procs = [CTX.Process(target=_producer_child, args=(cons.producer_handle(i), i, n_frames)) for i in range(n_prod)]
+    try:
+        for p in procs:
+            p.start()
+        seen: dict[int, list[int]] = {i: [] for i in range(n_prod)}
+        for k in range(n_prod * n_frames):
+            with cons.receive(timeout=30) as r:
+                i = int(r.batch["i"])
+                assert r.producer == i
+                seen[i].append(r.meta["seq"])
+                assert torch.equal(r.batch["ids"], _batch(i, r.meta["seq"])["ids"])
+            if k % 10 == 0:
+                time.sleep(0.05)  # slow consumer: the 2-slot rings fill up
+        assert all(seen[i] == list(range(n_frames)) for i in range(n_prod))
+        assert cons.stats()["frames"] == n_prod * n_frames
+        _join(*procs)
+        assert [p.exitcode for p in procs] == [0] * n_prod
+    finally:
+        _join(*procs, timeout=5)
+        cons.close()
+
+
+@pytest.mark.slow
+def test_sigkilled_producer_is_reported_within_heartbeat_timeout():
+    cfg = _cfg()
+    cons = shm_factory(cfg, n_producers=1, run_id=RUN)
+    p = CTX.Process(target=_send_then_hang, args=(cons.producer_handle(0),))
+    try:
+        p.start()
+        cons.receive(timeout=30).release()
+        os.kill(p.pid, signal.SIGKILL)
+        t0 = time.monotonic()
+        with pytest.raises(PeerDeadError, match="producer 0 .* is dead: last heartbeat"):
+            cons.receive(timeout=30)
+        elapsed = time.monotonic() - t0
+        assert elapsed < cfg.heartbeat_timeout_s + 0.5, elapsed
+        assert cons.stats()["dead_peers"] == 1
+    finally:
+        _join(p, timeout=5)
+        cons.close()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_owner_signal_removes_its_segment(sig):
+    q = CTX.Queue()
+    p = CTX.Process(target=_owner_child, args=(RUN, q))
+    try:
+        p.start()
+        path = q.get(timeout=60)
+        assert os.path.exists(path)
+        os.kill(p.pid, sig)
+        p.join(timeout=30)
+        assert not p.is_alive()
+        assert not os.path.exists(path)
+    finally:
+        _join(p, timeout=5)
+        q.close()
+        q.join_thread()
+
+
+@pytest.mark.slow
+def test_control_messages_overtake_bulk_frames():
+    slots = 3
+    cons = shm_factory(_cfg(ring_slots=slots), n_producers=1, run_id=RUN)
+    hub = ControlHub(1, RUN)
+    p = CTX.Process(target=_control_child, args=(cons.producer_handle(0), hub.handle(0), slots))
+    try:
+        p.start()
+        msg = hub.poll(timeout=30)
+        assert msg is not None and msg.kind == ControlKind.NEW_VERSION and msg.version == 7
+        assert msg.model_hash == model_hash("policy") and msg.sender == 0
+        assert cons.stats()["queue_depth"] == slots  # the bulk frames before it are still unread
+        hub.broadcast(ControlKind.STOP)
+        _join(p)
+        assert p.exitcode == 0
+        assert cons.stats()["queue_depth"] == slots
+    finally:
+        _join(p, timeout=5)
+        hub.close()
+        cons.close()
+
+
+@pytest.mark.slow
+def test_prefetch_receives_next_batch_while_caller_computes():
+    cons = shm_factory(_cfg(ring_slots=2), n_producers=1, run_id=RUN)
+    p = CTX.Process(target=_producer_child, args=(cons.producer_handle(0), 0, 6))
+    kept = []
+    try:
+        p.start()
+        with Prefetcher(cons, depth=1) as pf:
+            kept.append(pf.get(timeout=30))
+            for _ in range(5):
+                time.sleep(0.2)  # "compute" on the batch in hand
+                assert pf.ready() == 1  # the next one arrived meanwhile
+                t0 = time.monotonic()
+                kept.append(pf.get(timeout=30))
+                assert time.monotonic() - t0 < 0.05
+        # copies survive the reuse of the 2 ring slots by later frames
+        for seq, r in enumerate(kept):
+            assert r.released and r.meta["seq"] == seq and torch.equal(r.batch["ids"], _batch(0, seq)["ids"])
+        _join(p)
+        assert p.exitcode == 0
+    finally:
+        _join(p, timeout=5)
+        cons.close()
+
+
+@pytest.mark.slow
+def test_queue_transport_across_processes():
+    cons = queue_factory(_cfg(), n_producers=2, run_id=RUN)
+    procs = [CTX.Process(target=_producer_child, args=(cons.producer_handle(i), i, 5)) for i in range(2)]
+    try:
+        for p in procs:
+            p.start()
+        seen = {0: [], 1: []}
+        for _ in range(10):
+            r = cons.receive(timeout=30)
+            i = int(r.batch["i"])
+            seen[i].append(r.meta["seq"])
+            assert torch.equal(r.batch["logps"], _batch(i, r.meta["seq"])["logps"])
+        assert seen == {0: list(range(5)), 1: list(range(5))}
+        _join(*procs)
+        assert cons.stats()["frames"] == 10
+    finally:
+        _join(*procs, timeout=5)
+        cons.close()
