@@ -104,6 +104,8 @@ def mrl_weight_sync_register_transports() -> Iterable[WeightTransport]:
 
     :return: registration objects (name + factory); duplicate names are an error.
 
+    Called once when the manager builds its registry (before ``mrl_configure``).
+
     Example::
 
         @hookimpl
@@ -118,6 +120,8 @@ def mrl_comm_register_transports() -> Iterable[CommTransport]:
 
     :return: registration objects (name + factory); duplicate names are an error.
 
+    Called once when the manager builds its registry (before ``mrl_configure``).
+
     Example::
 
         @hookimpl
@@ -131,6 +135,8 @@ def mrl_comm_register_codecs() -> Iterable[CommCodec]:
     """Register experience codecs selectable as ``comm.codec``.
 
     :return: registration objects (name + factory); duplicate names are an error.
+
+    Called once when the manager builds its registry (before ``mrl_configure``).
 
     Example::
 
@@ -176,6 +182,8 @@ def mrl_weight_sync_publish(
 ) -> PublishReport | None:
     """Publish the trainer's weights as ``version`` of ``model_id``.
 
+    :param ctx: the run's context; the sender the adapter built is in ``ctx.resources``.
+    :param model_id: which served model the weights belong to (``"policy"`` for a single model).
     :param named_tensors: ``(name, tensor)`` pairs, streamed: an implementation must not hold more
         than one bucket of them at once (ZeRO-3 gathers them one at a time).
     :param version: strictly increasing per ``model_id``.
@@ -195,6 +203,8 @@ def mrl_weight_sync_publish(
 def mrl_weight_sync_receive(ctx: StageContext, model_id: str, timeout: float) -> int | None:
     """Fetch the newest published version of ``model_id`` into the staging buffer, if it changed.
 
+    :param ctx: the inference process's context (its receiver is in ``ctx.resources``).
+    :param model_id: which served model to refresh.
     :param timeout: seconds to wait for a transfer in progress before raising ``TimeoutError``.
     :return: the version now staged, or ``None`` when nothing newer was published. A corrupted or
         incomplete version raises and leaves the active weights untouched.
@@ -213,7 +223,12 @@ def mrl_weight_sync_receive(ctx: StageContext, model_id: str, timeout: float) ->
 def mrl_weight_sync_switch(ctx: StageContext, model_id: str) -> SwitchReport | None:
     """Atomically make the staged version active once in-flight requests on the old one drained.
 
+    :param ctx: the inference process's context.
+    :param model_id: which served model switches.
     :return: a :class:`SwitchReport` (one version-log line), or ``None`` if nothing was staged.
+
+    Called by the inference side after :func:`mrl_weight_sync_receive` staged a new version,
+    between generation requests.
 
     Example::
 
@@ -230,8 +245,13 @@ def mrl_weight_sync_switch(ctx: StageContext, model_id: str) -> SwitchReport | N
 def mrl_comm_encode(ctx: StageContext, batch: Mapping[str, Any], meta: Mapping[str, Any]) -> bytes | None:
     """Encode an experience batch (dict of tensors/arrays) into one frame.
 
+    :param ctx: the run's context (``ctx.config.comm`` holds the codec settings).
+    :param batch: field name -> tensor or array (completion ids, logprobs, masks, rewards ...).
     :param meta: header fields: ``model_id``, ``version`` (weight version), ``seq``.
     :return: the frame bytes.
+
+    Called by the rollout side before a batch goes onto a transport (``mrl_comm_send`` uses it),
+    and by benchmarks on their own.
 
     Example::
 
@@ -245,22 +265,60 @@ def mrl_comm_encode(ctx: StageContext, batch: Mapping[str, Any], meta: Mapping[s
 def mrl_comm_decode(ctx: StageContext, frame: bytes | memoryview) -> Any:
     """Decode a frame back into ``(meta, batch)`` with the original dtypes restored.
 
+    :param ctx: the run's context.
+    :param frame: bytes produced by :func:`mrl_comm_encode` of the same plugin (a memoryview of a
+        shared-memory slot is allowed: do not keep it after returning).
+    :return: ``(meta, batch)``.
     :raise mrl_plugins.comm.FrameError: bad magic, version, layout or checksum.
+
+    Called by the trainer side for every received frame (``mrl_comm_receive`` uses it).
+
+    Example::
+
+        @hookimpl
+        def mrl_comm_decode(ctx, frame):
+            return decode_frame(frame)
     """
 
 
 @hookspec(firstresult=True)
 def mrl_comm_send(ctx: StageContext, batch: Mapping[str, Any], meta: Mapping[str, Any], timeout: float) -> int | None:
-    """Send one experience batch towards the trainer; returns the bytes put on the transport.
+    """Send one experience batch towards the trainer.
 
-    Blocks at most ``timeout`` seconds when the transport is full (backpressure), then raises
-    ``TimeoutError``.
+    :param ctx: the rollout process's context (its producer is in ``ctx.resources``).
+    :param batch: field name -> tensor or array.
+    :param meta: header fields: ``model_id``, ``version``, ``seq``.
+    :param timeout: seconds to block when the transport is full (backpressure) before raising
+        ``TimeoutError`` (:class:`mrl_plugins.errors.StageTimeoutError`).
+    :return: the bytes put on the transport.
+
+    Called by each rollout worker once per generated batch.
+
+    Example::
+
+        @hookimpl
+        def mrl_comm_send(ctx, batch, meta, timeout):
+            return ctx.resources["mine.producer"].send(batch, meta, timeout=timeout)
     """
 
 
 @hookspec(firstresult=True)
 def mrl_comm_receive(ctx: StageContext, timeout: float) -> Any:
-    """Receive the next experience batch as ``(meta, batch)``; raises ``TimeoutError`` after ``timeout`` s."""
+    """Receive the next experience batch.
+
+    :param ctx: the trainer process's context (its consumer is in ``ctx.resources``).
+    :param timeout: seconds to wait for a batch before raising ``TimeoutError``
+        (:class:`mrl_plugins.errors.StageTimeoutError`; a dead producer is reported sooner).
+    :return: ``(meta, batch)`` as decoded by :func:`mrl_comm_decode`.
+
+    Called by the adapter whenever the trainer needs the next generation batch.
+
+    Example::
+
+        @hookimpl
+        def mrl_comm_receive(ctx, timeout):
+            return ctx.resources["mine.consumer"].receive(timeout=timeout)
+    """
 
 
 #: stage-operation hooks per stage; the manager routes these to the selected plugin

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import importlib
 import os
+import sys
+import textwrap
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -27,11 +30,36 @@ def _shm_names() -> set[str]:
     return {p.name for p in SHM_DIR.iterdir() if p.name.startswith(SHM_PREFIXES)}
 
 
+def _shm_in_use_elsewhere(names: set[str]) -> set[str]:
+    """Those of ``names`` that a live process outside this one maps or holds open (another test session's)."""
+    me = os.getpid()
+    wanted = {str(SHM_DIR / n): n for n in names}
+    used: set[str] = set()
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit() or int(proc.name) == me:
+            continue
+        try:
+            with open(proc / "maps", encoding="utf-8", errors="replace") as f:
+                for line in f:
+                    path = line.rstrip("\n").split(maxsplit=5)[-1] if line.count(" ") >= 5 else ""
+                    if path in wanted:
+                        used.add(wanted[path])
+            for fd in (proc / "fd").iterdir():
+                target = os.readlink(fd)
+                if target in wanted:
+                    used.add(wanted[target])
+        except OSError:
+            continue
+    return used
+
+
 @pytest.fixture(scope="session", autouse=True)
 def no_leaked_shared_memory() -> Iterator[None]:
     """Fail the session if /dev/shm gained ``mrl*`` / ``psm_*`` entries that the tests did not unlink.
 
-    Segments that disappear within a second of the end are not counted (a peer still unlinking).
+    Not counted: segments that disappear within a second of the end (a peer still unlinking) and
+    segments that a live process outside this session maps or holds open (another test run on the
+    same machine). Every process this session started has been joined by then.
     """
     before = _shm_names()
     yield
@@ -39,6 +67,7 @@ def no_leaked_shared_memory() -> Iterator[None]:
     if leaked:
         time.sleep(1.0)
         leaked &= _shm_names()
+        leaked -= _shm_in_use_elsewhere(leaked)
     if leaked:
         pytest.fail(f"shared memory left in {SHM_DIR} by the test session: {', '.join(sorted(leaked))}")
 
@@ -59,3 +88,32 @@ def fresh_pm(monkeypatch: pytest.MonkeyPatch) -> Callable[..., Any]:
         return get_plugin_manager(config, **kw)
 
     return make
+
+
+@pytest.fixture
+def install_dist(tmp_path, monkeypatch):
+    """Install a real distribution with ``mrl_plugins`` entry points on a temporary ``sys.path`` entry.
+
+    ``install_dist(name, {ep_name: "module:attr"}, {module: source})``; modules are removed from
+    ``sys.modules`` afterwards.
+    """
+    modules: list[str] = []
+
+    def install(dist: str, entry_points: dict[str, str], sources: dict[str, str]) -> Path:
+        root = tmp_path / f"site-{dist}"
+        info = root / f"{dist}-0.1.dist-info"
+        info.mkdir(parents=True)
+        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: 0.1\n", encoding="utf-8")
+        lines = "".join(f"{k} = {v}\n" for k, v in entry_points.items())
+        (info / "entry_points.txt").write_text(f"[mrl_plugins]\n{lines}", encoding="utf-8")
+        for module, source in sources.items():
+            (root / f"{module}.py").write_text(textwrap.dedent(source), encoding="utf-8")
+            modules.append(module)
+        monkeypatch.syspath_prepend(str(root))
+        importlib.invalidate_caches()
+        return root
+
+    yield install
+    for module in modules:
+        sys.modules.pop(module, None)
+    importlib.invalidate_caches()

@@ -149,3 +149,37 @@ def test_bad_selection_exit_2_one_line(capsys, args, expected):
     assert err.startswith("mrl plugins: error: ")
     for word in expected:
         assert word in err, (word, err)
+
+
+COMM_PLUG = """
+    from mrl_plugins.hookspecs import hookimpl
+
+
+    class Plug:
+        @hookimpl
+        def mrl_comm_encode(self, ctx, batch, meta):
+            return b"cliplug"
+
+
+    plugin = Plug()
+"""
+
+
+def test_entry_point_plugin_listed_and_selectable(capsys, install_dist):
+    install_dist("cliplug", {"cliplug": "cliplug_mod:plugin"}, {"cliplug_mod": COMM_PLUG})
+    code, out, _ = _in_process(capsys, "--plugins", "comm=cliplug")
+    assert code == 0
+    rows = _rows(out)
+    assert rows["cliplug"] == {"source": "entrypoint", "stages": "comm", "active": "comm"}
+    assert rows["mrl.comm"]["active"] == "-"
+    code, out, _ = _in_process(capsys, "--no-autoload")
+    assert code == 0 and "cliplug" not in _rows(out)
+
+
+def test_disable_broken_entry_point(capsys, install_dist):
+    install_dist("boomdist", {"boom": "boom_mod:plugin"}, {"boom_mod": "raise RuntimeError('boom at import')\n"})
+    code, out, err = _in_process(capsys)
+    assert code == 2 and "entry point 'boom'" in err and "boom at import" in err
+    code, out, _ = _in_process(capsys, "--disable", "boom")
+    assert code == 0 and _rows(out)["boom"]["active"] == "blocked"
+    assert "boom_mod" not in sys.modules

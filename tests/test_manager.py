@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-import importlib
 import sys
-import textwrap
-from pathlib import Path
 
 import pytest
 
@@ -38,35 +35,6 @@ def _names(mgr) -> set[str]:
 
 def _infos(mgr) -> dict:
     return {row.name: row for row in mgr.plugin_infos() if not row.blocked}
-
-
-@pytest.fixture
-def install_dist(tmp_path, monkeypatch):
-    """Install a real distribution with ``mrl_plugins`` entry points on a temporary ``sys.path`` entry.
-
-    ``install_dist(name, {ep_name: "module:attr"}, {module: source})``; modules are removed from
-    ``sys.modules`` afterwards.
-    """
-    modules: list[str] = []
-
-    def install(dist: str, entry_points: dict[str, str], sources: dict[str, str]) -> Path:
-        root = tmp_path / f"site-{dist}"
-        info = root / f"{dist}-0.1.dist-info"
-        info.mkdir(parents=True)
-        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: 0.1\n", encoding="utf-8")
-        lines = "".join(f"{k} = {v}\n" for k, v in entry_points.items())
-        (info / "entry_points.txt").write_text(f"[mrl_plugins]\n{lines}", encoding="utf-8")
-        for module, source in sources.items():
-            (root / f"{module}.py").write_text(textwrap.dedent(source), encoding="utf-8")
-            modules.append(module)
-        monkeypatch.syspath_prepend(str(root))
-        importlib.invalidate_caches()
-        return root
-
-    yield install
-    for module in modules:
-        sys.modules.pop(module, None)
-    importlib.invalidate_caches()
 
 
 FAKEPLUG = """
@@ -579,3 +547,50 @@ def test_shutdown_reaches_every_plugin_when_one_raises(fresh_pm):
 def test_registration_names_are_lowercase_identifiers(name):
     with pytest.raises(ValueError, match=r"registration name must be"):
         CommCodec(name=name, factory=dict)
+
+
+# --------------------------------------------------------------------------- the hook contract
+
+
+def _hookspecs() -> dict:
+    import inspect
+
+    from mrl_plugins.hookspecs import PROJECT_NAME, spec
+
+    return {
+        name: fn
+        for name, fn in vars(spec).items()
+        if name.startswith("mrl_") and inspect.isfunction(fn) and hasattr(fn, f"{PROJECT_NAME}_spec")
+    }
+
+
+def test_hookspec_names_and_kinds():
+    from mrl_plugins.hookspecs import PROJECT_NAME, REGISTRATION_HOOKS, STAGE_HOOKS
+
+    specs = _hookspecs()
+    lifecycle = {"mrl_configure", "mrl_shutdown"}
+    stage_ops = {h for hooks in STAGE_HOOKS.values() for h in hooks}
+    assert set(specs) == lifecycle | stage_ops | set(REGISTRATION_HOOKS)
+    for stage, hooks in STAGE_HOOKS.items():
+        for hook in hooks:
+            assert hook.startswith(f"mrl_{stage}_")
+            assert getattr(specs[hook], f"{PROJECT_NAME}_spec")["firstresult"] is True, hook
+    for hook, (stage, _cls, _what) in REGISTRATION_HOOKS.items():
+        assert hook.startswith(f"mrl_{stage}_register_")
+    assert getattr(specs["mrl_configure"], f"{PROJECT_NAME}_spec")["historic"] is True
+
+
+def test_hookspecs_are_documented():
+    import inspect
+
+    for name, fn in _hookspecs().items():
+        doc = inspect.getdoc(fn) or ""
+        sig = inspect.signature(fn)
+        missing = [p for p in sig.parameters if f":param {p}:" not in doc]
+        assert not missing, f"{name}: parameters {missing} not documented"
+        assert "Example::" in doc and f"def {name}(" in doc, f"{name}: no example"
+        assert "Called" in doc, f"{name}: does not say when it is called"
+        if sig.return_annotation not in ("None", None):
+            assert ":return:" in doc, f"{name}: return value not documented"
+        example_args = doc.split(f"def {name}(", 1)[1].split(")", 1)[0]
+        assert [a.strip() for a in example_args.split(",") if a.strip()] == list(sig.parameters), name
