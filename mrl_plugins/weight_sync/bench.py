@@ -167,11 +167,13 @@ def switch_ms(named: list[tuple[str, torch.Tensor]], reps: int) -> dict[str, flo
         sender.close()
 
 
-def _gloo_child(role: str, shapes: Shapes, reps: int, q_in: Any, q_out: Any, handles: Any) -> None:
+def _gloo_child(
+    role: str, shapes: Shapes, reps: int, q_in: Any, q_out: Any, handles: Any, cfg_kw: dict | None = None
+) -> None:
     torch.set_num_threads(1)
     named = make_tensors(shapes)
     nbytes = sum(t.nbytes for _, t in named)
-    cfg = WeightSyncConfig(transport="broadcast", timeout_s=120)
+    cfg = WeightSyncConfig(**{"transport": "broadcast", "timeout_s": 120, **(cfg_kw or {})})
     try:
         if role == "send":
             senders = {
@@ -208,13 +210,13 @@ def _gloo_child(role: str, shapes: Shapes, reps: int, q_in: Any, q_out: Any, han
         raise
 
 
-def gloo_gbps(shapes: Shapes, reps: int, timeout: float = 300) -> dict[str, Any]:
-    """(a) and (b) between two spawned processes."""
+def gloo_gbps(shapes: Shapes, reps: int, timeout: float = 300, cfg_kw: dict | None = None) -> dict[str, Any]:
+    """(a) and (b) between two spawned processes (``cfg_kw``: WeightSyncConfig overrides)."""
     ctx = mp.get_context("spawn")
     go, handles, result = ctx.Queue(), ctx.Queue(), ctx.Queue()
     procs = [
-        ctx.Process(target=_gloo_child, args=("send", shapes, reps, go, handles, None), daemon=True),
-        ctx.Process(target=_gloo_child, args=("recv", shapes, reps, go, result, handles), daemon=True),
+        ctx.Process(target=_gloo_child, args=("send", shapes, reps, go, handles, None, cfg_kw), daemon=True),
+        ctx.Process(target=_gloo_child, args=("recv", shapes, reps, go, result, handles, cfg_kw), daemon=True),
     ]
     try:
         for p in procs:

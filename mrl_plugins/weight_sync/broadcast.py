@@ -8,7 +8,8 @@ broadcast only when a newer version is being sent.
 
 ``broadcast`` (bucketed, streaming)
     Per bucket (``bucket_bytes``): one control message (fixed 64 KiB ``uint8`` tensor: JSON with the
-    entries, their offsets and a crc32c per chunk) followed by the data: tensors of at least
+    entries, their offsets and the crc32c per chunk of the *previous* bucket, so that both sides
+    checksum one bucket while the next is on the wire) followed by the data: tensors of at least
     ``BIG`` bytes are broadcast as they are (no packing copy), smaller ones packed into one buffer.
     Sends and receives are issued asynchronously so that the fixed cost of each collective overlaps
     with the transfer of the previous one; the receiver writes big tensors straight into the
@@ -158,6 +159,8 @@ class _BaseSender:
         )
         self.port = self.store.port
         self.g = _Group(self.store, 0, world_size, self.timeout, group)
+        # gloo moves host tensors only; device backends (hccl/nccl, via ``group``) take device tensors
+        self._host_only = group is None or dist.get_backend(group) == "gloo"
         self._latest: int | None = None
         self._closed = False
 
@@ -210,21 +213,22 @@ class BroadcastSender(_BaseSender):
         self._start(version)
         t0 = time.perf_counter()
         uid = uuidlib.uuid4().hex
-        inflight: list[Any] = []  # (works, keepalive) of the previous bucket
+        inflight: list[Any] = []  # works of the previous bucket
+        prev_bufs: list[torch.Tensor] = []  # its data, checksummed while it is on the wire
         nbytes, nbuckets = 0, 0
         big: list[tuple[str, torch.Tensor]] = []
         small: list[tuple[str, torch.Tensor]] = []
         held, meta_len = 0, 0
 
         def flush() -> None:
-            nonlocal inflight, nbuckets, held, meta_len, big, small
+            nonlocal inflight, nbuckets, held, meta_len, big, small, prev_bufs
             if not big and not small:
                 return
             entries, sends, bufs, off = [], [], [], 0
             for name, t in big:
                 b = as_bytes(t)
                 entries.append([name, st_dtype(t.dtype), list(t.shape), off, t.nbytes])
-                sends.append([off, t.nbytes, self._crcs(b)])
+                sends.append([off, t.nbytes])
                 bufs.append(b)
                 off = align(off + t.nbytes)
             if small:
@@ -236,8 +240,9 @@ class BroadcastSender(_BaseSender):
                 pack = torch.empty(off - start, dtype=torch.uint8)
                 for o, t in lay:
                     pack[o : o + t.nbytes].copy_(as_bytes(t))
-                sends.append([start, pack.numel(), self._crcs(pack)])
+                sends.append([start, pack.numel()])
                 bufs.append(pack)
+            prev_crcs = [self._crcs(b) for b in prev_bufs]  # overlaps with the previous bucket's transfer
             for w in inflight:
                 self.g.wait(w, self.timeout)
             msg = {
@@ -249,17 +254,18 @@ class BroadcastSender(_BaseSender):
                 "entries": entries,
                 "sends": sends,
                 "chunk": self.chunk_bytes,
+                "prev_crcs": prev_crcs,
             }
             self._ctrl(msg)
             inflight = [self.g.bcast(b, self.timeout, async_op=True) for b in bufs]
-            self._keep = bufs
+            prev_bufs = bufs
             nbuckets += 1
             big, small, held, meta_len = [], [], 0, 0
 
         try:
             for name, t in named_tensors:
                 t = t.detach()
-                if t.device.type != "cpu" and backend_name() == "gloo":
+                if t.device.type != "cpu" and self._host_only:
                     t = t.cpu()
                 t = t.contiguous()
                 nbytes += t.nbytes
@@ -272,10 +278,12 @@ class BroadcastSender(_BaseSender):
                 if held >= self.bucket_bytes or meta_len > CTRL_BYTES // 2:
                     flush()
             flush()
+            prev_crcs = [self._crcs(b) for b in prev_bufs]
             for w in inflight:
                 self.g.wait(w, self.timeout)
-            self._keep = []
-            self._ctrl({"k": "end", "v": version, "uuid": uid, "count": nbuckets, "nbytes": nbytes})
+            prev_bufs = []
+            end = {"k": "end", "v": version, "uuid": uid, "count": nbuckets, "nbytes": nbytes, "prev_crcs": prev_crcs}
+            self._ctrl(end)
         except StageTimeoutError:
             raise
         except BaseException:
@@ -301,7 +309,7 @@ class PerParamSender(_BaseSender):
         items = []
         for name, t in named_tensors:
             t = t.detach()
-            if t.device.type != "cpu" and backend_name() == "gloo":
+            if t.device.type != "cpu" and self._host_only:
                 t = t.cpu()
             items.append((name, t.contiguous()))
         entries = [[n, st_dtype(t.dtype), list(t.shape), 0, t.nbytes] for n, t in items]
@@ -427,20 +435,32 @@ class BroadcastReceiver:
 
     def _recv_buckets(self, msg: dict, dest: Dest, timeout: float, bad: list[str], version: int) -> int:
         n, buckets, uid = 0, 0, msg.get("uuid")
+        pending: list[torch.Tensor] = []  # previous bucket's data; its crcs come with the next control
+        chunk = int(msg.get("chunk", 1 << 22))
+
+        def verify(prev_crcs: list) -> None:
+            if self.h.verify and pending:
+                for buf, crcs in zip(pending, prev_crcs):
+                    got = [checksum(buf[i : i + chunk]) for i in range(0, buf.numel(), chunk)]
+                    if crcs and got != crcs:
+                        bad.append(f"checksum mismatch in bucket {buckets - 1} (version {version})")
+                if len(prev_crcs) != len(pending):
+                    bad.append(f"bucket {buckets - 1}: {len(prev_crcs)} checksum lists for {len(pending)} sends")
+
         while True:
             k = msg["k"]
             if k == "abort":
                 raise WeightSyncError(f"model_id={self.h.model_id}: the sender aborted version {msg.get('v')}")
             if k == "end":
+                verify(msg.get("prev_crcs", []))
                 if msg["count"] != buckets or msg["nbytes"] != n:
                     bad.append(f"got {buckets} buckets/{n} bytes, sender sent {msg['count']}/{msg['nbytes']}")
                 return n
             if k != "bucket" or msg.get("uuid") != uid or msg.get("i") != buckets:
                 raise WeightSyncError(f"weight broadcast: unexpected control message {k!r} (bucket {buckets})")
-            chunk = msg["chunk"]
             ents = msg["entries"]
             works, checks, copies = [], [], []
-            for off, nb, crcs in msg["sends"]:
+            for off, nb in msg["sends"]:
                 inside = [e for e in ents if off <= e[3] < off + nb]
                 direct = None
                 if len(inside) == 1 and inside[0][4] == nb:
@@ -456,14 +476,11 @@ class BroadcastReceiver:
                 if direct is None:
                     copies[-1] = (buf, *copies[-1][1:])
                 works.append(self.g.bcast(buf, timeout, async_op=True))
-                checks.append((buf, crcs))
+                checks.append(buf)
+            verify(msg.get("prev_crcs", []))  # the previous bucket, while this one is on the wire
             for w in works:
                 self.g.wait(w, timeout)
-            if self.h.verify:
-                for buf, crcs in checks:
-                    got = [checksum(buf[i : i + chunk]) for i in range(0, buf.numel(), chunk)]
-                    if crcs and got != crcs:
-                        bad.append(f"checksum mismatch in bucket {buckets} (version {version})")
+            pending = checks
             for buf, inside, off, tgt in copies:
                 for name, dt, shape, eoff, nb in inside:
                     dtype = ST_TO_DTYPE[dt]

@@ -1,0 +1,40 @@
+"""Smoke test of ``mrl bench weights``: it runs end to end and reports every required figure.
+
+No performance assertion here (performance is reported by the benchmark itself); only structure,
+consistency of the ratios with the reported medians, and bit-exactness of the gloo transfers.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from mrl_plugins.weight_sync.bench import cli, qwen_shapes
+
+pytestmark = pytest.mark.slow
+
+
+def test_qwen_shape_list_matches_the_0_5b_model():
+    shapes = qwen_shapes()
+    assert len(shapes) == 290 and shapes[0][1] == (151936, 896)
+    nbytes = sum(2 * __import__("math").prod(s) for _, s, _ in shapes)
+    assert 980e6 < nbytes < 995e6
+
+
+def test_bench_cli_quick_writes_json(tmp_path, capsys):
+    path = tmp_path / "bench.json"
+    assert cli(["--quick", "--reps", "1", "--json", str(path)]) == 0
+    r = json.loads(path.read_text())
+    out = capsys.readouterr().out
+    assert "ratio bucketed_vs_per_param" in out and "switch_ms" in out
+    main = r["models"]["qwen0.5b"]
+    for case in ("per_param", "bucketed", "shm", "shm_no_checksum"):
+        assert main[case]["min"] <= main[case]["median"] <= main[case]["max"] and main[case]["median"] > 0
+    assert main["per_param"]["bit_exact"] and main["bucketed"]["bit_exact"]
+    assert r["ratios"]["bucketed_vs_per_param"] == pytest.approx(
+        main["bucketed"]["median"] / main["per_param"]["median"]
+    )
+    assert r["ratios"]["shm_vs_memcpy"] == pytest.approx(main["shm"]["median"] / r["memcpy_gbps"]["median"])
+    assert r["ratios"]["switch_ms"] == r["switch_ms"]["median"] > 0
+    assert r["models"]["small"]["tensors"] > 10
