@@ -321,7 +321,7 @@ def test_prefetch_receives_next_batch_while_caller_computes():
                 assert pf.ready() == 1  # the next one arrived meanwhile
                 t0 = time.monotonic()
                 kept.append(pf.get(timeout=30))
-                assert time.monotonic() - t0 < 0.05
+                assert time.monotonic() - t0 < 0.1  # already there: no wait for the ring
         # copies survive the reuse of the 2 ring slots by later frames
         for seq, r in enumerate(kept):
             assert r.released and r.meta["seq"] == seq and torch.equal(r.batch["ids"], _batch(0, seq)["ids"])

@@ -15,6 +15,7 @@ import mmap
 import os
 import re
 import secrets
+import select
 import signal
 import tempfile
 import threading
@@ -26,7 +27,7 @@ from mrl_plugins.errors import ConfigError
 from .base import pid_alive
 
 PREFIX = "mrl-comm-"
-_NAME_RE = re.compile(r"^mrl-comm-(?P<run>.+)-p(?P<pid>\d+)-[0-9a-f]{8}(\.[a-z]+)?$")
+_NAME_RE = re.compile(r"^mrl-comm-(?P<run>.+)-p(?P<pid>\d+)-[0-9a-f]{8}(\.[a-z0-9]+)*$")
 _RUN_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 
 _owned: set[str] = set()
@@ -123,6 +124,38 @@ class Segment:
                 pass  # views handed out are still alive; the mapping goes with the last of them
         if unlink_file:
             unlink(self.path)
+
+
+def make_fifo(path: str) -> int:
+    """Create a FIFO owned by this process (registered for cleanup) and open it read-write, non-blocking."""
+    os.mkfifo(path, 0o600)
+    register(path)
+    return open_fifo(path)
+
+
+def open_fifo(path: str) -> int:
+    """Open an existing FIFO read-write and non-blocking (never blocks, never gets EPIPE)."""
+    return os.open(path, os.O_RDWR | os.O_NONBLOCK)
+
+
+def kick(fd: int) -> None:
+    """Wake whoever waits on the FIFO ``fd`` (a full FIFO is readable already, so EAGAIN is fine)."""
+    try:
+        os.write(fd, b"\0")
+    except (BlockingIOError, OSError):
+        pass
+
+
+def wait_fd(fd: int, timeout: float) -> None:
+    """Block until the FIFO ``fd`` has bytes or ``timeout`` s passed, then drain it."""
+    if timeout > 0:
+        r, _, _ = select.select([fd], [], [], timeout)
+        if not r:
+            return
+    try:
+        os.read(fd, 65536)
+    except (BlockingIOError, OSError):
+        pass
 
 
 def _flags() -> int:

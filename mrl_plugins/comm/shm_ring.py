@@ -32,11 +32,12 @@ from typing import Any
 
 from mrl_plugins.errors import MrlError, StageTimeoutError
 
-from .base import Backoff, ChannelClosedError, Heartbeat, PeerDeadError, Received, deadline_of, pid_alive
+from .base import ChannelClosedError, Heartbeat, PeerDeadError, Received, deadline_of, pid_alive
 from .codec import make_codec
 from .config import CommConfig
 from .frame import FrameError, FramePlan, decode_frame
-from .segment import Segment, new_path, remove_stale
+from .segment import Segment, kick, make_fifo, new_path, open_fifo, remove_stale, wait_fd
+from .segment import unlink as unlink_path
 
 _MAGIC = b"MRLR"
 _LAYOUT = 1
@@ -74,6 +75,12 @@ class ShmConsumer:
             self.seg.buf, 0, _MAGIC, _LAYOUT, n_producers, self.slots, self.slot_bytes, os.getpid(),
             time.monotonic(), 0,
         )  # fmt: skip
+        # wake-ups: producers write a byte to "<seg>.d" after publishing a frame; the consumer writes one
+        # to "<seg>.s<i>" after releasing a slot of producer i. Waiters block in select() on them, so no
+        # wake-up is lost and nobody burns a core polling.
+        self._fifos = [self.seg.path + ".d"] + [f"{self.seg.path}.s{i}" for i in range(n_producers)]
+        fds = [make_fifo(f) for f in self._fifos]
+        self._data_fd, self._space_fds = fds[0], fds[1:]
         self._read = [0] * n_producers  # next frame to read, per producer
         self._tail = [0] * n_producers  # frames released, per producer
         self._done: list[set[int]] = [set() for _ in range(n_producers)]
@@ -107,14 +114,12 @@ class ShmConsumer:
             raise MrlError("receive on a closed shm consumer")
         deadline = deadline_of(timeout, self.config.receive_timeout_s)
         buf = self.seg.buf
-        backoff = Backoff()
         t0 = time.perf_counter()
-        waited = False
+        waited = 0
         while True:
             for k in range(self.n):
                 i = (self._rr + k) % self.n
-                cb = self._cb(i)
-                if _U64.unpack_from(buf, cb)[0] > self._read[i]:
+                if _U64.unpack_from(buf, self._cb(i))[0] > self._read[i]:
                     self._rr = i + 1
                     if waited:
                         self._stats["wait_s"] += time.perf_counter() - t0
@@ -129,8 +134,11 @@ class ShmConsumer:
                 raise StageTimeoutError(
                     f"shm consumer: no frame within {t} s from {self.n} producer(s) (segment {self.seg.path})"
                 )
-            waited = True
-            backoff.wait()
+            waited += 1
+            if waited <= 2:
+                time.sleep(0)
+            else:
+                wait_fd(self._data_fd, min(deadline - now, self._next_check - now + 1e-3))
 
     def _check_peers(self, now: float) -> None:
         buf = self.seg.buf
@@ -188,6 +196,7 @@ class ShmConsumer:
         if tail != self._tail[i]:
             self._tail[i] = tail
             _U64.pack_into(self.seg.buf, self._cb(i) + 128, tail)
+            kick(self._space_fds[i])
 
     def stats(self) -> dict[str, float]:
         """Counters: frames, bytes, raw_bytes, corrupt, wait_s, dead_peers, queue_depth, dropped (producer side)."""
@@ -206,10 +215,18 @@ class ShmConsumer:
         """Stop heartbeating, flag producers, unmap and (by default) remove the segment."""
         if self.seg.buf is None:
             if unlink:
+                for f in self._fifos:
+                    unlink_path(f)
                 self.seg.close(unlink_file=True)
             return
         self._hb.stop()
         _U32.pack_into(self.seg.buf, _CLOSED_OFF, 1)
+        for fd in (self._data_fd, *self._space_fds):
+            kick(fd)  # blocked producers notice the close now
+            os.close(fd)
+        if unlink:
+            for f in self._fifos:
+                unlink_path(f)
         self.seg.close(unlink_file=unlink)
 
     def __enter__(self) -> ShmConsumer:
@@ -266,6 +283,12 @@ class ShmProducer:
             if age < config.heartbeat_timeout_s:
                 self.seg.close()
                 raise MrlError(f"producer slot {index} of {path} is already attached by live pid {old}")
+        try:
+            self._data_fd = open_fifo(path + ".d")
+            self._space_fd = open_fifo(f"{path}.s{index}")
+        except FileNotFoundError:
+            self.seg.close()
+            raise PeerDeadError(f"shm ring {path}: wake-up FIFOs are gone (consumer closed)") from None
         self._head = _U64.unpack_from(buf, self._cb)[0]
         _U64.pack_into(buf, self._cb + 8, os.getpid())
         _F64.pack_into(buf, self._cb + 16, time.monotonic())
@@ -310,6 +333,7 @@ class ShmProducer:
         _U64.pack_into(buf, base, n)
         self._head = head + 1
         _U64.pack_into(buf, self._cb, head + 1)
+        kick(self._data_fd)
         self._stats["frames"] += 1
         self._stats["bytes"] += n
         self._stats["raw_bytes"] += plan.raw_nbytes
@@ -320,8 +344,8 @@ class ShmProducer:
         t = self.config.send_timeout_s if timeout is None else timeout
         deadline = deadline_of(timeout, self.config.send_timeout_s)
         t0 = time.perf_counter()
-        backoff = Backoff()
         next_check = 0.0
+        spins = 0
         try:
             while head - _U64.unpack_from(buf, self._cb + 128)[0] >= self.slots:
                 now = time.monotonic()
@@ -336,7 +360,11 @@ class ShmProducer:
                         "not keeping up (raise comm.send_timeout_s or comm.ring_slots, or use full_policy "
                         "'drop_newest')"
                     )
-                backoff.wait()
+                spins += 1
+                if spins <= 2:
+                    time.sleep(0)
+                else:
+                    wait_fd(self._space_fd, min(deadline - now, next_check - now + 1e-3))
         finally:
             self._stats["wait_s"] += time.perf_counter() - t0
 
@@ -353,6 +381,9 @@ class ShmProducer:
             return
         self._hb.stop()
         _U32.pack_into(self.seg.buf, self._cb + 24, _CLOSED)
+        kick(self._data_fd)
+        os.close(self._data_fd)
+        os.close(self._space_fd)
         self.seg.close()
 
     def __enter__(self) -> ShmProducer:
