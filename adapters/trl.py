@@ -60,7 +60,9 @@ def trainer_kind(trainer: Any) -> str:
         return "grpo"
     if isinstance(trainer, RLOOTrainer):
         return "rloo"
-    raise PluginError(f"mrl_plugins.enable: {type(trainer).__name__} is not supported; valid: {choices(SUPPORTED_TRAINERS)}")
+    raise PluginError(
+        f"mrl_plugins.enable: {type(trainer).__name__} is not supported; valid: {choices(SUPPORTED_TRAINERS)}"
+    )
 
 
 def _placements(cfg: Any, device: Any) -> tuple[list[dict], list[int] | None]:
@@ -90,11 +92,24 @@ def _placements(cfg: Any, device: Any) -> tuple[list[dict], list[int] | None]:
         places = [{"cores": groups[i % len(groups)], "threads": rc.engine_threads, "device": "cpu"} for i in range(n)]
         return places, trainer_cores
     env_name = visible_devices_env(device.type)
+    visible = [v.strip() for v in os.environ.get(env_name or "", "").split(",") if v.strip()] if env_name else []
     base = device.index or 0
     places = []
     for i in range(n):
         index = base if i < colocated else base + 1 + (i - colocated)
-        places.append({"env": {env_name: str(index)} if env_name else {}, "device": f"{device.type}:0", "threads": rc.engine_threads})
+        if visible and index >= len(visible):
+            raise ConfigError(
+                f"rollout.workers: worker {i} needs device {index} but {env_name}={','.join(visible)} "
+                f"lists only {len(visible)}; lower rollout.workers or use mode: colocate/hybrid"
+            )
+        physical = visible[index] if visible else str(index)  # indices are relative to the parent's list
+        places.append(
+            {
+                "env": {env_name: physical} if env_name else {},
+                "device": f"{device.type}:0",
+                "threads": rc.engine_threads,
+            }
+        )
     return places, None
 
 

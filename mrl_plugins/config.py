@@ -174,6 +174,9 @@ class MrlConfig:
     comm: Any = field(default=None, metadata={"help": "communication stage section"})
     train: TrainConfig = field(default_factory=TrainConfig, metadata={"help": "run settings for mrl run/compare"})
     log_metrics: bool = field(default=True, metadata={"help": "add mrl/<stage>/... keys to TRL's logs"})
+    ports: dict = field(
+        default_factory=dict, metadata={"help": "one port table for every process: name -> port (see mrl doctor)"}
+    )
 
     def __post_init__(self) -> None:
         for name, cls in _stage_classes().items():
@@ -215,6 +218,13 @@ class MrlConfig:
             raise ConfigError(
                 f"device: {self.device!r} is not a device; valid: {choices(DEVICES)} (cuda/npu optionally ':N')"
             )
+        seen: dict[int, str] = {}
+        for name, port in (self.ports or {}).items():
+            if isinstance(port, bool) or not isinstance(port, int) or not 1 <= port <= 65535:
+                raise ConfigError(f"ports.{name}: must be an integer port in 1..65535, got {port!r}")
+            if port in seen:
+                raise ConfigError(f"ports.{name}: port {port} is already assigned to ports.{seen[port]}")
+            seen[port] = name
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -229,6 +239,7 @@ class _TopLevel:
     device: str = "auto"
     train: TrainConfig = field(default_factory=TrainConfig)
     log_metrics: bool = True
+    ports: dict = field(default_factory=dict)
 
     def validate(self) -> None:
         MrlConfig.validate(self)  # type: ignore[arg-type]

@@ -31,10 +31,16 @@ class StageMetrics:
             self._gauges[key] = float(value)
             self.totals[key] = float(value)
 
-    def update(self, prefix: str, values: Mapping[str, float], *, gauge: bool = False) -> None:
-        for k, v in values.items():
+    def update(
+        self, prefix: str | Mapping[str, float], values: Mapping[str, float] | None = None, *, gauge: bool = False
+    ) -> None:
+        """Add every number of ``values`` under ``prefix/`` (``update(values)``: keys used as they are)."""
+        if not isinstance(prefix, str):
+            prefix, values = "", prefix
+        for k, v in (values or {}).items():
             if isinstance(v, int | float) and not isinstance(v, bool):
-                (self.gauge if gauge else self.add)(f"{prefix}/{k}", v)
+                key = f"{prefix}/{k}" if prefix else k
+                (self.gauge if gauge else self.add)(key, v)
 
     @contextmanager
     def timer(self, key: str) -> Iterator[None]:

@@ -37,10 +37,12 @@ class Preset:
 
 
 PRESETS: dict[str, Preset] = {
-    "tiny": Preset(64, 128, 2, 4, 2, max_completion_length=8, num_generations=4, per_device_train_batch_size=8,
-                   prompt_words=4),
-    "small": Preset(256, 704, 4, 8, 2, max_completion_length=48, num_generations=8, per_device_train_batch_size=16,
-                    prompt_words=6),
+    "tiny": Preset(
+        64, 128, 2, 4, 2, max_completion_length=8, num_generations=4, per_device_train_batch_size=8, prompt_words=4
+    ),
+    "small": Preset(
+        256, 704, 4, 8, 2, max_completion_length=48, num_generations=8, per_device_train_batch_size=16, prompt_words=6
+    ),
 }
 
 
@@ -134,4 +136,14 @@ def count_reward(completions: list[str], **kwargs: Any) -> list[float]:
     return out
 
 
-__all__ = ["PRESETS", "TARGET", "WORDS", "Preset", "build_dataset", "build_model", "build_tokenizer", "count_reward", "preset"]
+__all__ = [
+    "PRESETS",
+    "TARGET",
+    "WORDS",
+    "Preset",
+    "build_dataset",
+    "build_model",
+    "build_tokenizer",
+    "count_reward",
+    "preset",
+]

@@ -75,14 +75,20 @@ def build_trainer(cfg: MrlConfig, *, enable_plugins: bool = True, output_dir: st
         from trl import GRPOConfig, GRPOTrainer
 
         trainer = GRPOTrainer(
-            model=model, processing_class=tokenizer, reward_funcs=count_reward, args=GRPOConfig(**args),
+            model=model,
+            processing_class=tokenizer,
+            reward_funcs=count_reward,
+            args=GRPOConfig(**args),
             train_dataset=dataset,
         )
     else:
         from trl import RLOOConfig, RLOOTrainer
 
         trainer = RLOOTrainer(
-            model=model, processing_class=tokenizer, reward_funcs=count_reward, args=RLOOConfig(**args),
+            model=model,
+            processing_class=tokenizer,
+            reward_funcs=count_reward,
+            args=RLOOConfig(**args),
             train_dataset=dataset,
         )
     if enable_plugins:

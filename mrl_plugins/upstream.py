@@ -32,7 +32,8 @@ class UpstreamPlugin:
 
     # ---------------------------------------------------------------- rollout
     @hookimpl
-    def mrl_rollout_generate(self, ctx: StageContext, prompts: list[list[int]], num_generations: int, model_id: str
+    def mrl_rollout_generate(
+        self, ctx: StageContext, prompts: list[list[int]], num_generations: int, model_id: str
     ) -> RolloutResult | None:
         trainer = ctx.host
         if trainer is None or not hasattr(trainer, "_generate_single_turn"):
@@ -58,7 +59,8 @@ class UpstreamPlugin:
 
     # ---------------------------------------------------------------- weight sync
     @hookimpl
-    def mrl_weight_sync_publish(self, ctx: StageContext, model_id: str, version: int, named_tensors: Iterable[tuple[str, Any]]
+    def mrl_weight_sync_publish(
+        self, ctx: StageContext, model_id: str, version: int, named_tensors: Iterable[tuple[str, Any]]
     ) -> PublishReport | None:
         start = time.perf_counter()
         sender = ctx.resources.get("weight_sync.sender")
@@ -104,7 +106,8 @@ class UpstreamPlugin:
         return pickle.loads(frame)
 
     @hookimpl
-    def mrl_comm_send(self, ctx: StageContext, batch: Mapping[str, Any], meta: Mapping[str, Any], timeout: float
+    def mrl_comm_send(
+        self, ctx: StageContext, batch: Mapping[str, Any], meta: Mapping[str, Any], timeout: float
     ) -> int | None:
         producer = ctx.resources.get("comm.producer")
         if producer is None:

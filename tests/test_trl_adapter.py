@@ -66,7 +66,11 @@ def test_bad_config_leaves_trainer_untouched(tmp_path):
         ({"mode": "cluster"}, ConfigError, "colocate"),
         ({"comm": {"codec": "zip"}}, ConfigError, "fp16"),
         ({"rollout": {"pipelin": "async"}}, ConfigError, "pipelin"),
-        ({"plugins": {"rollout": "upstream", "weight_sync": "mrl", "comm": "upstream"}}, ConfigError, "inference copy"),
+        (
+            {"plugins": {"rollout": "upstream", "weight_sync": "mrl", "comm": "upstream"}},
+            ConfigError,
+            "inference copy",
+        ),
     ]
     for config, exc, word in bad:
         with pytest.raises(exc, match=word):
@@ -145,7 +149,8 @@ SCRIPT = textwrap.dedent(
     m, t = build_model("tiny")
     args = GRPOConfig(output_dir=sys.argv[1], max_steps=1, per_device_train_batch_size=4, num_generations=4,
                       max_completion_length=4, report_to=[], use_cpu=True, save_strategy="no")
-    tr = GRPOTrainer(model=m, processing_class=t, reward_funcs=count_reward, args=args, train_dataset=build_dataset(16))
+    tr = GRPOTrainer(model=m, processing_class=t, reward_funcs=count_reward, args=args,
+                     train_dataset=build_dataset(16))
     state = getattr(tr, "_mrl_state", None)
     print("ENABLED", None if state is None else state.pm.selected)
     """
@@ -157,8 +162,14 @@ def test_env_variable_switches_plugins_on_at_startup(tmp_path):
     script = tmp_path / "s.py"
     script.write_text(SCRIPT)
     env = {k: v for k, v in os.environ.items() if k != "MRL_PLUGINS"}
-    off = subprocess.run([sys.executable, str(script), str(tmp_path)], env=env, capture_output=True, text=True, timeout=300)
+    off = subprocess.run(
+        [sys.executable, str(script), str(tmp_path)], env=env, capture_output=True, text=True, timeout=300
+    )
     assert "ENABLED None" in off.stdout, off.stderr[-2000:]
     env["MRL_PLUGINS"] = "upstream"
-    on = subprocess.run([sys.executable, str(script), str(tmp_path)], env=env, capture_output=True, text=True, timeout=300)
-    assert "ENABLED {'rollout': 'upstream', 'weight_sync': 'upstream', 'comm': 'upstream'}" in on.stdout, on.stderr[-2000:]
+    on = subprocess.run(
+        [sys.executable, str(script), str(tmp_path)], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert "ENABLED {'rollout': 'upstream', 'weight_sync': 'upstream', 'comm': 'upstream'}" in on.stdout, on.stderr[
+        -2000:
+    ]

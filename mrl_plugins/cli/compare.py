@@ -39,15 +39,37 @@ RUNS: dict[str, dict[str, str] | None] = {
 def _progress(i: int, n: int, name: str, t0: float) -> None:
     width = 24
     done = int(width * i / n)
-    print(f"\r[{'#' * done}{'.' * (width - done)}] {i}/{n} runs, {time.perf_counter() - t0:5.0f} s  {name:<22}",
-          end="" if i < n else "\n", flush=True)
+    print(
+        f"\r[{'#' * done}{'.' * (width - done)}] {i}/{n} runs, {time.perf_counter() - t0:5.0f} s  {name:<22}",
+        end="" if i < n else "\n",
+        flush=True,
+    )
 
 
-def run_one(config: str, name: str, plugins: dict[str, str], out: Path, *, steps: int | None, model: str | None,
-            threads: int | None, timeout: float) -> dict[str, Any]:
+def run_one(
+    config: str,
+    name: str,
+    plugins: dict[str, str],
+    out: Path,
+    *,
+    steps: int | None,
+    model: str | None,
+    threads: int | None,
+    timeout: float,
+) -> dict[str, Any]:
     json_path = out / f"run-{name.replace('+', '_')}.json"
-    cmd = [sys.executable, "-m", "mrl_plugins.run", config, "--name", name, "--json", str(json_path),
-           "--plugins", ",".join(f"{k}={v}" for k, v in plugins.items())]
+    cmd = [
+        sys.executable,
+        "-m",
+        "mrl_plugins.run",
+        config,
+        "--name",
+        name,
+        "--json",
+        str(json_path),
+        "--plugins",
+        ",".join(f"{k}={v}" for k, v in plugins.items()),
+    ]
     if steps:
         cmd += ["--steps", str(steps)]
     if model:
@@ -68,7 +90,9 @@ def run_one(config: str, name: str, plugins: dict[str, str], out: Path, *, steps
 def summarize(runs: dict[str, dict[str, Any]], tolerance: float) -> dict[str, Any]:
     base = runs["upstream"]
     summary: dict[str, Any] = {
-        "speedup": (runs["all"]["steps_per_s"] / base["steps_per_s"]) if "all" in runs and base["steps_per_s"] else None,
+        "speedup": (runs["all"]["steps_per_s"] / base["steps_per_s"])
+        if "all" in runs and base["steps_per_s"]
+        else None,
         "final_reward": {n: r["final_reward"] for n, r in runs.items()},
         "steps_per_s": {n: r["steps_per_s"] for n, r in runs.items()},
         "speedup_per_run": {n: r["steps_per_s"] / base["steps_per_s"] for n, r in runs.items() if base["steps_per_s"]},
@@ -90,18 +114,20 @@ def _bytes_per_stage(r: dict[str, Any]) -> dict[str, float]:
 
 
 def table(runs: dict[str, dict[str, Any]], summary: dict[str, Any]) -> str:
-    head = ("| run | steps/s | x upstream | tokens/s | wall s | generate s | weight sync s | transfer+wait s | train s |"
-            " weight bytes | comm bytes | peak RSS MB (trainer / worker) | final reward |")
+    head = (
+        "| run | steps/s | x upstream | tokens/s | wall s | generate s | weight sync s | transfer+wait s | train s |"
+        " weight bytes | comm bytes | peak RSS MB (trainer / worker) | final reward |"
+    )
     lines = [head, "|" + "---|" * 13]
     for name, r in runs.items():
         ts = r["time_split"]
         b = _bytes_per_stage(r)
+        rss = f"{r['peak_rss_bytes'] / 2**20:.0f} / {r.get('peak_child_rss_bytes', 0) / 2**20:.0f}"
         lines.append(
             f"| {name} | {r['steps_per_s']:.3f} | {summary['speedup_per_run'].get(name, 0):.2f} | "
-            f"{r['tokens_per_s']:.0f} | {r['wall_s']:.1f} | {ts.get('generate', 0):.1f} | {ts.get('weight_sync', 0):.2f} |"
-            f" {ts.get('transfer_wait', 0):.1f} | {ts.get('train', 0):.1f} | {b['weights'] / 1e6:.1f} MB | "
-            f"{b['comm'] / 1e6:.2f} MB | {r['peak_rss_bytes'] / 2**20:.0f} / {r.get('peak_child_rss_bytes', 0) / 2**20:.0f}"
-            f" | {r['final_reward']:.3f} |"
+            f"{r['tokens_per_s']:.0f} | {r['wall_s']:.1f} | {ts.get('generate', 0):.1f} | "
+            f"{ts.get('weight_sync', 0):.2f} | {ts.get('transfer_wait', 0):.1f} | {ts.get('train', 0):.1f} | "
+            f"{b['weights'] / 1e6:.1f} MB | {b['comm'] / 1e6:.2f} MB | {rss} | {r['final_reward']:.3f} |"
         )
     return "\n".join(lines)
 
@@ -176,8 +202,16 @@ def cli(argv: list[str]) -> int:
     t0 = time.perf_counter()
     _progress(0, len(names), names[0], t0)
     for i, name in enumerate(names):
-        runs[name] = run_one(config, name, RUNS[name], out, steps=ns.steps, model=ns.model,
-                             threads=0 if name == "upstream" else None, timeout=ns.timeout)
+        runs[name] = run_one(
+            config,
+            name,
+            RUNS[name],
+            out,
+            steps=ns.steps,
+            model=ns.model,
+            threads=0 if name == "upstream" else None,
+            timeout=ns.timeout,
+        )
         _progress(i + 1, len(names), names[i + 1] if i + 1 < len(names) else "done", t0)
     summary = summarize(runs, ns.tolerance)
     report = {"config": config, "runs": runs, **summary}
@@ -185,18 +219,28 @@ def cli(argv: list[str]) -> int:
     if ns.json:
         Path(ns.json).write_text(json.dumps(report, indent=1), encoding="utf-8")
     pngs = plots(runs, out)
-    md = [f"# mrl compare ({config})", "", table(runs, summary), "",
-          f"speedup (all stages vs upstream): {summary['speedup']:.2f}x" if summary["speedup"] else "",
-          f"final reward within {ns.tolerance:.0%} of upstream: {'yes' if summary['reward_ok'] else 'NO: ' + ', '.join(summary['reward_below_tolerance'])}",
-          "", *[f"![{f}]({f})" for f in pngs]]
+    md = [
+        f"# mrl compare ({config})",
+        "",
+        table(runs, summary),
+        "",
+        f"speedup (all stages vs upstream): {summary['speedup']:.2f}x" if summary["speedup"] else "",
+        f"final reward within {ns.tolerance:.0%} of upstream: "
+        + ("yes" if summary["reward_ok"] else "NO: " + ", ".join(summary["reward_below_tolerance"])),
+        "",
+        *[f"![{f}]({f})" for f in pngs],
+    ]
     (out / "report.md").write_text("\n".join(md) + "\n", encoding="utf-8")
     print(table(runs, summary))
     if summary["speedup"]:
         print(f"\nspeedup (all stages vs upstream): {summary['speedup']:.2f}x")
     print(f"report: {out / 'report.md'}")
     if not summary["reward_ok"]:
-        print(f"FAIL: final reward of {', '.join(summary['reward_below_tolerance'])} is more than "
-              f"{ns.tolerance:.0%} below upstream's", file=sys.stderr)
+        print(
+            f"FAIL: final reward of {', '.join(summary['reward_below_tolerance'])} is more than "
+            f"{ns.tolerance:.0%} below upstream's",
+            file=sys.stderr,
+        )
         return 1
     return 0
 

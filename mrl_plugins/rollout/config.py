@@ -14,22 +14,50 @@ STALE_POLICIES = ("drop", "keep")
 class RolloutConfig:
     """``rollout:`` section."""
 
-    engine: str = field(default="transformers", metadata={"help": "generation engine: 'transformers' or 'vllm' (or a plugin's)"})
-    workers: int = field(default=1, metadata={"help": "rollout worker processes; 0 = engine inside the trainer process (no overlap)"})
-    colocated_workers: int = field(default=0, metadata={"help": "hybrid mode: how many of the workers share the trainer's device"})
-    pipeline: str = field(default="async", metadata={"help": "'async': generate step k+1 while training step k; 'sync': take turns"})
+    engine: str = field(
+        default="transformers", metadata={"help": "generation engine: 'transformers' or 'vllm' (or a plugin's)"}
+    )
+    workers: int = field(
+        default=1, metadata={"help": "rollout worker processes; 0 = engine inside the trainer process (no overlap)"}
+    )
+    colocated_workers: int = field(
+        default=0, metadata={"help": "hybrid mode: how many of the workers share the trainer's device"}
+    )
+    pipeline: str = field(
+        default="async", metadata={"help": "'async': generate step k+1 while training step k; 'sync': take turns"}
+    )
     max_staleness: int = field(default=1, metadata={"help": "max weight versions a sample may lag the trainer"})
-    stale_policy: str = field(default="drop", metadata={"help": "samples older than max_staleness: 'drop' (regenerate) or 'keep' (count only)"})
+    stale_policy: str = field(
+        default="drop",
+        metadata={"help": "samples older than max_staleness: 'drop' (regenerate) or 'keep' (count only)"},
+    )
     engine_threads: int = field(default=1, metadata={"help": "torch threads of each rollout engine"})
-    trainer_threads: int = field(default=1, metadata={"help": "torch threads left to the trainer when an engine shares its cores"})
-    engine_cores: list[int] | None = field(default=None, metadata={"help": "CPU cores for engines (None: split the process's cores)"})
-    trainer_cores: list[int] | None = field(default=None, metadata={"help": "CPU cores for the trainer (None: the rest)"})
-    memory_headroom: float = field(default=0.2, metadata={"help": "memory reservation = profiled peak x (1 + headroom)"})
+    trainer_threads: int = field(
+        default=1, metadata={"help": "torch threads left to the trainer when an engine shares its cores"}
+    )
+    engine_cores: list[int] | None = field(
+        default=None, metadata={"help": "CPU cores for engines (None: split the process's cores)"}
+    )
+    trainer_cores: list[int] | None = field(
+        default=None, metadata={"help": "CPU cores for the trainer (None: the rest)"}
+    )
+    memory_headroom: float = field(
+        default=0.2, metadata={"help": "memory reservation = profiled peak x (1 + headroom)"}
+    )
     timeout_s: float = field(default=120.0, metadata={"help": "max seconds to wait for a worker's batch or reply"})
-    start_timeout_s: float = field(default=180.0, metadata={"help": "max seconds for a worker to start and load the model"})
-    restart_workers: int = field(default=0, metadata={"help": "restarts allowed for dead workers (0: a dead worker is an error)"})
-    model_priorities: dict = field(default_factory=lambda: {"policy": 0}, metadata={"help": "multi-model pool: model_id -> priority (lower runs first)"})
-    switch_throttle: int = field(default=64, metadata={"help": "max queued requests per model admitted while a weight switch is pending"})
+    start_timeout_s: float = field(
+        default=180.0, metadata={"help": "max seconds for a worker to start and load the model"}
+    )
+    restart_workers: int = field(
+        default=0, metadata={"help": "restarts allowed for dead workers (0: a dead worker is an error)"}
+    )
+    model_priorities: dict = field(
+        default_factory=lambda: {"policy": 0},
+        metadata={"help": "multi-model pool: model_id -> priority (lower runs first)"},
+    )
+    switch_throttle: int = field(
+        default=64, metadata={"help": "max queued requests per model admitted while a weight switch is pending"}
+    )
 
     def validate(self) -> None:
         if not self.engine:

@@ -23,7 +23,8 @@ class RolloutPlugin:
         return list(engine_registrations())
 
     @hookimpl
-    def mrl_rollout_generate(self, ctx: StageContext, prompts: list[list[int]], num_generations: int, model_id: str
+    def mrl_rollout_generate(
+        self, ctx: StageContext, prompts: list[list[int]], num_generations: int, model_id: str
     ) -> RolloutResult | None:
         runtime = ctx.resources.get("rollout.runtime")
         if runtime is None:

@@ -122,7 +122,9 @@ def worker_main(spec: WorkerSpec, requests: Any, errors: Any, parent_pid: int) -
             receiver = DoubleBufferedReceiver(model, receiver_end, staging=spec.config.weight_sync.staging)
         ctx.resources["weight_sync.receiver"] = receiver
         ctx.resources["comm.producer"] = spec.comm_handle.attach()
-        engine = spec.engine_factory(model, None, params=spec.sampling, device=spec.device, seed=spec.seed + spec.index)
+        engine = spec.engine_factory(
+            model, None, params=spec.sampling, device=spec.device, seed=spec.seed + spec.index
+        )
         timeout = spec.config.rollout.timeout_s
         while True:
             if os.getppid() != parent_pid:
@@ -178,7 +180,11 @@ def _pull_weights(pm: Any, ctx: StageContext, timeout: float) -> None:
         if rep is not None:
             log.info(
                 "switch model_id=%s %s -> %s bytes=%d seconds=%.4f",
-                rep.model_id, rep.from_version, rep.to_version, rep.nbytes, rep.seconds,
+                rep.model_id,
+                rep.from_version,
+                rep.to_version,
+                rep.nbytes,
+                rep.seconds,
             )
 
 
@@ -261,7 +267,8 @@ class WorkerPool:
             name=f"mrl-rollout-{i}",
             daemon=True,
         )
-        proc.start()
+        with _main_not_reimported():
+            proc.start()
         self._procs[i] = proc
         log.info("rollout worker %d started (pid %d, cores %s)", i, proc.pid, self._specs[i].cores)
 
@@ -297,9 +304,13 @@ class WorkerPool:
 
     # ------------------------------------------------------------------ requests
     def publish(self, version: int, named_tensors: Any) -> Any:
-        return self.pm.weight_sync_publish(ctx=self.ctx, model_id="policy", version=version, named_tensors=named_tensors)
+        return self.pm.weight_sync_publish(
+            ctx=self.ctx, model_id="policy", version=version, named_tensors=named_tensors
+        )
 
-    def submit(self, prompts: list[list[int]], num_generations: int, *, model_id: str = "policy", min_version: int = -1) -> int:
+    def submit(
+        self, prompts: list[list[int]], num_generations: int, *, model_id: str = "policy", min_version: int = -1
+    ) -> int:
         """Split ``prompts`` over the workers; returns a ticket id for :meth:`collect`."""
         req_id = next(self._ids)
         per = -(-len(prompts) // self.n)
@@ -328,10 +339,7 @@ class WorkerPool:
                     f"workers alive: {[p.is_alive() for p in self._procs]}"
                 )
             try:
-                t0 = time.perf_counter()
                 got = self.pm.comm_receive(ctx=self.ctx, timeout=min(0.5, remaining))
-                if self.ctx.metrics is not None:
-                    self.ctx.metrics.add("comm/wait_s", time.perf_counter() - t0)
             except TimeoutError:
                 continue
             meta, batch = _unpack(got)
@@ -404,6 +412,27 @@ class WorkerPool:
                     obj.close(unlink=True)
                 except TypeError:
                     obj.close()
+
+
+@contextmanager
+def _main_not_reimported() -> Iterator[None]:
+    """Spawned workers need nothing from ``__main__``: do not re-run the user's script in them.
+
+    ``multiprocessing`` spawn re-executes the main script in each child (unless it is guarded by
+    ``if __name__ == "__main__"``); a training script that builds a trainer at top level would then
+    build it again in every worker. Hiding ``__main__.__file__`` while starting the process skips that.
+    """
+    import sys
+
+    main = sys.modules.get("__main__")
+    saved = {k: main.__dict__[k] for k in ("__file__", "__spec__") if main is not None and k in main.__dict__}
+    try:
+        if main is not None and getattr(main, "__spec__", None) is None:
+            main.__dict__.pop("__file__", None)
+        yield
+    finally:
+        if main is not None:
+            main.__dict__.update(saved)
 
 
 def _unpack(got: Any) -> tuple[dict, dict]:

@@ -144,17 +144,23 @@ class LocalEngineRuntime:
                 cfg.weight_sync, model_id="policy", run_id=f"local{id(self):x}"
             )
             ctx.resources["weight_sync.sender"] = sender
-            self.receiver = DoubleBufferedReceiver(self.model, sender.receiver_handle().attach(), staging=cfg.weight_sync.staging)
+            self.receiver = DoubleBufferedReceiver(
+                self.model, sender.receiver_handle().attach(), staging=cfg.weight_sync.staging
+            )
             ctx.resources["weight_sync.receiver"] = self.receiver
         self._torch = torch
 
     def generate(self, prompts: list[list[int]], num_generations: int, model_id: str) -> RolloutResult:
-        staged = self.pm.weight_sync_receive(ctx=self.ctx, model_id=model_id, timeout=self.ctx.config.weight_sync.timeout_s)
+        staged = self.pm.weight_sync_receive(
+            ctx=self.ctx, model_id=model_id, timeout=self.ctx.config.weight_sync.timeout_s
+        )
         if staged is not None:
             self.pm.weight_sync_switch(ctx=self.ctx, model_id=model_id)
         active = self.receiver.active() if self.receiver is not None else nullcontext(self.model)
         with active:
-            version = self.receiver.version if self.receiver is not None else self.ctx.resources.get("upstream.version", 0)
+            version = (
+                self.receiver.version if self.receiver is not None else self.ctx.resources.get("upstream.version", 0)
+            )
             out = self.engine.generate(prompts, num_generations)
         flat = [list(p) for p in prompts for _ in range(num_generations)]
         return RolloutResult(flat, out.completion_ids, out.logprobs, int(version), model_id)
@@ -197,9 +203,11 @@ class PoolRuntime:
         if self.cfg.pipeline == "async":
             nxt = self._next_prompts(prompts)
             if nxt is not None:
-                self._pending[_key(nxt)] = self.pool.submit(nxt, num_generations, model_id=model_id, min_version=current)
+                self._pending[_key(nxt)] = self.pool.submit(
+                    nxt, num_generations, model_id=model_id, min_version=current
+                )
         metrics.update("rollout", {"generate_s": result.metrics.get("generate_s", 0.0)})
-        metrics.update("", self.pool.stats(), gauge=True)
+        metrics.update(self.pool.stats(), gauge=True)
         return result
 
     def _drop_unused(self) -> None:
