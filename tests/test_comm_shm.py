@@ -210,9 +210,11 @@ def test_close_unlinks_even_with_views_alive():
     prod = cons.producer_handle(0).attach()
     prod.send(_batch(0, 0), {"seq": 0})
     r = cons.receive(timeout=5)
-    prod.close()
     cons.close(unlink=True)  # r.batch still references the mapping
     assert not os.path.exists(cons.path)
+    with pytest.raises(PeerDeadError, match="consumer closed"):
+        prod.send(_batch(0, 1), {"seq": 1})
+    prod.close()
     assert r.batch["ids"][0] == 0
     del r
 

@@ -76,7 +76,8 @@ class Received:
 
 def _own(v: Any) -> Any:
     if isinstance(v, torch.Tensor):
-        return v.clone()
+        # decoded raw fields are views (they have a base); cast/unpacked fields are already owned
+        return v.clone() if v._base is not None else v
     if isinstance(v, np.ndarray):
         return v.copy()
     return v

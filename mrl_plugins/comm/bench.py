@@ -90,7 +90,7 @@ def _run_cases(reps: int, scale: float) -> dict[str, Any]:
     counts = {(c, s): max(5, int(_COUNTS[(CASES[c][0], s)] * scale)) for c in CASES for s in SIZES}
     try:
         for name, (kind, codec) in CASES.items():
-            cfg = CommConfig(transport=kind, codec=codec, ring_slots=8, slot_bytes=4 << 20, heartbeat_timeout_s=60.0)
+            cfg = CommConfig(transport=kind, codec=codec, heartbeat_timeout_s=60.0)  # default ring: 4 x 8 MiB
             cons[name] = (shm_factory if kind == "shm" else queue_factory)(cfg, n_producers=1, run_id="bench")
             cmds[name] = ctx.Queue()
             procs[name] = ctx.Process(target=_producer, args=(cons[name].producer_handle(0), cmds[name]), daemon=True)

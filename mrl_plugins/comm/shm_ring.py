@@ -314,6 +314,8 @@ class ShmProducer:
         buf = self.seg.buf
         if buf is None:
             raise MrlError("send on a closed shm producer")
+        if _U32.unpack_from(buf, _CLOSED_OFF)[0]:
+            raise PeerDeadError(f"shm producer {self.index}: the consumer closed the ring")
         plan = FramePlan(batch, meta, self.codec, self.config.checksum)
         if plan.nbytes > self.slot_bytes - _SLOT_HDR:
             raise FrameError(
