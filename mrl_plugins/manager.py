@@ -373,7 +373,7 @@ def _check_keyword_only(plugin: Any, name: str) -> None:
 def get_plugin_manager(
     config: Any = None,
     *,
-    disable: Iterable[str] = (),
+    disable: Iterable[str] | str = (),
     autoload: bool | None = None,
     plugins: Iterable[tuple[str, Any]] = (),
     select: bool = True,
@@ -386,6 +386,8 @@ def get_plugin_manager(
     """
     from mrl_plugins.config import apply_env_overrides, load_config
 
+    if isinstance(disable, str):  # "a,b" like MRL_DISABLED_PLUGINS, not the letters of one name
+        disable = [n.strip() for n in disable.split(",") if n.strip()]
     cfg = apply_env_overrides(load_config(config))
     mgr = MrlPluginManager()
     mgr.block([*cfg.disable, *disable])

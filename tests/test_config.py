@@ -173,6 +173,9 @@ def test_bad_enum_values_name_valid_values(data, pattern):
         ({"comm": []}, r"^comm: expected a mapping, got list"),
         ({"train": [1]}, r"^train: expected a mapping, got list"),
         ({"train": {"steps": 0}}, r"^train\.steps: must be >= 1"),
+        ({"ports": {"a": 70000}}, r"^ports\.a: must be an integer port in 1\.\.65535, got 70000"),
+        ({"ports": {"a": 29500, "b": 29500}}, r"^ports\.b: port 29500 is already assigned to ports\.a"),
+        ({"ports": [29500]}, r"^ports: expected dict"),
     ],
 )
 def test_wrong_types(data, pattern):
@@ -255,3 +258,35 @@ def test_config_object_accepts_section_dicts():
     assert cfg.train.steps == 2
     with pytest.raises(ConfigError, match=r"rollout: unknown key 'bogus'"):
         MrlConfig(rollout={"bogus": 1})
+
+
+def test_top_level_parser_covers_every_field():
+    from mrl_plugins.config import _TopLevel
+
+    stage_sections = {"rollout", "weight_sync", "comm"}
+    assert {f.name for f in dataclasses.fields(MrlConfig)} - stage_sections == {
+        f.name for f in dataclasses.fields(_TopLevel)
+    }
+    non_default = {
+        "plugins": {"rollout": "upstream"},
+        "disable": ["x"],
+        "autoload": False,
+        "mode": "hybrid",
+        "device": "cpu",
+        "train": {"steps": 3},
+        "log_metrics": False,
+        "ports": {"weights": 29600},
+        "rollout": {"workers": 2},
+        "weight_sync": {"transport": "directory", "directory": "/tmp/w"},
+        "comm": {"codec": "raw"},
+    }
+    assert set(non_default) == {f.name for f in dataclasses.fields(MrlConfig)}
+    cfg = load_config(non_default)
+    assert cfg.to_dict() != MrlConfig().to_dict()
+    for key, value in non_default.items():
+        got = getattr(cfg, key)
+        if dataclasses.is_dataclass(got):
+            for k, v in value.items():
+                assert getattr(got, k) == v, f"{key}.{k}"
+        else:
+            assert got == value, key

@@ -594,3 +594,10 @@ def test_hookspecs_are_documented():
             assert ":return:" in doc, f"{name}: return value not documented"
         example_args = doc.split(f"def {name}(", 1)[1].split(")", 1)[0]
         assert [a.strip() for a in example_args.split(",") if a.strip()] == list(sig.parameters), name
+
+
+def test_disable_argument_as_string(fresh_pm):
+    mgr = fresh_pm(UPSTREAM, disable="mrl.comm, mrl.rollout")
+    assert _names(mgr) == {"upstream", "mrl.weight_sync"}
+    mgr = fresh_pm(UPSTREAM, disable="mrl")
+    assert _names(mgr) == {"upstream"}
