@@ -183,3 +183,14 @@ def test_disable_broken_entry_point(capsys, install_dist):
     code, out, _ = _in_process(capsys, "--disable", "boom")
     assert code == 0 and _rows(out)["boom"]["active"] == "blocked"
     assert "boom_mod" not in sys.modules
+
+
+def test_mrl_plugins_env_selects(capsys, monkeypatch):
+    monkeypatch.setenv("MRL_PLUGINS", "rollout=upstream")
+    code, out, _ = _in_process(capsys)
+    assert code == 0 and _rows(out)["upstream"]["active"] == "rollout"
+    monkeypatch.setenv("MRL_PLUGINS", "upstream")  # a bundled config name
+    code, out, _ = _in_process(capsys)
+    assert code == 0 and _rows(out)["upstream"]["active"] == "rollout, weight_sync, comm"
+    code, out, _ = _in_process(capsys, "--config", "colocate")  # --config wins over the variable
+    assert code == 0 and _rows(out)["upstream"]["active"] == "-"
