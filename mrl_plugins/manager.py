@@ -109,6 +109,8 @@ class MrlPluginManager:
             self.pm.register(plugin, name=name)
         except pluggy.PluginValidationError as exc:
             raise PluginError(f"plugin {name!r} ({source}) is invalid: {_one_line(exc)}") from exc
+        except ValueError as exc:  # the same object under a second name
+            raise PluginError(f"plugin {name!r} ({source}): {_one_line(exc)}") from exc
         self._sources[name] = source
         self._changed()
 

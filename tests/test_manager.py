@@ -601,3 +601,10 @@ def test_disable_argument_as_string(fresh_pm):
     assert _names(mgr) == {"upstream", "mrl.weight_sync"}
     mgr = fresh_pm(UPSTREAM, disable="mrl")
     assert _names(mgr) == {"upstream"}
+
+
+def test_same_object_under_two_names(fresh_pm):
+    tracer = Tracer()
+    mgr = fresh_pm(UPSTREAM, plugins=[("tracer", tracer)])
+    with pytest.raises(PluginError, match="plugin 'tracer2'.*already registered"):
+        mgr.register(tracer, "tracer2")
