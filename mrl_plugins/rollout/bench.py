@@ -10,7 +10,8 @@ request decodes exactly ``new_tokens`` tokens); a trainer process runs forward +
 * ``threads_only`` (not with ``quick``): 1 thread each, no pinning -- separates the thread budget from pinning.
 
 Per case: ``reps`` windows of ``requests`` requests each (``gap_ms`` apart; a window stops early after
-``window_s`` seconds once it has 3 requests, so the slow unbound case stays short); per window p50/p99 request latency
+``window_s`` seconds once it has 3 requests, and a case stops starting windows after 25 s -- ``reps_done`` says
+how many ran -- so the slow unbound case stays short); per window p50/p99 request latency
 (round trip through the pipe, as a trainer-side caller sees it) and the trainer's steps/s during the window.
 Reported: medians over windows with [min, max] spread, plus the trainer's steps/s alone (engine idle) before the
 windows. ``ratios.p99_bound_vs_unbound`` = median bound p99 / median unbound p99 (target <= 0.5).
@@ -105,6 +106,7 @@ def _run_case(
     train_seq: int,
     alone_s: float,
     window_s: float,
+    case_budget_s: float,
     timeout: float,
 ) -> dict[str, Any]:
     from mrl_plugins.rollout.colocate import EngineServer
@@ -146,7 +148,10 @@ def _run_case(
         for _ in range(3):  # warm the engine (allocator, caches)
             server.request(prompts, 1, timeout=timeout)
         p50s, p99s, rates, pooled = [], [], [], []
+        case_start = time.perf_counter()
         for _ in range(reps):
+            if p50s and time.perf_counter() - case_start > case_budget_s:
+                break  # a very slow case (loaded machine) keeps the windows done so far; see reps_done
             lat = []
             s0, t0 = steps.value, time.perf_counter()
             for i in range(requests):
@@ -182,6 +187,7 @@ def _run_case(
         },  # fmt: skip
         "pooled_p99_ms": _percentile(pooled, 0.99),
         "requests": len(pooled),
+        "reps_done": len(p50s),
         "engine_binding": {k: engine_binding[k] for k in ("affinity", "threads")},
         "trainer_binding": trainer_binding,
     }
@@ -221,7 +227,8 @@ def run_bench(
     common = dict(
         reps=reps, requests=n_requests, gap_ms=gap_ms, engine_model=engine_model, prompts=prompts,
         new_tokens=new_tokens, train_batch=train_batch, train_seq=train_seq, alone_s=1.0 if quick else 1.5,
-        window_s=window_s if window_s is not None else (1.5 if quick else 2.0), timeout=timeout,
+        window_s=window_s if window_s is not None else (1.5 if quick else 2.0),
+        case_budget_s=12.0 if quick else 25.0, timeout=timeout,
     )  # fmt: skip
     start = time.perf_counter()
     cases: dict[str, dict[str, Any]] = {}
