@@ -145,11 +145,11 @@ def test_sender_killed_mid_transfer_gives_timeout(kind):
             t0 = time.monotonic()
             with pytest.raises(StageTimeoutError, match="peer dead or not answering"):
                 assert recv.poll(timeout) == 2 or recv.stage(2, timeout)
-        else:  # the shm writer dies while writing version 2
+        else:  # the shm writer dies while writing version 2 (the reader streams its first shards)
             assert q.get(timeout=30) == "stalled"
             os.kill(child.pid, signal.SIGKILL)
             t0 = time.monotonic()
-            with pytest.raises(StageTimeoutError, match="died before publishing version 2"):
+            with pytest.raises(StageTimeoutError, match="died (before publishing|while writing) version 2"):
                 recv.stage(2, timeout)
         assert time.monotonic() - t0 < timeout + 2
         assert recv.switch(1) is None and recv.version == 1 and crcs(model) == before

@@ -23,6 +23,7 @@ from mrl_plugins.weight_sync import (
     should_publish,
 )
 from mrl_plugins.weight_sync.plugin import RECEIVER_KEY, SENDER_KEY, WeightSyncPlugin
+from mrl_plugins.weight_sync.shm import TABLE_OFF
 from mrl_plugins.weight_sync.sources import peft_base_name
 
 
@@ -128,11 +129,7 @@ def test_corruption_means_no_switch(shm):
     recv.switch()
     s.publish(2, filled(model, 2.0))
     seg = recv.tr.slots[s._latest_slot]
-    seg.mm[seg.size // 2 :: 1][:0]  # noqa: B018 - keep mapping alive
-    import json
-
-    _, _, _, _, _, ioff, ilen, _ = seg.read("<8sQQQQQQ32s")
-    off, _n = json.loads(bytes(seg.mm[ioff : ioff + ilen]))[0]
+    off, _n = seg.read("<QQ", TABLE_OFF)  # first shard
     hlen = int.from_bytes(seg.mm[off : off + 8], "little")
     seg.mm[off + 8 + hlen + 3] ^= 0x10
     with pytest.raises(WeightSyncError, match="checksum mismatch"):

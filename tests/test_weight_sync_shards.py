@@ -12,7 +12,7 @@ from safetensors.torch import load as st_load
 from mrl_plugins.errors import ConfigError, MrlError
 from mrl_plugins.weight_sync import DirectorySender, ShmSender, WeightSyncConfig, WeightSyncError
 from mrl_plugins.weight_sync.shards import ALIGN, parse_shard
-from mrl_plugins.weight_sync.shm import SHM_DIR, remove_stale_segments
+from mrl_plugins.weight_sync.shm import SHM_DIR, TABLE_OFF, remove_stale_segments
 
 
 def all_dtypes() -> dict[str, torch.Tensor]:
@@ -119,8 +119,7 @@ def test_corrupted_shm_shard_is_rejected(shm_sender):
     rx = s.receiver_handle().attach()
     s.publish(1, ts.items())
     seg = rx.slots[0]
-    magic, seq, v1, used, count, ioff, ilen, uid = seg.read("<8sQQQQQQ32s")
-    off, n = json.loads(bytes(seg.mm[ioff : ioff + ilen]))[2]
+    off, n = seg.read("<QQ", TABLE_OFF + 16 * 2)  # third shard
     hlen = int.from_bytes(seg.mm[off : off + 8], "little")
     seg.mm[off + 8 + hlen] ^= 0xFF
     with pytest.raises(WeightSyncError, match="checksum mismatch"):
@@ -261,3 +260,71 @@ def test_directory_manifest_is_atomic_and_old_versions_collected(tmp_path):
     dest = {"w": torch.zeros(3000)}
     rx.fetch_into(5, dest, 2)
     assert torch.all(dest["w"] == 5)
+
+
+def test_shm_reader_streams_a_version_while_it_is_written(shm_sender):
+    """The reader verifies and copies shards as they complete, before the writer is done."""
+    import threading
+    import time
+
+    s = shm_sender(chunk_bytes=4096)
+    rx = s.receiver_handle().attach()
+    ts = {f"w{i}": torch.full((4096,), float(i)) for i in range(12)}
+    finished = {}
+
+    def slow():
+        for k, v in ts.items():
+            time.sleep(0.02)
+            yield k, v
+
+    def write():
+        s.publish(1, slow())
+        finished["t"] = time.monotonic()
+
+    first = {}
+
+    def dest(name, row0, view):
+        first.setdefault("t", time.monotonic())
+        got[name][row0 : row0 + view.shape[0]].copy_(view)
+
+    got = {k: torch.zeros(4096) for k in ts}
+    th = threading.Thread(target=write)
+    th.start()
+    deadline = time.monotonic() + 5
+    while rx.writing_version() is None and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert rx.writing_version() == 1 and rx.latest_version() is None
+    assert rx.fetch_into(1, dest, 10) == sum(t.nbytes for t in ts.values())
+    th.join(10)
+    assert first["t"] < finished["t"] - 0.1  # data arrived long before the publish ended
+    assert all(torch.equal(got[k], v) for k, v in ts.items())
+    rx.close()
+
+
+def test_shm_streaming_reader_sees_an_aborted_version(shm_sender):
+    import threading
+    import time
+
+    s = shm_sender(chunk_bytes=4096, max_retries=0)
+    rx = s.receiver_handle().attach()
+
+    def broken():
+        yield "a", torch.ones(4096)
+        time.sleep(0.2)
+        raise RuntimeError("gather failed")
+
+    errors = []
+    th = threading.Thread(target=lambda: errors.append(pytest.raises(RuntimeError, s.publish, 1, broken())))
+    th.start()
+    deadline = time.monotonic() + 5
+    while rx.writing_version() is None and time.monotonic() < deadline:
+        time.sleep(0.001)
+    with pytest.raises(WeightSyncError, match="aborted version 1"):
+        rx.fetch_into(1, {"a": torch.zeros(4096)}, 5)
+    th.join(10)
+    assert errors and rx.latest_version() is None and rx.writing_version() is None
+    s.publish(2, [("a", torch.full((4096,), 2.0))])  # the next version goes through
+    d = {"a": torch.zeros(4096)}
+    rx.fetch_into(2, d, 5)
+    assert torch.all(d["a"] == 2)
+    rx.close()

@@ -4,12 +4,14 @@ Segments (files under ``/dev/shm``, named ``mrlws-<pid>-<run_id>-<model_id>-<kin
 
 * ``ctl`` (4 KiB): magic, a seqlock counter, ``latest version + 1`` (0 = none), the slot holding it
   and the writer's pid;
-* ``s0`` / ``s1``: two slots (double buffering), each a 4 KiB slot header (magic, seqlock counter,
-  ``version + 1``, bytes used, shard count, index offset/length, uuid) followed by the version's
-  shards (valid safetensors blobs, 64-byte aligned, see :mod:`.shards`) and a JSON index of
-  ``[offset, length]`` per shard.
+* ``s0`` / ``s1``: two slots (double buffering), each a 1 MiB slot header (magic, seqlock counter,
+  ``version + 1``, bytes used, shard count, uuid, version being written, shards done, and a table of
+  ``(offset, length)`` per shard; sparse, only used pages are touched) followed by the version's
+  shards (valid safetensors blobs, 64-byte aligned, see :mod:`.shards`).
 
-A publish writes into the slot that does *not* hold the latest version, so readers of the latest
+Readers can stream a version while it is written: each shard is announced in the table once its
+data and header are in place, so the reader's verify+copy overlaps the writer's copy (the two run in
+different processes). A publish writes into the slot that does *not* hold the latest version, so readers of the latest
 version are never overwritten; a reader holds a shared ``flock`` on the slot while copying and the
 writer takes the exclusive lock before writing (with the configured timeout), so even a reader that
 is two versions behind is never torn. Slots are reused across versions (grown, never re-allocated,
@@ -25,7 +27,6 @@ from __future__ import annotations
 
 import atexit
 import fcntl
-import json
 import mmap
 import os
 import re
@@ -46,14 +47,20 @@ from mrl_plugins.errors import StageTimeoutError
 from mrl_plugins.hookspecs import PublishReport
 
 from .config import WeightSyncConfig
-from .shards import Dest, ShardWriter, WeightSyncError, align, read_shards
+from .shards import Dest, ShardWriter, WeightSyncError, align, check_meta, copy_entry, parse_shard
 
 SHM_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
 PREFIX = "mrlws"
 CTL_MAGIC = b"MRLWCTL1"
 SLOT_MAGIC = b"MRLWSLT1"
-SLOT_HDR = 4096
-_SLOT_FMT = "<8sQQQQQQ32s"  # magic, seq, version+1, used, shard_count, index_off, index_len, uuid
+SLOT_HDR = 1 << 20  # slot header + shard table (sparse: only the pages used are ever touched)
+_SLOT_FMT = "<8sQQQQQQ32s"  # magic, seq, version+1, used, shard_count, (unused x2), uuid
+_UUID_OFF = 56
+_WRITING_OFF = 88  # version being written + 1, shards done
+_DONE_OFF = 96
+TABLE_OFF = 128  # (offset, length) u64 pairs, one per shard
+TABLE_CAP = (SLOT_HDR - TABLE_OFF) // 16
+_CTL_WRITING_OFF = 40  # control: version being written + 1, its slot
 _MIN_SLOT = 1 << 20
 
 
@@ -105,7 +112,7 @@ def _flock(fd: int, exclusive: bool, deadline: float, what: str) -> None:
             if time.monotonic() > deadline:
                 raise StageTimeoutError(f"timed out waiting for the lock on {what}") from None
             time.sleep(delay)
-            delay = min(delay * 2, 0.005)
+            delay = min(delay * 2, 0.001)
 
 
 class _Segment:
@@ -210,24 +217,37 @@ def _install_cleanup() -> None:
 
 
 class _SlotSink:
-    """Bump allocator of shard space inside a slot (grows the segment when needed)."""
+    """Bump allocator of shard space inside a slot (grows the segment when needed).
+
+    When a shard is complete (its first header write, after its data), its ``(offset, length)`` goes
+    into the slot's shard table and ``shards_done`` is bumped, so that a reader can stream it while
+    the rest of the version is still being written.
+    """
 
     def __init__(self, seg: _Segment) -> None:
-        self.seg, self.pos, self.blobs = seg, SLOT_HDR, []
+        self.seg, self.pos, self.done = seg, SLOT_HDR, 0
+        self._announced: set[int] = set()
 
     def ensure(self, end: int) -> None:
         if end > self.seg.size:
             self.seg.grow(max(self.seg.size * 2, align(end + _MIN_SLOT, 4096)))
 
-    def reserve(self, n: int) -> tuple[int, torch.Tensor]:
+    def reserve(self, n: int) -> tuple[tuple[int, int], torch.Tensor]:
+        if self.done >= TABLE_CAP:
+            raise WeightSyncError(f"more than {TABLE_CAP} shards in one version: raise weight_sync.chunk_bytes")
         off = align(self.pos)
         self.ensure(off + n)
         self.pos = off + n
-        self.blobs.append((off, n))
-        return off, self.seg.buf[off : off + n]
+        return (off, n), self.seg.buf[off : off + n]
 
-    def write_header(self, off: int, hb: bytes) -> None:
+    def write_header(self, handle: tuple[int, int], hb: bytes) -> None:
+        off, n = handle
         self.seg.mm[off : off + len(hb)] = hb
+        if off not in self._announced:
+            self._announced.add(off)
+            self.seg.write("<QQ", TABLE_OFF + 16 * self.done, off, n)
+            self.done += 1
+            self.seg.write("<Q", _DONE_OFF, self.done)
 
 
 class ShmSender:
@@ -270,14 +290,19 @@ class ShmSender:
         except BaseException:
             self.close()
             raise
-        self.ctl.write("<8sQQQQ", 0, CTL_MAGIC, 0, 0, 0, os.getpid())
+        self.ctl.write("<8sQQQQQQ", 0, CTL_MAGIC, 0, 0, 0, os.getpid(), 0, 0)
         self._latest: int | None = None
         self._latest_slot = 1
         _LIVE.add(self)
         _install_cleanup()
 
     def publish(self, version: int, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> PublishReport:
-        """Write ``version`` into the free slot, then make it the latest. Streams: one chunk held at most."""
+        """Write ``version`` into the free slot, then make it the latest. Streams: one chunk held at most.
+
+        Readers may stream the shards of ``version`` while it is written (``fetch_into`` with the
+        version announced by :meth:`ShmReceiver.writing_version`); ``latest_version`` changes only
+        when the version is complete.
+        """
         if self._closed:
             raise WeightSyncError("shm sender is closed")
         if self._latest is not None and version <= self._latest:
@@ -287,12 +312,19 @@ class ShmSender:
         t0 = time.perf_counter()
         si = 1 - self._latest_slot
         seg = self.slots[si]
+        uid = uuidlib.uuid4().hex
+        # wait until readers of what this slot held are gone, mark it as being written, let streamers in
         _flock(seg.fd, True, time.monotonic() + self.config.timeout_s, f"shm slot {seg.path} (a reader holds it)")
         try:
             (seq,) = seg.read("<Q", 8)
-            seg.write("<QQ", 8, seq + 1, 0)  # odd: being written; version 0: invalid
+            seg.write("<QQ", 8, seq + 1, 0)  # odd: being written; version 0: no complete version here
+            seg.write("<32s", _UUID_OFF, uid.encode())
+            seg.write("<QQ", _WRITING_OFF, version + 1, 0)  # writing version + 1, shards done
+        finally:
+            fcntl.flock(seg.fd, fcntl.LOCK_UN)
+        self.ctl.write("<QQ", _CTL_WRITING_OFF, version + 1, si)
+        try:
             sink = _SlotSink(seg)
-            uid = uuidlib.uuid4().hex
             writer = ShardWriter(
                 sink,
                 model_id=self.model_id,
@@ -303,32 +335,20 @@ class ShmSender:
             )
             for name, t in named_tensors:
                 writer.add(name, t)
-            count = writer.finish()
-            index = json.dumps(sink.blobs).encode()
-            ioff = align(sink.pos)
-            sink.ensure(ioff + len(index))
-            seg.mm[ioff : ioff + len(index)] = index
-            seg.write(
-                _SLOT_FMT,
-                0,
-                SLOT_MAGIC,
-                seq + 2,
-                version + 1,
-                ioff + len(index),
-                count,
-                ioff,
-                len(index),
-                uid.encode(),
-            )
+            count = writer.finish()  # patches shard counts only; data and checksums stay
+            seg.write("<QQQ", 16, version + 1, sink.pos, count)
+            seg.write("<Q", 8, seq + 2)  # even: complete
+            seg.write("<Q", _WRITING_OFF, 0)
         except BaseException:
+            seg.write("<QQ", _WRITING_OFF, 0, 0)  # streamers see the abort
             seg.write("<QQ", 8, seq + 2, 0)
+            self.ctl.write("<QQ", _CTL_WRITING_OFF, 0, 0)
             raise
-        finally:
-            fcntl.flock(seg.fd, fcntl.LOCK_UN)
         (cseq,) = self.ctl.read("<Q", 8)
         self.ctl.write("<Q", 8, cseq + 1)
         self.ctl.write("<QQ", 16, version + 1, si)
         self.ctl.write("<Q", 8, cseq + 2)
+        self.ctl.write("<QQ", _CTL_WRITING_OFF, 0, 0)
         self._latest, self._latest_slot = version, si
         return PublishReport(self.model_id, version, writer.nbytes, time.perf_counter() - t0, count)
 
@@ -395,62 +415,109 @@ class ShmReceiver:
         """Newest complete version (a few struct reads; no lock)."""
         return self._ctl()[0]
 
+    def writing_version(self) -> int | None:
+        """The version being written right now (``fetch_into`` can stream it), or ``None``."""
+        w, _ = self.ctl.read("<QQ", _CTL_WRITING_OFF)
+        return w - 1 if w else None
+
     def fetch_into(self, version: int, dest: Dest, timeout: float | None = None) -> int:
-        """Copy ``version`` into ``dest``; wait up to ``timeout`` s for it to appear. Returns tensor bytes."""
+        """Copy ``version`` into ``dest``; returns tensor bytes.
+
+        Waits up to ``timeout`` s for the version to appear; if it is being written, its shards are
+        verified and copied as they complete (the copy overlaps with the writer). A writer that dies
+        gives :class:`StageTimeoutError` at once; a checksum error is retried ``max_retries`` times.
+        """
         timeout = self.h.timeout_s if timeout is None else timeout
         deadline = time.monotonic() + timeout
         attempts, delay = 0, 0.0005
         while True:
             latest, _ = self._ctl()
-            if latest is None or latest < version:
-                if not pid_alive(self.h.writer_pid):
-                    raise StageTimeoutError(
-                        f"model_id={self.h.model_id}: shm sender pid {self.h.writer_pid} died before publishing "
-                        f"version {version} (latest {latest})"
-                    )
-                if time.monotonic() > deadline:
-                    raise StageTimeoutError(
-                        f"model_id={self.h.model_id}: version {version} not published within {timeout:.1f}s "
+            w, wslot = self.ctl.read("<QQ", _CTL_WRITING_OFF)
+            if latest is not None and latest >= version:
+                seg = next((x for x in self.slots if x.read("<Q", 16)[0] == version + 1), None)
+                if seg is None:
+                    raise WeightSyncError(
+                        f"model_id={self.h.model_id}: version {version} is no longer in shared memory "
                         f"(latest {latest})"
                     )
-                time.sleep(delay)
-                delay = min(delay * 2, 0.01)
+            elif w == version + 1 and wslot < len(self.slots):
+                seg = self.slots[wslot]
+            else:
+                self._wait(version, latest, deadline, timeout, delay)
+                delay = min(delay * 2, 0.002)
                 continue
-            seg = next((s for s in self.slots if s.read("<Q", 16)[0] == version + 1), None)
-            if seg is None:
-                raise WeightSyncError(
-                    f"model_id={self.h.model_id}: version {version} is no longer in shared memory (latest {latest})"
-                )
             _flock(seg.fd, False, deadline, f"shm slot {seg.path}")
             try:
-                magic, seq, v1, used, count, ioff, ilen, uid = seg.read(_SLOT_FMT)
-                if magic != SLOT_MAGIC or seq % 2 or v1 != version + 1:
-                    continue  # overwritten between the check and the lock: look again
-                seg.refresh()
-                if used > seg.size:
-                    raise WeightSyncError(f"{seg.path}: slot claims {used} bytes, segment has {seg.size}")
-                try:
-                    blobs = json.loads(bytes(seg.mm[ioff : ioff + ilen]))
-                except ValueError as exc:
-                    raise WeightSyncError(f"{seg.path}: unreadable shard index ({exc})") from None
-                if len(blobs) != count:
-                    raise WeightSyncError(f"{seg.path}: index lists {len(blobs)} shards, header says {count}")
-                buf = seg.buf
-                return read_shards(
-                    (buf[o : o + n] for o, n in blobs),
-                    dest,
-                    model_id=self.h.model_id,
-                    version=version,
-                    count=count,
-                    uuid=uid.decode(),
-                    verify=self.h.verify,
-                )
+                n = self._read_slot(seg, version, dest, deadline, timeout)
+                if n is not None:
+                    return n
             except WeightSyncError:
                 attempts += 1
                 if attempts > self.h.max_retries:
                     raise
             finally:
                 fcntl.flock(seg.fd, fcntl.LOCK_UN)
+
+    def _wait(self, version: int, latest: int | None, deadline: float, timeout: float, delay: float) -> None:
+        if not pid_alive(self.h.writer_pid):
+            raise StageTimeoutError(
+                f"model_id={self.h.model_id}: shm sender pid {self.h.writer_pid} died before publishing "
+                f"version {version} (latest {latest})"
+            )
+        if time.monotonic() > deadline:
+            raise StageTimeoutError(
+                f"model_id={self.h.model_id}: version {version} not published within {timeout:.1f}s (latest {latest})"
+            )
+        time.sleep(delay)
+
+    def _read_slot(self, seg: _Segment, version: int, dest: Dest, deadline: float, timeout: float) -> int | None:
+        """Stream the shards of ``version`` from ``seg`` (shared lock held); ``None`` if the slot moved on."""
+        seq, v1 = seg.read("<QQ", 8)
+        wv1, _ = seg.read("<QQ", _WRITING_OFF)
+        if not ((seq % 2 == 0 and v1 == version + 1) or wv1 == version + 1):
+            return None
+        uid = seg.read("<32s", _UUID_OFF)[0].decode()
+        nbytes, i, count, delay = 0, 0, None, 0.0002
+        while True:
+            if count is None:
+                seq, v1, _used, cnt = seg.read("<QQQQ", 8)
+                if seq % 2 == 0 and v1 == version + 1:
+                    count = cnt
+            wv1, done = seg.read("<QQ", _WRITING_OFF)
+            if count is not None and i >= count:
+                return nbytes
+            if i < (count if count is not None else done):
+                off, n = seg.read("<QQ", TABLE_OFF + 16 * i)
+                if off + n > seg.size:
+                    seg.refresh()
+                where = f"model_id={self.h.model_id} version={version} shard {i}"
+                parsed = parse_shard(seg.buf[off : off + n], verify=self.h.verify, where=where)
+                m = parsed.meta
+                check_meta(m, model_id=self.h.model_id, version=version, index=i, count=m.shard_count, uuid=uid,
+                           where=where)  # fmt: skip
+                for entry, view in parsed.entries:
+                    copy_entry(dest, entry, view)
+                    nbytes += entry.nbytes
+                i += 1
+                delay = 0.0002
+                continue
+            if count is None and wv1 != version + 1:
+                seq, v1 = seg.read("<QQ", 8)
+                if not (seq % 2 == 0 and v1 == version + 1):
+                    raise WeightSyncError(f"model_id={self.h.model_id}: the sender aborted version {version}")
+                continue
+            if not pid_alive(self.h.writer_pid):
+                raise StageTimeoutError(
+                    f"model_id={self.h.model_id}: shm sender pid {self.h.writer_pid} died while writing version "
+                    f"{version} ({i} shards received)"
+                )
+            if time.monotonic() > deadline:
+                raise StageTimeoutError(
+                    f"model_id={self.h.model_id}: version {version} not complete within {timeout:.1f}s "
+                    f"({i} shards received)"
+                )
+            time.sleep(delay)
+            delay = min(delay * 2, 0.001)
 
     def close(self) -> None:
         for s in [self.ctl, *self.slots]:
