@@ -2,7 +2,9 @@
 
 Cases (each producer and consumer process limited to one torch thread, same batches):
 
-* ``pickle_queue`` -- ``multiprocessing.Queue`` + pickle of numpy arrays (the ``queue`` transport);
+* ``pickle_queue`` -- a bounded ``multiprocessing.Queue`` of dicts of numpy arrays, pickled once by the
+  queue's feeder thread and unpickled by the consumer (the naive baseline at its best: no extra copy;
+  the ``queue`` transport pickles in ``send`` so callers may reuse their tensors, one copy more);
 * ``shm_raw`` -- the shared-memory ring, codec ``raw`` (lossless, zero-copy views);
 * ``shm_fp16`` -- the shared-memory ring, codec ``fp16`` (floats cast, ints narrowed, overflow-guarded).
 
@@ -55,6 +57,56 @@ def make_batch(b: int, t: int, seed: int = 0) -> dict[str, torch.Tensor]:
     }
 
 
+class _PlainQueueProducer:
+    """Baseline sender: ``Queue.put`` of a dict of numpy views (pickled once, by the feeder thread)."""
+
+    def __init__(self, q: Any) -> None:
+        self.q = q
+
+    def send(self, batch: dict[str, torch.Tensor], meta: dict[str, Any], timeout: float) -> None:
+        self.q.put((dict(meta), {k: v.numpy() for k, v in batch.items()}), timeout=timeout)
+
+    def close(self) -> None:
+        self.q.close()
+        self.q.join_thread()
+
+
+class _PlainQueue:
+    """Case (a), the naive baseline at its best: a bounded ``multiprocessing.Queue``, no extra copies."""
+
+    def __init__(self, slots: int) -> None:
+        self.q = mp.get_context("spawn").Queue(maxsize=slots)
+        self._nbytes: dict[tuple, int] = {}
+
+    def producer_handle(self, i: int) -> Any:
+        return _PlainQueueHandle(self.q)
+
+    def receive(self, timeout: float) -> Any:
+        from .base import Received
+
+        meta, arrays = self.q.get(timeout=timeout)
+        batch = {k: torch.from_numpy(a) for k, a in arrays.items()}
+        # bytes on the wire: the pickle of (meta, arrays), measured once per batch layout
+        key = tuple((k, a.shape, a.dtype.str) for k, a in arrays.items())
+        if key not in self._nbytes:
+            import pickle
+
+            self._nbytes[key] = len(pickle.dumps((meta, arrays), protocol=pickle.HIGHEST_PROTOCOL))
+        return Received(meta, batch, self._nbytes[key])
+
+    def close(self, unlink: bool = True) -> None:
+        self.q.close()
+        self.q.cancel_join_thread()
+
+
+class _PlainQueueHandle:
+    def __init__(self, q: Any) -> None:
+        self.q = q
+
+    def attach(self) -> _PlainQueueProducer:
+        return _PlainQueueProducer(self.q)
+
+
 def _producer(handle: Any, commands: Any) -> None:
     torch.set_num_threads(1)
     prod = handle.attach()
@@ -78,7 +130,6 @@ def _run_cases(reps: int, scale: float) -> dict[str, Any]:
     """All cases side by side: one producer process per case, runs interleaved (rotating order) so
     that drift of a shared machine hits every case alike; only one case moves data at a time."""
     from .config import CommConfig
-    from .queue_transport import queue_factory
     from .shm_ring import shm_factory
 
     ctx = mp.get_context("spawn")
@@ -91,7 +142,10 @@ def _run_cases(reps: int, scale: float) -> dict[str, Any]:
     try:
         for name, (kind, codec) in CASES.items():
             cfg = CommConfig(transport=kind, codec=codec, heartbeat_timeout_s=60.0)  # default ring: 4 x 8 MiB
-            cons[name] = (shm_factory if kind == "shm" else queue_factory)(cfg, n_producers=1, run_id="bench")
+            if kind == "shm":
+                cons[name] = shm_factory(cfg, n_producers=1, run_id="bench")
+            else:
+                cons[name] = _PlainQueue(cfg.ring_slots)
             cmds[name] = ctx.Queue()
             procs[name] = ctx.Process(target=_producer, args=(cons[name].producer_handle(0), cmds[name]), daemon=True)
             procs[name].start()
