@@ -163,7 +163,7 @@ class ShmConsumer:
                     f"(comm.heartbeat_timeout_s={self.config.heartbeat_timeout_s})"
                 )
         if closed == self.n and all(_U64.unpack_from(buf, self._cb(i))[0] <= self._read[i] for i in range(self.n)):
-            raise ChannelClosedError(f"all {self.n} shm producers closed and were drained")
+            raise ChannelClosedError(f"all {self.n} shm producers closed (or were reported dead) and were drained")
 
     def _take(self, i: int) -> Received:
         seq = self._read[i]
