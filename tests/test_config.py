@@ -30,7 +30,8 @@ BUNDLED = ("upstream", "colocate", "disaggregated", "hybrid", "compare_small")
 @pytest.mark.parametrize("name", BUNDLED)
 def test_bundled_configs_load(name):
     path = resolve_config_path(name)
-    assert path == REPO_ROOT / "configs" / f"{name}.yaml"
+    assert path.name == f"{name}.yaml"
+    assert path.read_bytes() == (REPO_ROOT / "configs" / f"{name}.yaml").read_bytes()  # editable or installed copy
     cfg = load_config(path)
     assert isinstance(cfg, MrlConfig)
     assert cfg.mode in MODES
@@ -52,8 +53,10 @@ def test_bundled_set_and_upstream_contents():
 
 
 def test_resolve_config_path():
-    assert resolve_config_path("colocate") == REPO_ROOT / "configs" / "colocate.yaml"
-    assert resolve_config_path("colocate.yaml") == REPO_ROOT / "configs" / "colocate.yaml"
+    bundled = bundled_configs()["colocate"]
+    assert bundled.read_bytes() == (REPO_ROOT / "configs" / "colocate.yaml").read_bytes()
+    assert resolve_config_path("colocate") == bundled
+    assert resolve_config_path("colocate.yaml") == bundled
     assert (
         resolve_config_path("configs/colocate.yaml").read_text() == (REPO_ROOT / "configs/colocate.yaml").read_text()
     )

@@ -48,9 +48,19 @@ def _python(code: str, *, cwd: Path | str = "/tmp", **env: str) -> str:
     ("module", "folder"), [("hookspecs", "hookspecs"), ("adapters", "adapters"), ("configs", "configs")]
 )
 def test_subpackage_lives_in_repo_folder(module, folder):
+    """Editable install: the repo's top-level folder itself; wheel install (tox): a copy of it."""
+    import mrl_plugins
+
     spec = importlib.util.find_spec(f"mrl_plugins.{module}")
     assert spec is not None and spec.origin is not None
-    assert Path(spec.origin).resolve() == (REPO_ROOT / folder / "__init__.py").resolve()
+    origin = Path(spec.origin).resolve()
+    source = (REPO_ROOT / folder / "__init__.py").resolve()
+    installed = (Path(mrl_plugins.__file__).resolve().parent / module / "__init__.py").resolve()
+    assert origin in (source, installed), origin
+    assert origin.read_bytes() == source.read_bytes()
+    if origin == installed and installed != source:  # a wheel install holds every module of the folder
+        names = {p.name for p in (REPO_ROOT / folder).iterdir() if p.suffix in (".py", ".yaml")}
+        assert names <= {p.name for p in installed.parent.iterdir()}
 
 
 def test_hookspecs_importable_by_package_name():
