@@ -42,6 +42,7 @@ torch (numpy's float16 conversion is ~10x slower), writing straight into the des
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -71,6 +72,16 @@ class FieldChoice:
     fallback: bool = False
 
 
+@functools.lru_cache(maxsize=64)
+def _raw(dt: torch.dtype) -> FieldChoice:
+    return FieldChoice(RAW, dt)
+
+
+@functools.lru_cache(maxsize=64)
+def _cast(dt: torch.dtype) -> FieldChoice:
+    return FieldChoice(CAST, dt)
+
+
 class Codec:
     """Chooses per field how a tensor is sent. Stateless apart from its counters.
 
@@ -97,7 +108,7 @@ class Codec:
         """Pick the wire representation of field ``name`` (a CPU tensor). Counts float fallbacks."""
         dt = t.dtype
         if self.target is None or t.numel() == 0:
-            return FieldChoice(RAW, dt)
+            return _raw(dt)
         if dt == torch.bool:
             return FieldChoice(BITPACK, torch.uint8)
         if dt in _INT_SOURCES:
@@ -108,14 +119,14 @@ class Codec:
                 if csize >= size:
                     break
                 if cmin <= lo and hi <= cmax:
-                    return FieldChoice(CAST, cand)
-            return FieldChoice(RAW, dt)
+                    return _cast(cand)
+            return _raw(dt)
         if dt in _FLOAT_SOURCES and name not in self.lossless_fields:
             if fits_finite_range(t, self.target, self._scratch):
-                return FieldChoice(CAST, self.target)
+                return _cast(self.target)
             self.fallbacks += 1
             return FieldChoice(RAW, dt, fallback=True)
-        return FieldChoice(RAW, dt)
+        return _raw(dt)
 
 
 def fits_finite_range(t: torch.Tensor, target: torch.dtype, scratch: dict | None = None) -> bool:

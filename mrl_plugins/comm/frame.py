@@ -122,7 +122,10 @@ class FramePlan:
         self.seq = _meta_int(meta, "seq", 0)
         u = meta.get("uuid")
         if u is None:
-            self.uuid = _uuid.UUID(bytes=os.urandom(16), version=4).bytes
+            u4 = bytearray(os.urandom(16))  # a version-4 UUID without the uuid module's overhead
+            u4[6] = (u4[6] & 0x0F) | 0x40
+            u4[8] = (u4[8] & 0x3F) | 0x80
+            self.uuid = bytes(u4)
         elif isinstance(u, _uuid.UUID):
             self.uuid = u.bytes
         elif isinstance(u, (bytes, bytearray)) and len(u) == 16:
@@ -249,7 +252,7 @@ def decode_frame(buf: memoryview | bytes | bytearray, *, copy: bool = False) -> 
         "model_id": bytes(model_id).rstrip(b"\x00").decode("utf-8", "replace"),
         "version": version,
         "seq": seq,
-        "uuid": _uuid.UUID(bytes=bytes(uid)).hex,
+        "uuid": bytes(uid).hex(),
     }
     pos = _FIXED.size
     for _ in range(nx):

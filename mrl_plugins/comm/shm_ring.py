@@ -85,6 +85,7 @@ class ShmConsumer:
         self._tail = [0] * n_producers  # frames released, per producer
         self._done: list[set[int]] = [set() for _ in range(n_producers)]
         self._reported: set[int] = set()
+        self._dead_pid: dict[int, int] = {}  # producer slot -> pid reported dead (a new pid may re-attach)
         self._rr = 0
         self._next_check = 0.0
         self._stats = dict.fromkeys(("frames", "bytes", "raw_bytes", "corrupt", "wait_s", "dead_peers"), 0)
@@ -146,6 +147,8 @@ class ShmConsumer:
         for i in range(self.n):
             cb = self._cb(i)
             state = _U32.unpack_from(buf, cb + 24)[0]
+            if i in self._reported and state == _ATTACHED and _U64.unpack_from(buf, cb + 8)[0] != self._dead_pid[i]:
+                self._reported.discard(i)  # a restarted worker re-attached to this slot
             if state == _CLOSED or i in self._reported:
                 closed += 1
                 continue
@@ -157,6 +160,7 @@ class ShmConsumer:
                 if _U64.unpack_from(buf, cb)[0] > self._read[i]:
                     continue  # deliver what it published first
                 self._reported.add(i)
+                self._dead_pid[i] = pid
                 self._stats["dead_peers"] += 1
                 raise PeerDeadError(
                     f"shm producer {i} (pid {pid}) is dead: last heartbeat {age:.2f} s ago "
