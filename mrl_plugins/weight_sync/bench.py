@@ -6,6 +6,7 @@ else a Qwen2-like shape list: hidden 256, 4 layers, vocab 16000, fp32, ~28 MB):
 
 (a) ``per_param``: one synchronous gloo broadcast per parameter between two processes (baseline);
 (b) ``bucketed``: the ``broadcast`` transport with its defaults (checksums on), same two processes;
+    ``bucketed_no_checksum``: the same with ``verify_checksum=False``;
 (c) ``shm``: shm publish in one process + verified streaming load into a receiver's staging buffer in
     another (the reader copies each shard as soon as it is complete), end to end; ``shm_no_checksum``
     the same without crc32c; ``shm_sequential``: publish then load, one process, one thread;
@@ -36,6 +37,7 @@ from .receiver import DoubleBufferedReceiver
 from .shm import ShmSender
 
 Shapes = list[tuple[str, tuple[int, ...], torch.dtype]]
+CASES = ("per_param", "bucketed", "bucketed_no_checksum")
 
 
 def qwen_shapes(
@@ -236,12 +238,14 @@ def _gloo_child(
     cfg = WeightSyncConfig(**{"transport": "broadcast", "timeout_s": 120, **(cfg_kw or {})})
     try:
         if role == "send":
+            nocrc = WeightSyncConfig(**{**cfg.__dict__, "verify_checksum": False})
             senders = {
                 "per_param": PerParamSender(cfg, model_id="bench"),
                 "bucketed": BroadcastSender(cfg, model_id="b"),
+                "bucketed_no_checksum": BroadcastSender(nocrc, model_id="c"),
             }
             q_out.put({k: s.receiver_handle() for k, s in senders.items()})
-            for case in ("per_param", "bucketed"):
+            for case in CASES:
                 for v in range(reps + 1):
                     q_in.get(timeout=120)
                     senders[case].publish(v, named)
@@ -253,7 +257,7 @@ def _gloo_child(
         rxs = {k: h.attach() for k, h in hs.items()}
         dest = {n: torch.empty_like(t) for n, t in named}
         result = {}
-        for case in ("per_param", "bucketed"):
+        for case in CASES:
             xs = []
             for v in range(reps + 1):
                 q_in.put("go")
@@ -320,6 +324,7 @@ def run_bench(reps: int = 5, json_path: str | None = None, quick: bool = False) 
     out["switch_ms"] = switch_ms(small_named, reps)
     out["ratios"] = {
         "bucketed_vs_per_param": main["bucketed"]["median"] / main["per_param"]["median"],
+        "bucketed_no_checksum_vs_per_param": main["bucketed_no_checksum"]["median"] / main["per_param"]["median"],
         "shm_vs_memcpy": main["shm"]["median"] / out["memcpy_gbps"]["median"],
         "shm_no_checksum_vs_memcpy": main["shm_no_checksum"]["median"] / out["memcpy_gbps"]["median"],
         "shm_sequential_vs_memcpy": main["shm_sequential"]["median"] / out["memcpy_gbps"]["median"],
@@ -351,7 +356,7 @@ def cli(argv: list[str] | None = None) -> int:
     print(f"memcpy (1 thread)          GB/s {_fmt(r['memcpy_gbps'])}")
     for key, m in r["models"].items():
         print(f"{key}: {m['label']}, {m['tensors']} tensors, {m['bytes'] / 1e6:.0f} MB")
-        for case in ("per_param", "bucketed", "shm", "shm_no_checksum", "shm_sequential"):
+        for case in (*CASES, "shm", "shm_no_checksum", "shm_sequential"):
             print(f"  {case:24s} GB/s {_fmt(m[case])}")
     print(f"switch_ms (small, device staging) {_fmt(r['switch_ms'])}")
     for k, v in r["ratios"].items():
