@@ -304,3 +304,26 @@ def test_plugin_hooks_route_to_resources(shm):
 def test_hookimpl_marker_is_the_projects():
     assert getattr(WeightSyncPlugin.mrl_weight_sync_publish, "mrl_plugins_impl", None) is not None
     assert hookimpl is not None
+
+
+def test_eager_poll_streams_a_version_being_written(shm):
+    model = torch.nn.Sequential(*[torch.nn.Linear(32, 32) for _ in range(4)])
+    s = shm(chunk_bytes=2048)
+    recv = DoubleBufferedReceiver(model, s.receiver_handle().attach())
+
+    def slow():
+        for item in filled(model, 9.0):
+            time.sleep(0.02)
+            yield item
+
+    th = threading.Thread(target=s.publish, args=(1, slow()))
+    th.start()
+    try:
+        deadline = time.monotonic() + 5
+        while recv.tr.writing_version() is None and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert recv.poll(5) is None  # not complete yet: a plain poll does not see it
+        assert recv.poll(5, eager=True) == 1  # streams it, returns when complete
+    finally:
+        th.join(10)
+    assert recv.switch().to_version == 1 and values(model) == {9.0}

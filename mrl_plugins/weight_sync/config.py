@@ -1,17 +1,26 @@
 """Configuration of the weight-sync stage (``weight_sync:`` section).
 
-Defaults for chunk and bucket sizes come from ``mrl bench weights`` on the development machine
-(2 vCPU EPYC, torch 2.13 CPU, gloo loopback, Qwen2.5-0.5B shapes, bf16, 988 MB); see
-:mod:`mrl_plugins.weight_sync.bench` for the numbers. ``None`` means "the transport's default":
+Defaults for chunk and bucket sizes come from measurements on the development machine (2 vCPU
+EPYC shared with other jobs, load average 4-6 during the runs, so memcpy ran at 4-6 GB/s instead
+of the 12 GB/s of an idle machine; torch 2.13 CPU, one torch thread per process). ``None`` means
+"the transport's default":
 
-==========  ============  ============  ===============================================
-transport   chunk_bytes   bucket_bytes  why
-==========  ============  ============  ===============================================
-shm         4 MiB         (unused)      checksum unit; crc32c runs while the chunk is hot
-directory   64 MiB        (unused)      one file per shard; fewer files, same bandwidth
-broadcast   4 MiB         64 MiB        one collective per bucket; tensors >= bucket sent as is
+==========  ============  ============  ===================================================
+transport   chunk_bytes   bucket_bytes  measured (median GB/s; see ``mrl bench weights``)
+==========  ============  ============  ===================================================
+shm         4 MiB         (unused)      publish+load, 177 MB bf16, one process: 1 MiB 2.69,
+                                        4 MiB 3.31, 16 MiB 2.74, 64 MiB 2.40 (checksums on);
+                                        4 MiB is also the streaming unit of a reader
+directory   64 MiB        (unused)      4/16/64 MiB within noise (0.3-0.7 GB/s, disk bound);
+                                        64 MiB keeps the file count low
+broadcast   4 MiB         64 MiB        988 MB gloo, no checksum: 64 MiB 2.35-2.4,
+                                        16 MiB 1.63, 256 MiB 2.0-2.5 (per_param 1.5-1.7 in
+                                        the same runs); tensors >= 1 MiB go as they are
 per_param   (unused)      (unused)      one collective per parameter (baseline)
-==========  ============  ============  ===============================================
+==========  ============  ============  ===================================================
+
+crc32c runs at ~16 GB/s on an idle core (4.9 GB/s under the load above); it is the main cost of
+``verify_checksum`` on the shm and broadcast paths.
 """
 
 from __future__ import annotations

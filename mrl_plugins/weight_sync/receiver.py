@@ -12,6 +12,10 @@ Atomicity: ``with receiver.active() as model:`` marks a request in flight. ``swi
 requests from entering, waits (with a timeout) until the in-flight ones drained, flips, and lets
 requests in again: no forward pass inside ``active()`` ever sees two versions.
 
+Transports: with ``shm``/``directory`` a receiver fetches whenever it likes; with ``broadcast`` and
+``per_param`` the sender's ``publish`` blocks until every receiver joins the collective, so the
+inference side must poll (or be notified) while the trainer publishes.
+
 Versions are monotonic per ``model_id``: an older version than the active one is ignored and logged;
 a version that failed verification leaves ``staging`` invalid and the active version untouched.
 """
@@ -150,9 +154,19 @@ class DoubleBufferedReceiver:
     def staged_version(self) -> int | None:
         return self._staged
 
-    def poll(self, timeout: float | None = None) -> int | None:
-        """Fetch the newest version into staging if it is newer than active and staged; return it, else ``None``."""
+    def poll(self, timeout: float | None = None, *, eager: bool = False) -> int | None:
+        """Fetch the newest version into staging if it is newer than active and staged; return it, else ``None``.
+
+        ``eager=True`` also takes a version that is still being written when the transport can stream
+        it (shm: ``writing_version()``), so the copy overlaps the publish; the call then blocks until
+        that version is complete (at most ``timeout`` s).
+        """
         v = self.tr.latest_version()
+        writing = getattr(self.tr, "writing_version", None) if eager else None
+        if writing is not None:
+            w = writing()
+            if w is not None and (v is None or w > v):
+                v = w
         if v is None:
             return None
         return self.stage(v, timeout)
