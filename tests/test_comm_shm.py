@@ -353,3 +353,58 @@ def test_queue_transport_across_processes():
     finally:
         _join(*procs, timeout=5)
         cons.close()
+
+
+def test_control_channel_order_capacity_and_timeout():
+    hub = ControlHub(2, RUN, capacity=3)
+    peer = hub.handle(1).attach()
+    try:
+        for v in range(3):
+            hub.send(1, ControlKind.NEW_VERSION, model_id="policy", version=v)
+        with pytest.raises(StageTimeoutError, match="3 messages unread"):
+            hub.send(1, ControlKind.PAUSE, timeout=0.2)
+        assert [peer.poll().version for _ in range(3)] == [0, 1, 2]
+        assert peer.poll(timeout=0.05) is None
+        hub.broadcast(ControlKind.STOP)
+        assert peer.poll().kind == ControlKind.STOP
+        peer.heartbeat()
+        msg = hub.poll(timeout=1)
+        assert msg.kind == ControlKind.HEARTBEAT and msg.sender == 1 and msg.value == os.getpid()
+    finally:
+        peer.close()
+        hub.close()
+
+
+def test_prefetcher_hands_consumer_errors_to_the_caller_in_order():
+    cons = shm_factory(_cfg(ring_slots=3), n_producers=1, run_id=RUN)
+    prod = cons.producer_handle(0).attach()
+    try:
+        for seq in range(3):
+            prod.send(_batch(0, seq), {"seq": seq})
+        length = struct.unpack_from("<Q", cons.seg.buf, cons._data + cons.slot_bytes)[0]
+        cons.seg.buf[cons._data + cons.slot_bytes + 64 + length - 1] ^= 0xFF  # corrupt frame #1
+        with Prefetcher(cons, depth=2) as pf:
+            assert pf.get(timeout=5).meta["seq"] == 0
+            with pytest.raises(FrameError, match="frame #1 dropped"):
+                pf.get(timeout=5)
+            assert pf.get(timeout=5).meta["seq"] == 2
+            with pytest.raises(StageTimeoutError, match="prefetch: no batch within 0.2 s"):
+                pf.get(timeout=0.2)
+        assert cons.stats()["corrupt"] == 1
+    finally:
+        prod.close()
+        cons.close()
+
+
+def test_queue_transport_in_process_keeps_dtypes():
+    cons = queue_factory(_cfg(), n_producers=1, run_id=RUN)
+    prod = cons.producer_handle(0).attach()
+    try:
+        batch = {"b": torch.randn(3, dtype=torch.float32).to(torch.bfloat16), "m": torch.tensor([True, False])}
+        assert prod.send(batch, {"seq": 9}) > 0
+        r = cons.receive(timeout=10)
+        assert r.meta["seq"] == 9 and torch.equal(r.batch["b"], batch["b"]) and torch.equal(r.batch["m"], batch["m"])
+        assert cons.stats()["frames"] == 1 and prod.stats()["frames"] == 1
+    finally:
+        prod.close()
+        cons.close()
