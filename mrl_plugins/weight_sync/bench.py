@@ -14,7 +14,9 @@ plus this machine's memcpy bandwidth (``torch`` ``copy_``, one thread) in the sa
 ``switch_ms``: staging -> active of a :class:`DoubleBufferedReceiver` holding the small model.
 
 Every process runs one torch thread. GB/s are medians over ``reps`` repetitions after one warm-up,
-with min and max. ``ratios``: ``bucketed_vs_per_param`` = (b)/(a), ``shm_vs_memcpy`` = (c)/memcpy.
+with min and max. ``ratios``: ``bucketed_vs_per_param`` = (b without checksum)/(a), i.e. equal work,
+since the baseline verifies nothing; ``bucketed_checksum_vs_per_param`` = (b)/(a) with crc32c on;
+``shm_vs_memcpy`` = (c)/memcpy.
 """
 
 from __future__ import annotations
@@ -323,15 +325,21 @@ def run_bench(reps: int = 5, json_path: str | None = None, quick: bool = False) 
     small_named = make_tensors(small)
     out["switch_ms"] = switch_ms(small_named, reps)
     out["ratios"] = {
-        "bucketed_vs_per_param": main["bucketed"]["median"] / main["per_param"]["median"],
-        "bucketed_no_checksum_vs_per_param": main["bucketed_no_checksum"]["median"] / main["per_param"]["median"],
+        # equal work: the per-parameter baseline verifies nothing, so neither side checksums here
+        "bucketed_vs_per_param": main["bucketed_no_checksum"]["median"] / main["per_param"]["median"],
+        "bucketed_checksum_vs_per_param": main["bucketed"]["median"] / main["per_param"]["median"],
         "shm_vs_memcpy": main["shm"]["median"] / out["memcpy_gbps"]["median"],
         "shm_no_checksum_vs_memcpy": main["shm_no_checksum"]["median"] / out["memcpy_gbps"]["median"],
         "shm_sequential_vs_memcpy": main["shm_sequential"]["median"] / out["memcpy_gbps"]["median"],
-        "small_bucketed_vs_per_param": out["models"]["small"]["bucketed"]["median"]
+        "small_bucketed_vs_per_param": out["models"]["small"]["bucketed_no_checksum"]["median"]
         / out["models"]["small"]["per_param"]["median"],
         "switch_ms": out["switch_ms"]["median"],
     }
+    out["notes"] = (
+        "bucketed_vs_per_param compares equal work (no checksum on either side); "
+        "bucketed_checksum_vs_per_param adds crc32c of every chunk on both sides (the default config). "
+        "shm is two processes (publisher, streaming reader); shm_sequential is one process, one thread."
+    )
     out["targets"] = {"bucketed_vs_per_param": ">= 1.3", "shm_vs_memcpy": ">= 0.40", "switch_ms": "< 10"}
     if json_path:
         with open(json_path, "w") as f:
