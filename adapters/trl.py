@@ -190,12 +190,17 @@ class _State:
         self.kind = kind
         self.closed = False
         self.generation: Any = None
+        self.on_shutdown: list[Any] = []
 
     def shutdown(self, reason: str = "normal") -> None:
         if self.closed:
             return
         self.closed = True
-        self.pm.shutdown(self.ctx, reason)
+        try:
+            self.pm.shutdown(self.ctx, reason)
+        finally:
+            for fn in self.on_shutdown:
+                fn()
 
 
 def _install_rollout(trainer: Any, state: _State, device: Any) -> None:
@@ -218,8 +223,15 @@ def _install_rollout(trainer: Any, state: _State, device: Any) -> None:
         pool = WorkerPool(pm, ctx, model, sampling, placements=places, engine_factory=engine_factory, seed=seed)
         runtime = PoolRuntime(pm, ctx, gen, pool)
         if trainer_cores and device.type == "cpu":
+            saved = (os.sched_getaffinity(0), torch.get_num_threads())
             os.sched_setaffinity(0, trainer_cores)
             torch.set_num_threads(max(1, min(cfg.rollout.trainer_threads, len(trainer_cores))))
+
+            def restore_budget() -> None:
+                os.sched_setaffinity(0, saved[0])
+                torch.set_num_threads(saved[1])
+
+            state.on_shutdown.append(restore_budget)
         orig_loader = trainer.get_train_dataloader
 
         def get_train_dataloader() -> Any:

@@ -21,6 +21,7 @@ from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
+from mrl_plugins.comm.base import ChannelClosedError
 from mrl_plugins.errors import MrlError, StageTimeoutError
 from mrl_plugins.hookspecs import RolloutResult, StageContext, SwitchReport
 
@@ -288,6 +289,11 @@ class WorkerPool:
                     self._restarts += 1
                     self.ctx.metrics.add("rollout/worker_restarts", 1) if self.ctx.metrics else None
                     log.warning("rollout worker %d died (exit %s): restarting", i, proc.exitcode)
+                    # a worker killed inside Queue.get() keeps the queue's reader lock: give the new one a fresh queue
+                    old = self._requests[i]
+                    old.cancel_join_thread()
+                    old.close()
+                    self._requests[i] = self._mp.Queue()
                     self._start(i)
                     self._resubmit_worker(i)
                     continue
@@ -340,7 +346,9 @@ class WorkerPool:
                 )
             try:
                 got = self.pm.comm_receive(ctx=self.ctx, timeout=min(0.5, remaining))
-            except TimeoutError:
+            except (TimeoutError, ChannelClosedError):
+                # dead or closed producers: _check_workers() at the top of the loop raises or restarts them
+                time.sleep(0.05)
                 continue
             meta, batch = _unpack(got)
             entry = (meta, {k: _own(v) for k, v in batch.items()})

@@ -1,0 +1,49 @@
+"""Helpers for the rollout worker-pool tests (imported by spawned workers, so module-level and picklable)."""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+
+class SlowEngine:
+    """Wraps the transformers engine and sleeps ``MRL_TEST_ENGINE_DELAY_S`` before each generation (fault injection)."""
+
+    def __init__(self, model: Any, tokenizer: Any, *, params: Any, device: str = "cpu", seed: int | None = None):
+        from mrl_plugins.rollout.engine import TransformersEngine
+
+        self.inner = TransformersEngine(model, tokenizer, params=params, device=device, seed=seed)
+        self.delay = float(os.environ.get("MRL_TEST_ENGINE_DELAY_S", "0"))
+
+    def generate(self, prompts: list[list[int]], num_generations: int = 1) -> Any:
+        time.sleep(self.delay)
+        return self.inner.generate(prompts, num_generations)
+
+
+def make_pool(config: dict | None = None, *, factory: Any = None, placements: list[dict] | None = None) -> tuple:
+    """A real WorkerPool on the tiny model: returns ``(pool, model, tokenizer, sampling, pm, ctx)``."""
+    from mrl_plugins.config import load_config
+    from mrl_plugins.hookspecs import StageContext
+    from mrl_plugins.manager import get_plugin_manager
+    from mrl_plugins.metrics import StageMetrics
+    from mrl_plugins.models import build_model
+    from mrl_plugins.rollout.engine import SamplingParams
+    from mrl_plugins.rollout.pool import WorkerPool
+
+    cfg = load_config(config or {})
+    pm = get_plugin_manager(cfg)
+    ctx = StageContext(config=cfg, metrics=StageMetrics())
+    model, tok = build_model("tiny")
+    sampling = SamplingParams(max_new_tokens=6, eos_token_ids=[tok.eos_token_id], pad_token_id=tok.pad_token_id)
+    factory = factory or pm.backend("mrl_rollout_register_engines", cfg.rollout.engine).factory
+    pool = WorkerPool(
+        pm,
+        ctx,
+        model,
+        sampling,
+        placements=placements or [{"cores": [1], "threads": 1}],
+        engine_factory=factory,
+        seed=0,
+    )
+    return pool, model, tok, sampling, pm, ctx

@@ -1,0 +1,128 @@
+"""Rollout worker processes: version tags, binding, dead workers, restarts, shutdown (real processes, shm, tiny model)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+from tests.marks import require_trl
+from tests.pool_helpers import make_pool
+
+pytestmark = [require_trl, pytest.mark.slow]
+
+PROMPTS = [[3, 4, 5], [6, 7], [8, 9, 10, 11]]
+
+
+def _fill(model, value_seed: int):
+    import torch
+
+    gen = torch.Generator().manual_seed(value_seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.2)
+
+
+def _local_logprobs(model, tok, sampling, prompts, seed=0):
+    from mrl_plugins.rollout.engine import TransformersEngine
+
+    out = TransformersEngine(model, tok, params=sampling, seed=seed).generate(prompts, 2)
+    return out.completion_ids, out.logprobs
+
+
+@pytest.mark.parametrize(("codec", "tol"), [("raw", {"abs": 1e-5}), ("fp16", {"rel": 1e-3})])
+def test_version_tags_match_the_weights_that_produced_them(codec, tol):
+    pool, model, tok, sampling, _pm, _ctx = make_pool({"comm": {"codec": codec}})
+    try:
+        _fill(model, 5)
+        pool.publish(5, list(model.named_parameters()))
+        res5 = pool.collect(pool.submit(PROMPTS, 2, min_version=5))
+        assert res5.weight_version == 5
+        ids5, lps5 = _local_logprobs(model, tok, sampling, PROMPTS)
+        assert res5.completion_ids == ids5  # same seed, same weights -> the same samples
+        for a, b in zip(res5.logprobs, lps5):
+            assert a == pytest.approx(b, **tol)  # fp16 logprobs: relative error <= 2**-11
+        _fill(model, 6)
+        pool.publish(6, list(model.named_parameters()))
+        res6 = pool.collect(pool.submit(PROMPTS, 2, min_version=6))
+        assert res6.weight_version == 6
+        assert res6.prompt_ids == [p for p in PROMPTS for _ in range(2)]
+        assert res6.logprobs != res5.logprobs
+    finally:
+        pool.close()
+
+
+def test_worker_is_bound_to_its_cores_and_threads():
+    import psutil
+
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("needs 2 cores")
+    pool, model, *_ = make_pool()
+    try:
+        pool.publish(0, list(model.named_parameters()))
+        pool.collect(pool.submit(PROMPTS[:1], 1))
+        proc = psutil.Process(pool.pids[0])
+        assert proc.cpu_affinity() == [1]
+    finally:
+        pool.close()
+
+
+def test_killed_worker_is_a_clear_error_within_the_timeout():
+    from mrl_plugins.rollout.pool import WorkerDiedError
+
+    pool, model, *_ = make_pool({"rollout": {"timeout_s": 20}})
+    try:
+        pool.publish(0, list(model.named_parameters()))
+        pool.collect(pool.submit(PROMPTS, 1))
+        os.kill(pool.pids[0], signal.SIGKILL)
+        start = time.monotonic()
+        with pytest.raises(WorkerDiedError, match=r"worker 0 .*died.*restart_workers"):
+            pool.collect(pool.submit(PROMPTS, 1))
+        assert time.monotonic() - start < 5
+    finally:
+        pool.close()
+
+
+def test_dead_worker_is_restarted_when_configured():
+    pool, model, *_ = make_pool({"rollout": {"restart_workers": 1, "timeout_s": 60}})
+    try:
+        pool.publish(0, list(model.named_parameters()))
+        first = pool.pids[0]
+        pool.collect(pool.submit(PROMPTS, 1))
+        os.kill(first, signal.SIGKILL)
+        res = pool.collect(pool.submit(PROMPTS, 1))  # resubmitted to the restarted worker
+        assert len(res.completion_ids) == len(PROMPTS)
+        assert pool.pids[0] != first
+    finally:
+        pool.close()
+
+
+def test_stuck_worker_times_out_instead_of_hanging(monkeypatch):
+    from mrl_plugins.errors import StageTimeoutError
+    from tests.pool_helpers import SlowEngine
+
+    monkeypatch.setenv("MRL_TEST_ENGINE_DELAY_S", "30")
+    pool, model, *_ = make_pool({"rollout": {"timeout_s": 2}}, factory=SlowEngine)
+    try:
+        pool.publish(0, list(model.named_parameters()))
+        start = time.monotonic()
+        with pytest.raises(StageTimeoutError, match="rollout.timeout_s"):
+            pool.collect(pool.submit(PROMPTS, 1))
+        assert time.monotonic() - start < 6
+    finally:
+        pool.close(timeout=2)
+
+
+def test_close_leaves_no_process_and_no_shared_memory():
+    import psutil
+
+    pool, model, *_ = make_pool()
+    pool.publish(0, list(model.named_parameters()))
+    pool.collect(pool.submit(PROMPTS, 1))
+    pids, run_id = list(pool.pids), pool.run_id
+    pool.close()
+    for pid in pids:
+        assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    assert not [f for f in os.listdir("/dev/shm") if run_id in f]
