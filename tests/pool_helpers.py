@@ -47,3 +47,18 @@ def make_pool(config: dict | None = None, *, factory: Any = None, placements: li
         seed=0,
     )
     return pool, model, tok, sampling, pm, ctx
+
+
+class SlowEnginePlugin:
+    """A third-party-style plugin registering the ``slow`` engine (fault injection for staleness tests)."""
+
+    from mrl_plugins.hookspecs import hookimpl
+
+    @hookimpl
+    def mrl_rollout_register_engines(self):
+        from mrl_plugins.hookspecs import RolloutEngine
+
+        return [RolloutEngine(name="slow", factory=SlowEngine, description="transformers + injected delay (tests)")]
+
+
+slow_engine_plugin = SlowEnginePlugin()

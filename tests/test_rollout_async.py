@@ -1,0 +1,69 @@
+"""Async pipeline and staleness bound on real TRL GRPO runs (tiny model, one rollout worker process).
+
+Delays are injected through a test plugin's ``slow`` engine (worker side) and a slow reward
+function (trainer side).
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from tests.marks import require_trl
+
+pytestmark = [require_trl, pytest.mark.slow]
+
+
+def _slow_reward(completions, **kwargs):
+    from mrl_plugins.models import count_reward
+
+    time.sleep(0.2)
+    return count_reward(completions)
+
+
+def _run(tmp_path, install_dist, monkeypatch, rollout: dict, *, engine_delay: float = 0.0, slow_trainer=False):
+    import torch
+
+    import mrl_plugins
+    from mrl_plugins.config import load_config
+    from mrl_plugins.run import build_trainer
+
+    install_dist("slowplug", {"slowplug": "tests.pool_helpers:slow_engine_plugin"}, {})
+    monkeypatch.setenv("MRL_TEST_ENGINE_DELAY_S", str(engine_delay))
+    torch.set_num_threads(1)
+    cfg = load_config({"train": {"model": "tiny", "steps": 5, "output_dir": str(tmp_path)}})
+    trainer = build_trainer(cfg, enable_plugins=False, output_dir=str(tmp_path))
+    if slow_trainer:
+        trainer.reward_funcs = [_slow_reward]
+    mrl_plugins.enable(trainer, {"mode": "disaggregated", "rollout": {"engine": "slow", "workers": 1, **rollout}})
+    trainer.train()
+    hist = [h for h in trainer.state.log_history if "reward" in h]
+    assert len(hist) == 5
+    return hist
+
+
+def _series(hist, key):
+    return [h.get(key, 0.0) for h in hist]
+
+
+@pytest.mark.parametrize(("engine_delay", "slow_trainer"), [(0.3, False), (0.0, True)])
+def test_staleness_never_exceeds_the_bound(tmp_path, install_dist, monkeypatch, engine_delay, slow_trainer):
+    hist = _run(
+        tmp_path, install_dist, monkeypatch, {"max_staleness": 1}, engine_delay=engine_delay, slow_trainer=slow_trainer
+    )
+    assert max(_series(hist, "mrl/rollout/staleness")) <= 1
+    assert sum(_series(hist, "mrl/rollout/lookahead_hits")) >= 3  # generation ran one batch ahead
+
+
+def test_samples_over_the_bound_are_dropped_and_regenerated(tmp_path, install_dist, monkeypatch):
+    hist = _run(tmp_path, install_dist, monkeypatch, {"max_staleness": 0, "stale_policy": "drop"}, engine_delay=0.1)
+    assert max(_series(hist, "mrl/rollout/staleness")) == 0
+    assert sum(_series(hist, "mrl/rollout/dropped_samples")) > 0
+
+
+def test_keep_policy_counts_stale_samples(tmp_path, install_dist, monkeypatch):
+    hist = _run(tmp_path, install_dist, monkeypatch, {"max_staleness": 0, "stale_policy": "keep"}, engine_delay=0.1)
+    assert max(_series(hist, "mrl/rollout/staleness")) == 1
+    assert sum(_series(hist, "mrl/rollout/stale_samples")) > 0
+    assert sum(_series(hist, "mrl/rollout/dropped_samples")) == 0
