@@ -8,7 +8,7 @@ from typing import Any
 
 
 class SlowEngine:
-    """Wraps the transformers engine and sleeps ``MRL_TEST_ENGINE_DELAY_S`` before each generation (fault injection)."""
+    """Wraps the transformers engine; sleeps ``MRL_TEST_ENGINE_DELAY_S`` before each generation (fault injection)."""
 
     def __init__(self, model: Any, tokenizer: Any, *, params: Any, device: str = "cpu", seed: int | None = None):
         from mrl_plugins.rollout.engine import TransformersEngine

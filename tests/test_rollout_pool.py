@@ -1,4 +1,4 @@
-"""Rollout worker processes: version tags, binding, dead workers, restarts, shutdown (real processes, shm, tiny model)."""
+"""Rollout worker processes: version tags, binding, dead workers, restarts, shutdown (real processes and shm)."""
 
 from __future__ import annotations
 
