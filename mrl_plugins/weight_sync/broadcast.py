@@ -11,9 +11,10 @@ broadcast only when a newer version is being sent.
     entries, their offsets and the crc32c per chunk of the *previous* bucket, so that both sides
     checksum one bucket while the next is on the wire) followed by the data: tensors of at least
     ``BIG`` bytes are broadcast as they are (no packing copy), smaller ones packed into one buffer.
-    Sends and receives are issued asynchronously so that the fixed cost of each collective overlaps
-    with the transfer of the previous one; the receiver writes big tensors straight into the
-    destination (no copy). At most one bucket is held beyond the one in flight. A final ``end``
+    Controls, sends and receives are issued asynchronously (the receiver posts the next control
+    before it waits for the current data) so that the fixed cost of each collective overlaps with
+    the transfer of the previous ones; the receiver writes big tensors straight into the
+    destination (no copy). One bucket is in flight while the next one is collected. A final ``end``
     control carries the bucket count and byte total; a sender whose source fails sends ``abort``.
 
 ``per_param`` (baseline)
@@ -213,7 +214,8 @@ class BroadcastSender(_BaseSender):
         self._start(version)
         t0 = time.perf_counter()
         uid = uuidlib.uuid4().hex
-        inflight: list[Any] = []  # works of the previous bucket
+        inflight: list[Any] = []  # works (and their tensors) of the previous bucket
+        older: list[Any] = []  # ... of the bucket before: at most two buckets are in flight
         prev_bufs: list[torch.Tensor] = []  # its data, checksummed while it is on the wire
         nbytes, nbuckets = 0, 0
         big: list[tuple[str, torch.Tensor]] = []
@@ -221,7 +223,7 @@ class BroadcastSender(_BaseSender):
         held, meta_len = 0, 0
 
         def flush() -> None:
-            nonlocal inflight, nbuckets, held, meta_len, big, small, prev_bufs
+            nonlocal inflight, older, nbuckets, held, meta_len, big, small, prev_bufs
             if not big and not small:
                 return
             entries, sends, bufs, off = [], [], [], 0
@@ -243,8 +245,7 @@ class BroadcastSender(_BaseSender):
                 sends.append([start, pack.numel()])
                 bufs.append(pack)
             prev_crcs = [self._crcs(b) for b in prev_bufs]  # overlaps with the previous bucket's transfer
-            for w in inflight:
-                self.g.wait(w, self.timeout)
+            older = inflight
             msg = {
                 "k": "bucket",
                 "v": version,
@@ -256,8 +257,12 @@ class BroadcastSender(_BaseSender):
                 "chunk": self.chunk_bytes,
                 "prev_crcs": prev_crcs,
             }
-            self._ctrl(msg)
-            inflight = [self.g.bcast(b, self.timeout, async_op=True) for b in bufs]
+            head, rest = _ctrl_pack(msg)
+            tensors = [head] + ([rest] if rest is not None else []) + bufs
+            inflight = ([self.g.bcast(t, self.timeout, async_op=True) for t in tensors], tensors)
+            for w in older[0] if older else []:  # the previous bucket: now only this one is in flight
+                self.g.wait(w, self.timeout)
+            older = []
             prev_bufs = bufs
             nbuckets += 1
             big, small, held, meta_len = [], [], 0, 0
@@ -279,17 +284,19 @@ class BroadcastSender(_BaseSender):
                     flush()
             flush()
             prev_crcs = [self._crcs(b) for b in prev_bufs]
-            for w in inflight:
-                self.g.wait(w, self.timeout)
-            prev_bufs = []
+            for pair in (older, inflight):
+                for w in pair[0] if pair else []:
+                    self.g.wait(w, self.timeout)
+            older, inflight, prev_bufs = [], [], []
             end = {"k": "end", "v": version, "uuid": uid, "count": nbuckets, "nbytes": nbytes, "prev_crcs": prev_crcs}
             self._ctrl(end)
         except StageTimeoutError:
             raise
         except BaseException:
             try:
-                for w in inflight:
-                    self.g.wait(w, self.timeout)
+                for pair in (older, inflight):
+                    for w in pair[0] if pair else []:
+                        self.g.wait(w, self.timeout)
                 self._ctrl({"k": "abort", "v": version, "uuid": uid})
             except Exception:  # noqa: BLE001 - the original error matters more
                 pass
@@ -369,9 +376,13 @@ class BroadcastReceiver:
         except RuntimeError as exc:
             raise _peer_error(exc, f"reading the version of model_id={self.h.model_id}", self.h.timeout_s) from None
 
-    def _recv_ctrl(self, timeout: float) -> dict:
+    def _post_ctrl(self, timeout: float) -> tuple[torch.Tensor, Any]:
         head = torch.empty(CTRL_BYTES, dtype=torch.uint8)
-        self.g.bcast(head, timeout)
+        return head, self.g.bcast(head, timeout, async_op=True)
+
+    def _recv_ctrl(self, timeout: float, posted: tuple[torch.Tensor, Any] | None = None) -> dict:
+        head, work = posted or self._post_ctrl(timeout)
+        self.g.wait(work, timeout)
         raw = bytes(head[:16].numpy())
         if raw[:8] != MAGIC:
             raise WeightSyncError("weight broadcast: bad control message (stream out of step)")
@@ -477,6 +488,7 @@ class BroadcastReceiver:
                     copies[-1] = (buf, *copies[-1][1:])
                 works.append(self.g.bcast(buf, timeout, async_op=True))
                 checks.append(buf)
+            posted = self._post_ctrl(timeout)  # the next control, so that the sender never waits for us
             verify(msg.get("prev_crcs", []))  # the previous bucket, while this one is on the wire
             for w in works:
                 self.g.wait(w, timeout)
@@ -490,7 +502,7 @@ class BroadcastReceiver:
                         self._deliver(dest, name, target, view)
             n += sum(e[4] for e in ents)
             buckets += 1
-            msg = self._recv_ctrl(timeout)
+            msg = self._recv_ctrl(timeout, posted)
 
     def close(self) -> None:
         self.g.pg = None
