@@ -129,12 +129,18 @@ def run_training(cfg: MrlConfig | Any, *, name: str = "run", enable_plugins: boo
     step_times = [float(h.get("step_time", 0.0)) for h in history]
     tokens = float(trainer.state.log_history[-2].get("num_tokens", 0.0)) if len(trainer.state.log_history) > 1 else 0.0
     mrl = state.ctx.metrics.snapshot() if state is not None else {}
+    # Trainer-side view: time blocked in generate() (TRL's own generation, or waiting for the workers' batch),
+    # in weight publishing, and the rest (training). With rollout workers, "generate" is the workers' busy time,
+    # which overlaps training; "transfer_wait" is the time the trainer was blocked waiting for experience.
+    blocked = mrl.get("mrl/time/generate_s", 0.0)
+    workers = "mrl/rollout/generate_s" in mrl
     split = {
-        "generate": mrl.get("mrl/time/generate_s", 0.0),
+        "generate": mrl.get("mrl/rollout/generate_s", 0.0) if workers else blocked,
         "weight_sync": mrl.get("mrl/time/weight_sync_s", 0.0),
-        "transfer_wait": mrl.get("mrl/time/wait_s", 0.0),
+        "transfer_wait": mrl.get("mrl/time/wait_s", 0.0) if workers else 0.0,
     }
-    split["train"] = max(0.0, train_s - sum(split.values()))
+    split["train"] = max(0.0, train_s - blocked - split["weight_sync"])
+    split["generate_overlapped"] = float(workers)
     last = rewards[-10:] or [0.0]
     return RunResult(
         name=name,
@@ -172,8 +178,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--plugins", help="per-stage override, e.g. rollout=mrl,comm=upstream")
     parser.add_argument("--name", default="run")
     parser.add_argument("--json", help="write the RunResult here")
+    parser.add_argument("--quiet", action="store_true", help="no version-switch / worker log lines")
     ns = parser.parse_args(argv)
+    import logging
+
     from mrl_plugins.config import load_yaml
+
+    if not ns.quiet:  # one line per weight-version switch (source's advice: keep version logs on)
+        logging.basicConfig(format="%(name)s: %(message)s")
+        logging.getLogger("mrl_plugins").setLevel(logging.INFO)
 
     data = load_yaml(ns.config)
     train = dict(data.get("train") or {})

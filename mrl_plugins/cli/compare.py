@@ -158,7 +158,7 @@ def plots(runs: dict[str, dict[str, Any]], out: Path) -> list[str]:
     fig, ax = plt.subplots(figsize=(8, 4))
     names = list(runs)
     bottom = [0.0] * len(names)
-    for part in ("generate", "weight_sync", "transfer_wait", "train"):
+    for part in ("generate", "weight_sync", "transfer_wait", "train"):  # generate overlaps train with workers
         vals = [runs[n]["time_split"].get(part, 0.0) for n in names]
         ax.bar(names, vals, bottom=bottom, label=part)
         bottom = [b + v for b, v in zip(bottom, vals)]

@@ -52,6 +52,7 @@ class WorkerSpec:
     device: str = "cpu"
     seed: int = 0
     direct_weights: bool = False  # upstream weight sync: load into live params, no staging
+    log_level: int = logging.WARNING  # the trainer's level for "mrl_plugins" (version-switch lines at INFO)
 
 
 class DirectLoader:
@@ -80,6 +81,7 @@ class DirectLoader:
             return None
         rep = SwitchReport(self.model_id, self._pending_from, self.version, self._bytes, self._seconds)
         self._pending_from = self.version
+        log.info("switch model_id=%s %d -> %d bytes=%d seconds=%.4f (in place, upstream)", *rep.__dict__.values())
         return rep
 
     @contextmanager
@@ -103,6 +105,12 @@ def _build_model(spec: WorkerSpec) -> Any:
 def worker_main(spec: WorkerSpec, requests: Any, errors: Any, parent_pid: int) -> None:
     """Entry point of a rollout worker process."""
     os.environ.update(spec.env)
+    pkg_log = logging.getLogger("mrl_plugins")
+    if spec.log_level <= logging.INFO and not pkg_log.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter(f"[mrl worker {spec.index}] %(message)s"))
+        pkg_log.addHandler(handler)
+        pkg_log.setLevel(spec.log_level)
     try:
         import torch
 
@@ -177,16 +185,7 @@ def worker_main(spec: WorkerSpec, requests: Any, errors: Any, parent_pid: int) -
 def _pull_weights(pm: Any, ctx: StageContext, timeout: float) -> None:
     staged = pm.weight_sync_receive(ctx=ctx, model_id="policy", timeout=timeout)
     if staged is not None:
-        rep = pm.weight_sync_switch(ctx=ctx, model_id="policy")
-        if rep is not None:
-            log.info(
-                "switch model_id=%s %s -> %s bytes=%d seconds=%.4f",
-                rep.model_id,
-                rep.from_version,
-                rep.to_version,
-                rep.nbytes,
-                rep.seconds,
-            )
+        pm.weight_sync_switch(ctx=ctx, model_id="policy")  # the receiver logs one line per switch
 
 
 @dataclass
@@ -254,6 +253,7 @@ class WorkerPool:
                 device=place.get("device", "cpu"),
                 seed=seed,
                 direct_weights=pm.is_upstream("weight_sync"),
+                log_level=logging.getLogger("mrl_plugins").getEffectiveLevel(),
             )
             self._specs.append(spec)
             self._requests.append(self._mp.Queue())
