@@ -53,6 +53,20 @@ def _join(*procs, timeout: float = 30.0) -> None:
             p.join(timeout=5)
 
 
+def _proc_state(pid: int) -> str:
+    """Signal masks and wait channels of a process that did not exit (for the failure message)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            lines = [ln for ln in f.read().splitlines() if ln.startswith(("State", "Sig", "ShdPnd", "Threads"))]
+        chans = []
+        for t in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{t}/wchan") as f:
+                chans.append(f.read())
+        return f"still alive: {lines} wchan={chans}"
+    except OSError as exc:
+        return f"still alive ({exc})"
+
+
 # --------------------------------------------------------------------------- child processes
 
 
@@ -279,8 +293,9 @@ def test_owner_signal_removes_its_segment(sig):
         assert os.path.exists(path)
         os.kill(p.pid, sig)
         p.join(timeout=30)
-        assert not p.is_alive()
-        assert not os.path.exists(path)
+        assert not os.path.exists(path) and not os.path.exists(path + ".d")
+        assert not p.is_alive(), _proc_state(p.pid)
+        assert p.exitcode != 0
     finally:
         _join(p, timeout=5)
         q.close()
