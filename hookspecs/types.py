@@ -38,17 +38,29 @@ class _Registration:
 
 @dataclass(frozen=True)
 class RolloutEngine(_Registration):
-    """A generation backend (``transformers``, ``vllm``, ...). ``factory(model, tokenizer, config, device)``."""
+    """A generation backend (``transformers``, ``vllm``, ...).
+
+    ``factory(model, tokenizer, *, params: SamplingParams, device="cpu", seed=None)`` returns an object with
+    ``generate(prompts, num_generations) -> EngineOutput`` (completion ids and per-token sampling logprobs).
+    """
 
 
 @dataclass(frozen=True)
 class WeightTransport(_Registration):
-    """A weight transport (``broadcast``, ``shm``, ``directory``, ...). ``factory(config, **kwargs)``."""
+    """A weight transport (``broadcast``, ``shm``, ``directory``, ...).
+
+    ``factory(config: WeightSyncConfig, *, model_id, run_id, **kw)`` returns a sender with
+    ``publish(version, named_tensors)`` and ``receiver_handle()`` (picklable; ``.attach()`` on the inference side).
+    """
 
 
 @dataclass(frozen=True)
 class CommTransport(_Registration):
-    """An experience transport (``shm``, ``queue``, ``torch_distributed``, ...). ``factory(config, **kwargs)``."""
+    """An experience transport (``shm``, ``queue``, ``torch_distributed``, ...).
+
+    ``factory(config: CommConfig, *, n_producers, run_id)`` returns the consumer (trainer side) with
+    ``receive(timeout)`` and ``producer_handle(i)`` (picklable; ``.attach()`` in the rollout worker).
+    """
 
 
 @dataclass(frozen=True)
