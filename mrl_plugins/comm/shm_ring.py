@@ -20,6 +20,10 @@ receive that finds a producer's heartbeat older than ``heartbeat_timeout_s`` (or
 raises :class:`PeerDeadError` once that producer's published frames are drained; a producer waiting
 for space does the same for the consumer. A frame that fails its checksum is dropped, counted
 (``corrupt``) and reported as :class:`FrameError`; the ring stays usable.
+
+Ordering: a producer writes the frame, then its length, then bumps ``head``; the consumer bumps
+``tail`` only after release. x86 keeps these stores in order; on weakly ordered CPUs (Arm hosts)
+a frame read too early fails its crc32c, is re-read once after 1 ms, and is never returned torn.
 """
 
 from __future__ import annotations
@@ -174,11 +178,13 @@ class ShmConsumer:
         self._read[i] = seq + 1
         base = self._data + (i * self.slots + seq % self.slots) * self.slot_bytes
         buf = self.seg.buf
-        length = _U64.unpack_from(buf, base)[0]
         try:
-            if length > self.slot_bytes - _SLOT_HDR:
-                raise FrameError(f"frame length {length} exceeds the slot ({self.slot_bytes - _SLOT_HDR} bytes)")
-            meta, batch = decode_frame(buf[base + _SLOT_HDR : base + _SLOT_HDR + length])
+            try:
+                meta, batch, length = self._decode_slot(buf, base)
+            except FrameError:
+                # on weakly ordered CPUs the head may become visible before the frame bytes: look once more
+                time.sleep(1e-3)
+                meta, batch, length = self._decode_slot(buf, base)
         except FrameError as exc:
             self._stats["corrupt"] += 1
             self._release(i, seq)
@@ -187,6 +193,13 @@ class ShmConsumer:
         self._stats["bytes"] += length
         self._stats["raw_bytes"] += sum(_nbytes(v) for v in batch.values())
         return Received(meta, batch, length, i, lambda: self._release(i, seq))
+
+    def _decode_slot(self, buf: memoryview, base: int) -> tuple[dict, dict, int]:
+        length = _U64.unpack_from(buf, base)[0]
+        if length > self.slot_bytes - _SLOT_HDR:
+            raise FrameError(f"frame length {length} exceeds the slot ({self.slot_bytes - _SLOT_HDR} bytes)")
+        meta, batch = decode_frame(buf[base + _SLOT_HDR : base + _SLOT_HDR + length])
+        return meta, batch, length
 
     def _release(self, i: int, seq: int) -> None:
         if self.seg.buf is None:
