@@ -10,7 +10,8 @@ else a Qwen2-like shape list: hidden 256, 4 layers, vocab 16000, fp32, ~28 MB):
 (c) ``shm``: shm publish in one process + verified streaming load into a receiver's staging buffer in
     another (the reader copies each shard as soon as it is complete), end to end; ``shm_no_checksum``
     the same without crc32c; ``shm_sequential``: publish then load, one process, one thread;
-plus this machine's memcpy bandwidth (``torch`` ``copy_``, one thread) in the same run, and
+plus this machine's memcpy bandwidth (``torch`` ``copy_`` of 256 MiB, one thread) sampled between the
+cases of the same run, and
 ``switch_ms``: staging -> active of a :class:`DoubleBufferedReceiver` holding the small model.
 
 Every process runs one torch thread. GB/s are medians over ``reps`` repetitions after one warm-up,
@@ -109,7 +110,8 @@ def _summary(xs: list[float]) -> dict[str, float]:
     return {"median": statistics.median(xs), "min": min(xs), "max": max(xs)}
 
 
-def memcpy_gbps(reps: int, nbytes: int = 256 << 20) -> dict[str, float]:
+def memcpy_samples(reps: int, nbytes: int = 256 << 20) -> list[float]:
+    """GB/s of ``reps`` single-thread ``copy_`` calls of ``nbytes``."""
     a = torch.ones(nbytes, dtype=torch.uint8)
     b = torch.empty_like(a)
     b.copy_(a)
@@ -118,7 +120,7 @@ def memcpy_gbps(reps: int, nbytes: int = 256 << 20) -> dict[str, float]:
         t0 = time.perf_counter()
         b.copy_(a)
         xs.append(nbytes / (time.perf_counter() - t0) / 1e9)
-    return _summary(xs)
+    return xs
 
 
 def _timed(fn: Callable[[], Any], reps: int, nbytes: int) -> dict[str, float]:
@@ -309,18 +311,24 @@ def run_bench(reps: int = 5, json_path: str | None = None, quick: bool = False) 
     big = qwen_shapes(32000, 896, 4864, 4) if quick else qwen_shapes()
     small, small_src = small_shapes()
     out: dict[str, Any] = {"reps": reps, "quick": quick, "threads_per_process": 1, "models": {}}
-    out["memcpy_gbps"] = memcpy_gbps(max(reps, 5))
+    # memcpy is sampled between the cases (not once up front) so that the ratios see the same
+    # machine conditions as the cases they divide (the machine may be shared)
+    mc: list[float] = memcpy_samples(3)
     for key, shapes, label in (("qwen0.5b", big, "Qwen2.5-0.5B-like" + (" (quick)" if quick else "")),
                                ("small", small, small_src)):  # fmt: skip
         named = make_tensors(shapes)
         nbytes = sum(t.nbytes for _, t in named)
         res: dict[str, Any] = {"label": label, "tensors": len(named), "bytes": nbytes}
         res.update(gloo_gbps(shapes, reps))
+        mc += memcpy_samples(3)
         res["shm"] = shm_stream_gbps(shapes, reps)
+        mc += memcpy_samples(3)
         res["shm_no_checksum"] = shm_stream_gbps(shapes, reps, verify=False)
         res["shm_sequential"] = shm_gbps(named, reps)
+        mc += memcpy_samples(3)
         out["models"][key] = res
         del named
+    out["memcpy_gbps"] = _summary(mc)
     main = out["models"]["qwen0.5b"]
     small_named = make_tensors(small)
     out["switch_ms"] = switch_ms(small_named, reps)
