@@ -212,3 +212,23 @@ def test_config_validation():
         CommConfig.from_dict({"checksum": "md5"})
     with pytest.raises(ConfigError, match="unknown codec 'fp8'"):
         Codec("fp8")
+
+
+@pytest.mark.parametrize("checksum", ["xxh3", "crc32c"])
+def test_each_payload_checksum_catches_a_flipped_byte(checksum):
+    from mrl_plugins.comm.frame import FrameError, decode_frame, encode_frame
+
+    batch = {"x": torch.arange(1000, dtype=torch.float32)}
+    frame = encode_frame(batch, {"seq": 3}, checksum=checksum)
+    meta, out = decode_frame(frame, copy=True)
+    assert torch.equal(out["x"], batch["x"]) and meta["seq"] == 3
+    frame[-5] ^= 0x40
+    with pytest.raises(FrameError, match="payload checksum mismatch"):
+        decode_frame(frame)
+
+
+def test_unknown_checksum_is_refused():
+    from mrl_plugins.comm.frame import FrameError, encode_frame
+
+    with pytest.raises(FrameError, match="xxh3"):
+        encode_frame({"x": torch.zeros(2)}, {}, checksum="md5")

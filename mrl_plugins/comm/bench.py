@@ -12,8 +12,8 @@ Batches are GRPO experience: ``prompt_ids``/``prompt_mask`` [B, T/4] and ``compl
 ``completion_mask`` [B, T] int64, ``old_per_token_logps`` [B, T] fp32 (a few -inf entries, which send
 the overflow guard down its exact path), ``advantages``/``rewards`` [B] fp32; sizes 64x1024 and 8x128.
 The consumer times ``receive`` + ``release`` of a run of batches after a warm-up (the ring path
-verifies the crc32c of every frame, so its data are read); throughput is the median over ``reps``
-runs, with min and max.
+verifies the payload checksum (xxh3 by default) of every frame, so its data are read); throughput
+is the median over ``reps`` runs, with min and max.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ from mrl_plugins.errors import ConfigError, choices
 
 CODECS: tuple[str, ...] = ("raw", "fp16", "bf16")
 FULL_POLICIES: tuple[str, ...] = ("block", "drop_newest")
-CHECKSUMS: tuple[str, ...] = ("crc32c", "none")
+CHECKSUMS: tuple[str, ...] = ("xxh3", "crc32c", "none")
 
 
 @dataclass
@@ -59,7 +59,10 @@ class CommConfig:
     prefetch: int = field(
         default=1, metadata={"help": "batches received ahead by a background thread (0 = no prefetch)"}
     )
-    checksum: str = field(default="crc32c", metadata={"help": "payload checksum: 'crc32c' or 'none'"})
+    checksum: str = field(
+        default="xxh3",
+        metadata={"help": "payload checksum: 'xxh3' (low 32 bits of xxh3-64, fastest), 'crc32c' or 'none'"},
+    )
 
     def validate(self) -> CommConfig:
         """Check every field; raise :class:`ConfigError` naming the key and the valid values."""

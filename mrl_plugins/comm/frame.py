@@ -3,7 +3,8 @@
 Layout (little-endian, offsets from the frame start)::
 
     0    fixed header  <4s H H I Q q q I I I I 16s 64s>  (136 bytes)
-         magic b"MRLF", format version, flags (bit 0: payload checksum present), header_len,
+         magic b"MRLF", format version, flags (bit 0: payload checksum present, bit 1: it is the low
+         32 bits of xxh3-64 instead of crc32c), header_len,
          total_len, weight version, seq, field count, extra count, payload crc32c,
          header crc32c (computed with this slot zeroed), uuid (16 bytes), model_id (utf-8, <= 64 bytes)
     136  extras: n_extra x <32s q>      small integer metadata (name <= 32 bytes)
@@ -12,7 +13,8 @@ Layout (little-endian, offsets from the frame start)::
          kind (torch/numpy), ndim (<= 8), shape, offset, nbytes, numel
     header_len (multiple of 64): payload; each field starts at a multiple of 64.
 
-The payload checksum (crc32c) covers ``[header_len, total_len)``; the header has its own crc32c,
+The payload checksum (``xxh3``: low 32 bits of xxh3-64, ~4x faster than crc32c here; or ``crc32c``) covers
+``[header_len, total_len)``; the header has its own crc32c,
 so a corrupted header or payload raises :class:`FrameError` instead of returning wrong values.
 
 :func:`decode_frame` returns zero-copy views onto the buffer for fields sent raw (valid as long as
@@ -49,6 +51,16 @@ _FIELD = struct.Struct("<64sBBBBI8qQQQ")
 _HCRC_OFF = 4 + 2 + 2 + 4 + 8 + 8 + 8 + 4 + 4 + 4  # offset of the header crc slot
 _PCRC_OFF = _HCRC_OFF - 4
 FLAG_CHECKSUM = 1
+FLAG_XXH3 = 2
+CHECKSUMS = ("xxh3", "crc32c", "none")
+
+
+def _payload_sum(data: memoryview, flags: int) -> int:
+    if flags & FLAG_XXH3:
+        import xxhash
+
+        return xxhash.xxh3_64_intdigest(data) & 0xFFFFFFFF
+    return crc32c.crc32c(data)
 KIND_TORCH, KIND_NUMPY = 0, 1
 _RESERVED_META = ("model_id", "version", "seq", "uuid")
 
@@ -106,7 +118,7 @@ class FramePlan:
     :param meta: ``model_id`` (str), ``version`` (int), ``seq`` (int), optional ``uuid`` (16 bytes,
         hex str or UUID) and other small ``int`` entries (names <= 32 bytes).
     :param codec: per-field wire choice; ``None`` = raw.
-    :param checksum: ``"crc32c"`` or ``"none"``.
+    :param checksum: ``"xxh3"``, ``"crc32c"`` or ``"none"``.
     """
 
     def __init__(
@@ -114,9 +126,12 @@ class FramePlan:
         batch: Mapping[str, Any],
         meta: Mapping[str, Any],
         codec: Codec | None = None,
-        checksum: str = "crc32c",
+        checksum: str = "xxh3",
     ) -> None:
+        if checksum not in CHECKSUMS:
+            raise FrameError(f"unknown checksum {checksum!r}; valid: {', '.join(CHECKSUMS)}")
         self.checksum = checksum != "none"
+        self.flags = (FLAG_CHECKSUM if self.checksum else 0) | (FLAG_XXH3 if checksum == "xxh3" else 0)
         self.model_id = _enc_name(str(meta.get("model_id", "policy")), 64, "meta model_id")
         self.version = _meta_int(meta, "version", 0)
         self.seq = _meta_int(meta, "seq", 0)
@@ -189,9 +204,9 @@ class FramePlan:
             mv[pos : pos + len(e)] = e
             pos += len(e)
         mv[pos : self.header_len] = bytes(self.header_len - pos)
-        pcrc = crc32c.crc32c(mv[self.header_len : self.nbytes]) if self.checksum else 0
+        pcrc = _payload_sum(mv[self.header_len : self.nbytes], self.flags) if self.checksum else 0
         _FIXED.pack_into(
-            mv, 0, MAGIC, FORMAT_VERSION, FLAG_CHECKSUM if self.checksum else 0, self.header_len, self.nbytes,
+            mv, 0, MAGIC, FORMAT_VERSION, self.flags, self.header_len, self.nbytes,
             self.version, self.seq, len(self.fields), len(self.extras), pcrc, 0, self.uuid, self.model_id,
         )  # fmt: skip
         struct.pack_into("<I", mv, _HCRC_OFF, crc32c.crc32c(mv[: self.header_len]))
@@ -206,7 +221,7 @@ def _meta_int(meta: Mapping[str, Any], key: str, default: int) -> int:
 
 
 def encode_frame(
-    batch: Mapping[str, Any], meta: Mapping[str, Any], codec: Codec | None = None, checksum: str = "crc32c"
+    batch: Mapping[str, Any], meta: Mapping[str, Any], codec: Codec | None = None, checksum: str = "xxh3"
 ) -> bytearray:
     """Encode ``batch`` + ``meta`` into a new frame (see :class:`FramePlan`)."""
     plan = FramePlan(batch, meta, codec, checksum)
@@ -246,7 +261,7 @@ def decode_frame(buf: memoryview | bytes | bytearray, *, copy: bool = False) -> 
         raise FrameError("frame header checksum mismatch: the header is corrupted")
     if total > len(mv) or hlen > total or hlen < _FIXED.size + _EXTRA.size * nx + _FIELD.size * nf:
         raise FrameError(f"bad frame layout: header_len={hlen}, total_len={total}, buffer={len(mv)} bytes")
-    if flags & FLAG_CHECKSUM and crc32c.crc32c(mv[hlen:total]) != pcrc:
+    if flags & FLAG_CHECKSUM and _payload_sum(mv[hlen:total], flags) != pcrc:
         raise FrameError(f"frame payload checksum mismatch (seq={seq}): the payload is corrupted")
     meta: dict[str, Any] = {
         "model_id": bytes(model_id).rstrip(b"\x00").decode("utf-8", "replace"),
