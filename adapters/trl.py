@@ -221,7 +221,14 @@ def _install_rollout(trainer: Any, state: _State, device: Any) -> None:
     else:
         places, trainer_cores = _placements(cfg, device)
         pool = WorkerPool(pm, ctx, model, sampling, placements=places, engine_factory=engine_factory, seed=seed)
-        runtime = PoolRuntime(pm, ctx, gen, pool)
+
+        def local_engine() -> Any:  # the trainer's own model answers while the workers start
+            was_training = model.training
+            engine = engine_factory(model, None, params=sampling, device=str(device.torch_device), seed=seed)
+            model.train(was_training)  # engines may switch their model to eval mode when built
+            return engine
+
+        runtime = PoolRuntime(pm, ctx, gen, pool, local_engine if cfg.rollout.local_warmup else None)
         if trainer_cores and device.type == "cpu":
             saved = (os.sched_getaffinity(0), torch.get_num_threads())
             os.sched_setaffinity(0, trainer_cores)

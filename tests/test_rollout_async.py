@@ -36,7 +36,10 @@ def _run(tmp_path, install_dist, monkeypatch, rollout: dict, *, engine_delay: fl
     trainer = build_trainer(cfg, enable_plugins=False, output_dir=str(tmp_path))
     if slow_trainer:
         trainer.reward_funcs = [_slow_reward]
-    mrl_plugins.enable(trainer, {"mode": "disaggregated", "rollout": {"engine": "slow", "workers": 1, **rollout}})
+    mrl_plugins.enable(
+        trainer,
+        {"mode": "disaggregated", "rollout": {"engine": "slow", "workers": 1, "local_warmup": False, **rollout}},
+    )
     trainer.train()
     hist = [h for h in trainer.state.log_history if "reward" in h]
     assert len(hist) == 5

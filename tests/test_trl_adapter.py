@@ -125,7 +125,11 @@ def test_worker_pool_async_trains_and_cleans_up(tmp_path, kind):
     import mrl_plugins
 
     trainer = _trainer(tmp_path, kind, steps=4)
-    mrl_plugins.enable(trainer, "colocate")
+    from mrl_plugins.config import load_config, load_yaml
+
+    cfg = load_yaml("colocate")
+    cfg["rollout"]["local_warmup"] = False  # every batch from the worker process
+    mrl_plugins.enable(trainer, load_config(cfg))
     pool = trainer._mrl_state.ctx.resources["rollout.runtime"].pool
     pids = list(pool.pids)
     assert pids and all(psutil.pid_exists(p) for p in pids)
@@ -173,3 +177,16 @@ def test_env_variable_switches_plugins_on_at_startup(tmp_path):
     assert "ENABLED {'rollout': 'upstream', 'weight_sync': 'upstream', 'comm': 'upstream'}" in on.stdout, on.stderr[
         -2000:
     ]
+
+
+@pytest.mark.slow
+def test_trainer_model_answers_while_workers_start(tmp_path):
+    """local_warmup: the first batches come from the trainer's own model; training mode is kept."""
+    import mrl_plugins
+
+    trainer = _trainer(tmp_path, steps=3)
+    mrl_plugins.enable(trainer, "disaggregated")
+    trainer.train()
+    assert len(_history(trainer, "reward")) == 3  # logged as training steps, not eval_*
+    assert sum(_history(trainer, "mrl/rollout/local_batches")) >= 1
+    assert trainer.model.training

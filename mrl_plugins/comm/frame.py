@@ -61,6 +61,8 @@ def _payload_sum(data: memoryview, flags: int) -> int:
 
         return xxhash.xxh3_64_intdigest(data) & 0xFFFFFFFF
     return crc32c.crc32c(data)
+
+
 KIND_TORCH, KIND_NUMPY = 0, 1
 _RESERVED_META = ("model_id", "version", "seq", "uuid")
 

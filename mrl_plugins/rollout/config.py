@@ -48,6 +48,10 @@ class RolloutConfig:
     start_timeout_s: float = field(
         default=180.0, metadata={"help": "max seconds for a worker to start and load the model"}
     )
+    local_warmup: bool = field(
+        default=True,
+        metadata={"help": "generate with the trainer's own model while the workers are still starting"},
+    )
     restart_workers: int = field(
         default=0, metadata={"help": "restarts allowed for dead workers (0: a dead worker is an error)"}
     )

@@ -102,7 +102,7 @@ def _build_model(spec: WorkerSpec) -> Any:
     return model.eval()
 
 
-def worker_main(spec: WorkerSpec, requests: Any, errors: Any, parent_pid: int) -> None:
+def worker_main(spec: WorkerSpec, requests: Any, errors: Any, parent_pid: int, ready: Any = None) -> None:
     """Entry point of a rollout worker process."""
     os.environ.update(spec.env)
     pkg_log = logging.getLogger("mrl_plugins")
@@ -134,6 +134,8 @@ def worker_main(spec: WorkerSpec, requests: Any, errors: Any, parent_pid: int) -
         engine = spec.engine_factory(
             model, None, params=spec.sampling, device=spec.device, seed=spec.seed + spec.index
         )
+        if ready is not None:
+            ready.set()  # model built, weights and experience paths attached
         timeout = spec.config.rollout.timeout_s
         while True:
             if os.getppid() != parent_pid:
@@ -222,6 +224,7 @@ class WorkerPool:
         self._mp = mp.get_context("spawn")
         self._ids = itertools.count(1)
         self._tickets: dict[int, _Ticket] = {}
+        self._abandoned: set[int] = set()
         self._stash: dict[tuple[int, int], Any] = {}
         self._restarts = 0
         self._closed = False
@@ -234,6 +237,7 @@ class WorkerPool:
         self.sender = ws_factory(cfg.weight_sync, model_id="policy", run_id=self.run_id)
         ctx.resources["weight_sync.sender"] = self.sender
         self._errors = self._mp.Queue()
+        self._ready: list[Any] = []
         self._specs = []
         self._requests = []
         self._procs: list[Any] = []
@@ -264,7 +268,7 @@ class WorkerPool:
     def _start(self, i: int) -> None:
         proc = self._mp.Process(
             target=worker_main,
-            args=(self._specs[i], self._requests[i], self._errors, os.getpid()),
+            args=(self._specs[i], self._requests[i], self._errors, os.getpid(), self._new_ready(i)),
             name=f"mrl-rollout-{i}",
             daemon=True,
         )
@@ -272,6 +276,19 @@ class WorkerPool:
             proc.start()
         self._procs[i] = proc
         log.info("rollout worker %d started (pid %d, cores %s)", i, proc.pid, self._specs[i].cores)
+
+    def _new_ready(self, i: int) -> Any:
+        event = self._mp.Event()
+        if i < len(self._ready):
+            self._ready[i] = event
+        else:
+            self._ready.append(event)
+        return event
+
+    @property
+    def ready(self) -> bool:
+        """Every worker has built its engine and attached its weight and experience paths."""
+        return all(e.is_set() for e in self._ready)
 
     @property
     def pids(self) -> list[int]:
@@ -329,6 +346,13 @@ class WorkerPool:
         self._tickets[req_id] = _Ticket(req_id, prompts, num_generations, model_id, chunks, time.monotonic())
         return req_id
 
+    def discard(self, req_id: int) -> None:
+        """Forget ticket ``req_id``: its answers are dropped when they arrive (no waiting)."""
+        if self._tickets.pop(req_id, None) is not None:
+            self._abandoned.add(req_id)
+        for key in [k for k in self._stash if k[0] == req_id]:
+            del self._stash[key]
+
     def collect(self, req_id: int, timeout: float | None = None) -> RolloutResult:
         """Wait for every chunk of ticket ``req_id``; never longer than ``timeout`` (rollout.timeout_s)."""
         ticket = self._tickets[req_id]
@@ -359,6 +383,8 @@ class WorkerPool:
                 ticket.results[key[1]] = entry
             elif key[0] in self._tickets:
                 self._stash[key] = entry
+            elif key[0] in self._abandoned and self.ctx.metrics is not None:
+                self.ctx.metrics.add("rollout/discarded_batches", 1)
         del self._tickets[req_id]
         return self._assemble(ticket)
 

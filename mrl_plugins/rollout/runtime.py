@@ -174,25 +174,42 @@ class LocalEngineRuntime:
 class PoolRuntime:
     """``rollout.workers >= 1``: worker processes, optionally one batch ahead of the trainer."""
 
-    def __init__(self, pm: Any, ctx: StageContext, gen: MrlGeneration, pool: Any) -> None:
+    def __init__(self, pm: Any, ctx: StageContext, gen: MrlGeneration, pool: Any, local_engine: Any = None) -> None:
+        """``local_engine()`` (optional) builds an engine on the trainer's own model: it answers while the
+        workers are still starting (spawning and importing takes seconds), instead of the trainer idling."""
         self.pm, self.ctx, self.gen, self.pool = pm, ctx, gen, pool
         self.cfg = ctx.config.rollout
         self._pending: dict[tuple, int] = {}
+        self._local_factory = local_engine
+        self._local: Any = None
+
+    def _generate_locally(self, prompts: list[list[int]], num_generations: int, model_id: str) -> RolloutResult:
+        if self._local is None:
+            self._local = self._local_factory()
+        out = self._local.generate(prompts, num_generations)
+        flat = [list(p) for p in prompts for _ in range(num_generations)]
+        self.ctx.metrics.add("rollout/local_batches", 1)
+        return RolloutResult(flat, out.completion_ids, out.logprobs, int(self.gen.version), model_id)
 
     def generate(self, prompts: list[list[int]], num_generations: int, model_id: str) -> RolloutResult:
         metrics = self.ctx.metrics
         current = self.gen.version
         ticket = self._pending.pop(_key(prompts), None)
-        if ticket is None:
-            if self.cfg.pipeline == "async":
-                metrics.add("rollout/lookahead_misses", 1)
-            ticket = self.pool.submit(prompts, num_generations, model_id=model_id, min_version=current)
+        if self._local_factory is not None and not self.pool.ready:
+            if ticket is not None:
+                self.pool.discard(ticket)
+            result = self._generate_locally(prompts, num_generations, model_id)  # workers still starting
         else:
-            metrics.add("rollout/lookahead_hits", 1)
-        self._drop_unused()
-        t0 = time.perf_counter()
-        result = self.pool.collect(ticket)
-        metrics.add("time/wait_s", time.perf_counter() - t0)
+            if ticket is None:
+                if self.cfg.pipeline == "async":
+                    metrics.add("rollout/lookahead_misses", 1)
+                ticket = self.pool.submit(prompts, num_generations, model_id=model_id, min_version=current)
+            else:
+                metrics.add("rollout/lookahead_hits", 1)
+            self._drop_unused()
+            t0 = time.perf_counter()
+            result = self.pool.collect(ticket)
+            metrics.add("time/wait_s", time.perf_counter() - t0)
         stale = current - result.weight_version
         if stale > self.cfg.max_staleness:
             metrics.add("rollout/stale_samples", len(result.completion_ids))
@@ -211,9 +228,9 @@ class PoolRuntime:
         return result
 
     def _drop_unused(self) -> None:
-        """A lookahead that was not asked for (data order changed) is collected and discarded."""
+        """A lookahead that was not asked for (data order changed) is discarded without waiting for it."""
         for key in list(self._pending):
-            self.pool.collect(self._pending.pop(key))
+            self.pool.discard(self._pending.pop(key))
 
     def _next_prompts(self, current: list[list[int]]) -> list[list[int]] | None:
         loader = self.gen.loader
