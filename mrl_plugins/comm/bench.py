@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing as mp
+import os
 import statistics
 import sys
 import time
@@ -107,8 +108,17 @@ class _PlainQueueHandle:
         return _PlainQueueProducer(self.q)
 
 
+def _pin(core_index: int) -> None:
+    """Producer on the last core, consumer on the first (every case alike): unpinned, the scheduler sometimes
+    put both on one core and a run measured 5x slower (bimodal medians)."""
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) > 1:
+        os.sched_setaffinity(0, [cores[core_index]])
+
+
 def _producer(handle: Any, commands: Any) -> None:
     torch.set_num_threads(1)
+    _pin(-1)
     prod = handle.attach()
     batches: dict[str, dict[str, torch.Tensor]] = {}
     seq = 0
@@ -149,6 +159,7 @@ def _run_cases(reps: int, scale: float) -> dict[str, Any]:
             cmds[name] = ctx.Queue()
             procs[name] = ctx.Process(target=_producer, args=(cons[name].producer_handle(0), cmds[name]), daemon=True)
             procs[name].start()
+        _pin(0)
         names = list(CASES)
         for size in SIZES:
             for rep in range(reps):
@@ -203,13 +214,15 @@ def run_bench(reps: int = 5, json_path: str | None = None, quick: bool = False) 
     reps = max(1, min(reps, 2) if quick else reps)
     scale = 0.25 if quick else 1.0
     threads = torch.get_num_threads()
+    affinity = os.sched_getaffinity(0)
     torch.set_num_threads(1)
     try:
         t0 = time.perf_counter()
-        cases = _run_cases(reps, scale)
+        cases = _run_cases(reps, scale)  # producers are spawned (inheriting all cores) before the consumer pins
         elapsed = time.perf_counter() - t0
     finally:
         torch.set_num_threads(threads)
+        os.sched_setaffinity(0, affinity)
 
     def bps(case: str, size: str) -> float:
         return cases[case][size]["batches_per_s"]["median"]
