@@ -358,25 +358,21 @@ def frame_bytes_from_report(path: str | Path, run: str | None = None) -> tuple[s
     a ``metrics`` or ``mrl_metrics`` object, as ``mrl compare`` writes them). ``run`` picks a run by name; by
     default the first run that has the numbers.
     """
-    p = Path(path)
-    try:
-        report = json.loads(p.read_text(encoding="utf-8"))
-    except OSError as exc:
-        raise ConfigError(f"report {str(p)!r} cannot be read: {exc}") from exc
-    except json.JSONDecodeError as exc:
-        raise ConfigError(f"report {str(p)!r} is not valid JSON: {exc}") from exc
+    from mrl_plugins.cli.triage import read_json_report
+
+    report = read_json_report(path)
     runs = _runs_of(report)
     if run is not None:
         named = [(n, r) for n, r in runs if n == run]
         if not named:
-            raise ConfigError(f"report {str(p)!r} has no run {run!r}; runs: {choices(n for n, _ in runs)}")
+            raise ConfigError(f"report {str(path)!r} has no run {run!r}; runs: {choices(n for n, _ in runs)}")
         runs = named
     for name, r in runs:
         value = _frame_bytes(r)
         if value is not None:
             return name, value
     raise ConfigError(
-        f"report {str(p)!r}: no run has bytes per frame (keys 'bytes_per_frame', 'comm_bytes'+'comm_frames' or "
+        f"report {str(path)!r}: no run has bytes per frame (keys 'bytes_per_frame', 'comm_bytes'+'comm_frames' or "
         "'mrl/comm/bytes'+'mrl/comm/frames')"
     )
 

@@ -41,6 +41,17 @@ METRIC_KEYS: dict[str, tuple[str, ...]] = {
 }
 
 
+def read_json_report(path: str | os.PathLike[str]) -> Any:
+    """The parsed JSON at ``path``; ConfigError naming the file when it cannot be read or parsed."""
+    p = Path(path)
+    try:
+        return json.loads(p.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise ConfigError(f"report {str(p)!r} cannot be read: {exc}") from exc
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"report {str(p)!r} is not valid JSON: {exc}") from exc
+
+
 def _num(value: Any, where: str, *, positive: bool = False) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value < 0:
         raise ConfigError(f"{where}: expected a non-negative number, got {value!r}")
@@ -75,12 +86,7 @@ def load_report(path: str | os.PathLike[str]) -> list[tuple[str, dict[str, Any]]
     ``target_tokens_per_s`` (expected throughput), or ``metrics`` (a flat metrics dict, read as above).
     """
     p = Path(path)
-    try:
-        report = json.loads(p.read_text(encoding="utf-8"))
-    except OSError as exc:
-        raise ConfigError(f"report {str(p)!r} cannot be read: {exc}") from exc
-    except json.JSONDecodeError as exc:
-        raise ConfigError(f"report {str(p)!r} is not valid JSON: {exc}") from exc
+    report = read_json_report(p)
     if not isinstance(report, Mapping):
         raise ConfigError(f"report {str(p)!r}: expected a JSON object, got {type(report).__name__}")
     runs = report.get("runs")

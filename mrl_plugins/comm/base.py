@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from collections.abc import Callable
@@ -11,6 +10,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from mrl_plugins._proc import pid_alive  # noqa: F401 - re-exported for the comm transports
 from mrl_plugins.errors import MrlError, StageTimeoutError
 
 
@@ -127,19 +127,6 @@ class Backoff:
 
     def reset(self) -> None:
         self.n = 0
-
-
-def pid_alive(pid: int) -> bool:
-    """Whether a process with ``pid`` exists on this host (zombies count as alive)."""
-    if pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def deadline_of(timeout: float | None, default: float) -> float:

@@ -43,6 +43,7 @@ from typing import Any
 
 import torch
 
+from mrl_plugins._proc import pid_alive
 from mrl_plugins.errors import StageTimeoutError
 from mrl_plugins.hookspecs import PublishReport
 
@@ -66,21 +67,6 @@ _MIN_SLOT = 1 << 20
 
 def _safe(s: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.]", "_", str(s))[:48]
-
-
-def pid_alive(pid: int) -> bool:
-    """True when ``pid`` exists and is not a zombie."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
-    except (OSError, IndexError):
-        return True
 
 
 def remove_stale_segments(directory: str = SHM_DIR) -> list[str]:
