@@ -2,9 +2,20 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 __version__ = "0.1.0"
+
+# Installed, ``mrl_plugins.hookspecs`` / ``.adapters`` / ``.configs`` live inside this package (setuptools
+# ``package-dir`` mapping). Imported straight from a source checkout (a process spawned with the repository
+# root first on ``sys.path``, as pytest does), they are the checkout's top-level folders: look there too.
+_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if not os.path.isdir(os.path.join(os.path.dirname(os.path.abspath(__file__)), "hookspecs")) and os.path.isfile(
+    os.path.join(_root, "hookspecs", "__init__.py")
+):
+    __path__.append(_root)  # type: ignore[name-defined]  # noqa: F821
+del _root
 
 
 def enable(trainer: Any, config: Any = None) -> Any:

@@ -28,8 +28,22 @@ def _mrl(*args: str, cwd, timeout: float = 600) -> subprocess.CompletedProcess:
     )
 
 
+def _no_warmup_config(tmp_path, name: str):
+    """A bundled config with rollout.local_warmup off: tiny runs are shorter than a worker's start-up."""
+    import yaml
+
+    from mrl_plugins.config import load_yaml
+
+    data = load_yaml(name)
+    data.setdefault("rollout", {})["local_warmup"] = False
+    path = tmp_path / f"{name}-nowarmup.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return str(path)
+
+
 def test_mrl_run_trains_and_writes_json(tmp_path):
-    proc = _mrl("run", "colocate", "--model", "tiny", "--steps", "3", "--json", str(tmp_path / "r.json"), cwd=tmp_path)
+    config = _no_warmup_config(tmp_path, "colocate")
+    proc = _mrl("run", config, "--model", "tiny", "--steps", "3", "--json", str(tmp_path / "r.json"), cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "switch model_id=policy" in proc.stderr  # version log lines reach the run log
     result = json.loads((tmp_path / "r.json").read_text())
@@ -51,7 +65,7 @@ def test_mrl_compare_tiny_writes_report(tmp_path):
     proc = _mrl(
         "compare",
         "--config",
-        "compare_small",
+        _no_warmup_config(tmp_path, "compare_small"),
         "--model",
         "tiny",
         "--steps",
