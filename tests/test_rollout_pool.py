@@ -126,3 +126,27 @@ def test_close_leaves_no_process_and_no_shared_memory():
     for pid in pids:
         assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
     assert not [f for f in os.listdir("/dev/shm") if run_id in f]
+
+
+def test_moving_a_worker_drains_its_queue_to_the_others_and_keeps_serving():
+    """Hybrid mode's capacity shift: a request in flight on the moving worker is still answered in full."""
+    import psutil
+
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("needs 2 cores")
+    pool, model, *_ = make_pool(placements=[{"cores": [1], "threads": 1}, {"cores": [1], "threads": 1}])
+    try:
+        pool.publish(0, list(model.named_parameters()))
+        pool.collect(pool.submit(PROMPTS, 2))
+        old_pid = pool.pids[0]
+        ticket = pool.submit(PROMPTS * 2, 2)  # half of it queued on worker 0
+        pool.move_worker(0, {"cores": [0], "threads": 1})
+        res = pool.collect(ticket)
+        assert len(res.completion_ids) == len(PROMPTS) * 2 * 2
+        assert res.prompt_ids == [p for p in PROMPTS * 2 for _ in range(2)]
+        assert pool.pids[0] != old_pid
+        assert psutil.Process(pool.pids[0]).cpu_affinity() == [0]
+        res = pool.collect(pool.submit(PROMPTS, 1))  # both workers serve again
+        assert len(res.completion_ids) == len(PROMPTS)
+    finally:
+        pool.close()

@@ -225,6 +225,7 @@ class WorkerPool:
         self._ids = itertools.count(1)
         self._tickets: dict[int, _Ticket] = {}
         self._abandoned: set[int] = set()
+        self._draining: set[int] = set()
         self._stash: dict[tuple[int, int], Any] = {}
         self._restarts = 0
         self._closed = False
@@ -325,6 +326,54 @@ class WorkerPool:
                 if worker == i and chunk not in t.results:
                     self._requests[i].put((t.req_id, chunk, prompts, t.num_generations, t.model_id, -1))
 
+    def move_worker(self, i: int, placement: dict, timeout: float | None = None) -> None:
+        """Move worker ``i`` to ``placement`` (``cores``/``threads``/``env``/``device``, as the adapter builds
+        them) without stopping the service: new requests skip it, its unanswered chunks are handed to the other
+        workers first, then it is stopped and restarted in its new place (hybrid mode: shifting capacity between
+        the colocated and the dedicated pool). Waits at most ``timeout`` (``rollout.start_timeout_s``)."""
+        from mrl_plugins.errors import ConfigError
+
+        if not 0 <= i < self.n:
+            raise ConfigError(f"move_worker: no worker {i}; workers are 0..{self.n - 1}")
+        if self.n - len(self._draining) < 2:
+            raise ConfigError("move_worker: needs another active worker to serve while this one moves")
+        timeout = self.cfg.rollout.start_timeout_s if timeout is None else timeout
+        deadline = time.monotonic() + timeout
+        self._draining.add(i)
+        try:
+            others = [w for w in range(self.n) if w not in self._draining]
+            for t in self._tickets.values():  # drain: its unanswered chunks go to the others
+                for chunk, (worker, prompts) in list(t.chunks.items()):
+                    if worker == i and chunk not in t.results:
+                        w = others[chunk % len(others)]
+                        t.chunks[chunk] = (w, prompts)
+                        self._requests[w].put((t.req_id, chunk, prompts, t.num_generations, t.model_id, -1))
+            proc = self._procs[i]
+            self._requests[i].put(REQ_STOP)
+            proc.join(max(0.1, deadline - time.monotonic()))
+            if proc.is_alive():
+                proc.kill()
+                proc.join(2)
+            old = self._requests[i]
+            old.cancel_join_thread()
+            old.close()
+            self._requests[i] = self._mp.Queue()
+            spec = self._specs[i]
+            spec.cores = placement.get("cores", spec.cores)
+            spec.threads = placement.get("threads", spec.threads)
+            spec.env = placement.get("env", spec.env)
+            spec.device = placement.get("device", spec.device)
+            self._start(i)
+            while not self._ready[i].is_set():
+                if not self._procs[i].is_alive():
+                    self._check_workers()
+                if time.monotonic() > deadline:
+                    raise StageTimeoutError(f"move_worker: worker {i} not ready within {timeout:.0f} s")
+                time.sleep(0.05)
+            log.info("rollout worker %d moved to %s", i, placement)
+        finally:
+            self._draining.discard(i)
+
     # ------------------------------------------------------------------ requests
     def publish(self, version: int, named_tensors: Any) -> Any:
         return self.pm.weight_sync_publish(
@@ -336,13 +385,14 @@ class WorkerPool:
     ) -> int:
         """Split ``prompts`` over the workers; returns a ticket id for :meth:`collect`."""
         req_id = next(self._ids)
-        per = -(-len(prompts) // self.n)
+        active = [w for w in range(self.n) if w not in self._draining]
+        per = -(-len(prompts) // len(active))
         chunks = {}
-        for c in range(self.n):
+        for c, worker in enumerate(active):
             part = [list(p) for p in prompts[c * per : (c + 1) * per]]
             if part:
-                chunks[c] = (c, part)
-                self._requests[c].put((req_id, c, part, num_generations, model_id, min_version))
+                chunks[c] = (worker, part)
+                self._requests[worker].put((req_id, c, part, num_generations, model_id, min_version))
         self._tickets[req_id] = _Ticket(req_id, prompts, num_generations, model_id, chunks, time.monotonic())
         return req_id
 
