@@ -278,6 +278,14 @@ class WorkerPool:
         self._procs[i] = proc
         log.info("rollout worker %d started (pid %d, cores %s)", i, proc.pid, self._specs[i].cores)
 
+    def _fresh_queue(self, i: int) -> None:
+        """A restarted worker gets a new request queue: one killed inside ``Queue.get()`` keeps the old queue's
+        reader lock forever, and the old queue may hold requests already handed to other workers."""
+        old = self._requests[i]
+        old.cancel_join_thread()
+        old.close()
+        self._requests[i] = self._mp.Queue()
+
     def _new_ready(self, i: int) -> Any:
         event = self._mp.Event()
         if i < len(self._ready):
@@ -307,11 +315,7 @@ class WorkerPool:
                     self._restarts += 1
                     self.ctx.metrics.add("rollout/worker_restarts", 1) if self.ctx.metrics else None
                     log.warning("rollout worker %d died (exit %s): restarting", i, proc.exitcode)
-                    # a worker killed inside Queue.get() keeps the queue's reader lock: give the new one a fresh queue
-                    old = self._requests[i]
-                    old.cancel_join_thread()
-                    old.close()
-                    self._requests[i] = self._mp.Queue()
+                    self._fresh_queue(i)
                     self._start(i)
                     self._resubmit_worker(i)
                     continue
@@ -354,10 +358,7 @@ class WorkerPool:
             if proc.is_alive():
                 proc.kill()
                 proc.join(2)
-            old = self._requests[i]
-            old.cancel_join_thread()
-            old.close()
-            self._requests[i] = self._mp.Queue()
+            self._fresh_queue(i)
             spec = self._specs[i]
             spec.cores = placement.get("cores", spec.cores)
             spec.threads = placement.get("threads", spec.threads)
