@@ -26,7 +26,13 @@ class RolloutConfig:
     pipeline: str = field(
         default="async", metadata={"help": "'async': generate step k+1 while training step k; 'sync': take turns"}
     )
-    max_staleness: int = field(default=1, metadata={"help": "max weight versions a sample may lag the trainer"})
+    max_staleness: int = field(
+        default=1,
+        metadata={
+            "help": "max weight versions a sample may lag the trainer "
+            "(TRL num_iterations=k makes a lookahead k versions old)"
+        },
+    )
     stale_policy: str = field(
         default="drop",
         metadata={"help": "samples older than max_staleness: 'drop' (regenerate) or 'keep' (count only)"},
