@@ -78,26 +78,17 @@ def build_trainer(cfg: MrlConfig, *, enable_plugins: bool = True, output_dir: st
         model.config._name_or_path = ref_dir
     dataset = build_dataset(cfg.train.num_prompts, words=preset(cfg.train.model).prompt_words, seed=cfg.train.seed)
     args = _trl_args(cfg, output_dir or cfg.train.output_dir)
-    if cfg.train.trainer == "grpo":
-        from trl import GRPOConfig, GRPOTrainer
+    import trl
 
-        trainer = GRPOTrainer(
-            model=model,
-            processing_class=tokenizer,
-            reward_funcs=count_reward,
-            args=GRPOConfig(**args),
-            train_dataset=dataset,
-        )
-    else:
-        from trl import RLOOConfig, RLOOTrainer
-
-        trainer = RLOOTrainer(
-            model=model,
-            processing_class=tokenizer,
-            reward_funcs=count_reward,
-            args=RLOOConfig(**args),
-            train_dataset=dataset,
-        )
+    name = {"grpo": "GRPO", "rloo": "RLOO"}[cfg.train.trainer]
+    config_cls, trainer_cls = getattr(trl, f"{name}Config"), getattr(trl, f"{name}Trainer")
+    trainer = trainer_cls(
+        model=model,
+        processing_class=tokenizer,
+        reward_funcs=count_reward,
+        args=config_cls(**args),
+        train_dataset=dataset,
+    )
     if enable_plugins:
         import mrl_plugins
 

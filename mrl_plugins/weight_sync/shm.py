@@ -444,16 +444,20 @@ class ShmReceiver:
             finally:
                 fcntl.flock(seg.fd, fcntl.LOCK_UN)
 
-    def _wait(self, version: int, latest: int | None, deadline: float, timeout: float, delay: float) -> None:
+    def _check_sender(self, version: int, deadline: float, timeout: float, died: str, late: str, detail: str) -> None:
+        """Raise StageTimeoutError when the sender is dead or the deadline passed (never wait forever)."""
         if not pid_alive(self.h.writer_pid):
             raise StageTimeoutError(
-                f"model_id={self.h.model_id}: shm sender pid {self.h.writer_pid} died before publishing "
-                f"version {version} (latest {latest})"
+                f"model_id={self.h.model_id}: shm sender pid {self.h.writer_pid} died {died} version {version} "
+                f"{detail}"
             )
         if time.monotonic() > deadline:
             raise StageTimeoutError(
-                f"model_id={self.h.model_id}: version {version} not published within {timeout:.1f}s (latest {latest})"
+                f"model_id={self.h.model_id}: version {version} {late} within {timeout:.1f}s {detail}"
             )
+
+    def _wait(self, version: int, latest: int | None, deadline: float, timeout: float, delay: float) -> None:
+        self._check_sender(version, deadline, timeout, "before publishing", "not published", f"(latest {latest})")
         time.sleep(delay)
 
     def _read_slot(self, seg: _Segment, version: int, dest: Dest, deadline: float, timeout: float) -> int | None:
@@ -492,16 +496,7 @@ class ShmReceiver:
                 if not (seq % 2 == 0 and v1 == version + 1):
                     raise WeightSyncError(f"model_id={self.h.model_id}: the sender aborted version {version}")
                 continue
-            if not pid_alive(self.h.writer_pid):
-                raise StageTimeoutError(
-                    f"model_id={self.h.model_id}: shm sender pid {self.h.writer_pid} died while writing version "
-                    f"{version} ({i} shards received)"
-                )
-            if time.monotonic() > deadline:
-                raise StageTimeoutError(
-                    f"model_id={self.h.model_id}: version {version} not complete within {timeout:.1f}s "
-                    f"({i} shards received)"
-                )
+            self._check_sender(version, deadline, timeout, "while writing", "not complete", f"({i} shards received)")
             time.sleep(delay)
             delay = min(delay * 2, 0.001)
 
