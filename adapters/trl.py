@@ -153,6 +153,8 @@ def enable(trainer: Any, config: Any = None) -> Any:
             )
         if getattr(trainer, "tools", None):
             raise ConfigError("plugins.rollout: 'mrl' does not run TRL tool calls; set plugins.rollout: upstream")
+        if cfg.rollout.old_logps == "engine":
+            _check_engine_logps(trainer, kind)
         _install_rollout(trainer, state, device)
     else:
         _time_upstream_generation(trainer, state)
@@ -229,6 +231,7 @@ def _install_rollout(trainer: Any, state: _State, device: Any) -> None:
             return engine
 
         runtime = PoolRuntime(pm, ctx, gen, pool, local_engine if cfg.rollout.local_warmup else None)
+        _add_step_end_callback(trainer, state, runtime.on_step_end)
         if trainer_cores and device.type == "cpu":
             saved = (os.sched_getaffinity(0), torch.get_num_threads())
             os.sched_setaffinity(0, trainer_cores)
@@ -252,6 +255,71 @@ def _install_rollout(trainer: Any, state: _State, device: Any) -> None:
     trainer.use_vllm = True
     trainer.vllm_mode = "mrl"
     trainer._last_loaded_step = -1
+    if cfg.rollout.old_logps == "engine":
+        _use_engine_logps(trainer)
+
+
+def _add_step_end_callback(trainer: Any, state: _State, fn: Any) -> None:
+    """Call ``fn(global_step)`` after every optimizer step (TRL callbacks never see the trainer itself)."""
+    from transformers import TrainerCallback
+
+    class _MrlStepEnd(TrainerCallback):
+        def on_step_end(self, args: Any, trainer_state: Any, control: Any, **kwargs: Any) -> None:
+            fn(int(trainer_state.global_step))
+
+    callback = _MrlStepEnd()
+    trainer.add_callback(callback)
+    state.on_shutdown.append(lambda: trainer.remove_callback(callback))
+
+
+def _check_engine_logps(trainer: Any, kind: str) -> None:
+    """``rollout.old_logps: engine`` is sound only where the engine's logprobs are the trainer's definition."""
+    from mrl_plugins.rollout.engine import SamplingParams
+
+    if kind != "grpo":
+        raise ConfigError(
+            f"rollout.old_logps: 'engine' is supported for GRPO only ({kind} computes its old logprobs itself); "
+            f"valid here: 'trainer'"
+        )
+    sp = SamplingParams.from_trainer(trainer)
+    shaping = {
+        "top_p": sp.top_p != 1.0,
+        "top_k": bool(sp.top_k),
+        "min_p": bool(sp.min_p),
+        "repetition_penalty": sp.repetition_penalty != 1.0,
+    }
+    used = [k for k, on in shaping.items() if on]
+    if used:
+        raise ConfigError(
+            f"rollout.old_logps: 'engine' needs temperature-only sampling (the engine's logprobs must be "
+            f"log_softmax(logits / temperature), as the trainer computes them), but {', '.join(used)} is set; "
+            f"use rollout.old_logps: trainer or turn those off"
+        )
+
+
+def _use_engine_logps(trainer: Any) -> None:
+    """Put the engine's sampling logprobs (the behaviour policy) in GRPO's loss as ``old_per_token_logps``.
+
+    TRL then skips its extra no-grad forward pass per generation (it runs it only for its importance-sampling
+    correction, switched off here) and its clipped ratio is taken against the policy that actually sampled
+    the tokens, stale or not: the loss of TRL's AsyncGRPO trainer.
+    """
+    import torch
+
+    trainer.vllm_importance_sampling_correction = False
+    orig = trainer._generate_and_score_completions
+
+    def generate_and_score(*args: Any, **kwargs: Any) -> Any:
+        out = orig(*args, **kwargs)
+        sampling = out.get("sampling_per_token_logps")
+        if sampling is None:
+            raise PluginError("rollout.old_logps: 'engine': the rollout engine returned no logprobs")
+        if torch.isnan(sampling[out["completion_mask"].bool()]).any():
+            raise PluginError("rollout.old_logps: 'engine': the engine returned NaN logprobs; use 'trainer'")
+        out["old_per_token_logps"] = sampling
+        return out
+
+    trainer._generate_and_score_completions = generate_and_score
 
 
 def _time_upstream_generation(trainer: Any, state: _State) -> None:

@@ -22,7 +22,9 @@ def _slow_reward(completions, **kwargs):
     return count_reward(completions)
 
 
-def _run(tmp_path, install_dist, monkeypatch, rollout: dict, *, engine_delay: float = 0.0, slow_trainer=False):
+def _run(
+    tmp_path, install_dist, monkeypatch, rollout: dict, *, engine_delay=0.0, slow_trainer=False, steps=5, trl_args=None
+):
     import torch
 
     import mrl_plugins
@@ -32,7 +34,8 @@ def _run(tmp_path, install_dist, monkeypatch, rollout: dict, *, engine_delay: fl
     install_dist("slowplug", {"slowplug": "tests.pool_helpers:slow_engine_plugin"}, {})
     monkeypatch.setenv("MRL_TEST_ENGINE_DELAY_S", str(engine_delay))
     torch.set_num_threads(1)
-    cfg = load_config({"train": {"model": "tiny", "steps": 5, "output_dir": str(tmp_path)}})
+    train = {"model": "tiny", "steps": steps, "output_dir": str(tmp_path), "trl_args": trl_args or {}}
+    cfg = load_config({"train": train})
     trainer = build_trainer(cfg, enable_plugins=False, output_dir=str(tmp_path))
     if slow_trainer:
         trainer.reward_funcs = [_slow_reward]
@@ -41,8 +44,8 @@ def _run(tmp_path, install_dist, monkeypatch, rollout: dict, *, engine_delay: fl
         {"mode": "disaggregated", "rollout": {"engine": "slow", "workers": 1, "local_warmup": False, **rollout}},
     )
     trainer.train()
-    hist = [h for h in trainer.state.log_history if "reward" in h]
-    assert len(hist) == 5
+    hist = [h for h in trainer.state.log_history if "loss" in h]
+    assert len(hist) == steps
     return hist
 
 
@@ -70,3 +73,20 @@ def test_keep_policy_counts_stale_samples(tmp_path, install_dist, monkeypatch):
     assert max(_series(hist, "mrl/rollout/staleness")) == 1
     assert sum(_series(hist, "mrl/rollout/stale_samples")) > 0
     assert sum(_series(hist, "mrl/rollout/dropped_samples")) == 0
+
+
+def test_lookahead_stays_one_version_old_with_num_iterations(tmp_path, install_dist, monkeypatch):
+    """TRL num_iterations=2 generates every 2 optimizer steps: the lookahead is submitted one step before."""
+    hist = _run(
+        tmp_path,
+        install_dist,
+        monkeypatch,
+        {"max_staleness": 1},
+        engine_delay=0.05,
+        steps=6,
+        trl_args={"num_iterations": 2},
+    )
+    assert max(_series(hist, "mrl/rollout/staleness")) <= 1
+    assert sum(_series(hist, "mrl/rollout/dropped_samples")) == 0  # nothing regenerated synchronously
+    assert sum(_series(hist, "mrl/rollout/deferred_lookaheads")) >= 2
+    assert sum(_series(hist, "mrl/rollout/lookahead_hits")) >= 2

@@ -117,6 +117,65 @@ def test_in_process_engine_generates_with_synced_weights(tmp_path):
     assert _history(trainer, "mrl/weights/version")[-1] == 2
 
 
+def _count_forwards_and_inputs(trainer):
+    """Wrap TRL's logprob forward (count calls) and compute_loss (keep its inputs)."""
+    calls, seen = [], []
+    orig_fwd, orig_loss = trainer._get_per_token_logps_and_entropies, trainer.compute_loss
+
+    def fwd(*args, **kwargs):
+        calls.append(1)
+        return orig_fwd(*args, **kwargs)
+
+    def loss(model, inputs, *args, **kwargs):
+        seen.append({k: v.detach().clone() for k, v in inputs.items() if hasattr(v, "detach")})
+        return orig_loss(model, inputs, *args, **kwargs)
+
+    trainer._get_per_token_logps_and_entropies, trainer.compute_loss = fwd, loss
+    return calls, seen
+
+
+@pytest.mark.slow
+def test_engine_logprobs_replace_trls_extra_forward(tmp_path):
+    """rollout.old_logps: engine -- the loss takes the sampling logprobs as old logprobs, one forward fewer."""
+    import torch
+
+    import mrl_plugins
+
+    counts = {}
+    for mode in ("trainer", "engine"):
+        trainer = _trainer(tmp_path / mode, steps=3)
+        mrl_plugins.enable(trainer, {"rollout": {"workers": 0, "old_logps": mode}})
+        calls, seen = _count_forwards_and_inputs(trainer)
+        trainer.train()
+        counts[mode] = len(calls)
+        assert len(seen) == 3
+        if mode == "engine":
+            for inputs in seen:
+                mask = inputs["completion_mask"].bool()
+                old, sampled = inputs["old_per_token_logps"], inputs["sampling_per_token_logps"]
+                assert torch.equal(old[mask], sampled[mask])
+            assert trainer.vllm_importance_sampling_correction is False
+            # on-policy here (in-process engine synced every step): the ratio starts at 1, nothing clipped
+            assert max(_history(trainer, "clip_ratio/region_mean")) < 1e-6
+    assert counts == {"trainer": 6, "engine": 3}  # TRL's no-grad forward per generation is gone
+
+
+def test_engine_logprobs_refused_where_unsound(tmp_path):
+    import mrl_plugins
+    from mrl_plugins.errors import ConfigError
+
+    rloo = _trainer(tmp_path / "rloo", "rloo")
+    with pytest.raises(ConfigError, match="GRPO only.*valid here: 'trainer'"):
+        mrl_plugins.enable(rloo, {"rollout": {"workers": 0, "old_logps": "engine"}})
+    top_p = _trainer(tmp_path / "top_p")
+    top_p.top_p = 0.9
+    with pytest.raises(ConfigError, match="temperature-only.*top_p"):
+        mrl_plugins.enable(top_p, {"rollout": {"workers": 0, "old_logps": "engine"}})
+    assert getattr(top_p, "_mrl_state", None) is None and top_p.use_vllm is False
+    with pytest.raises(ConfigError, match="old_logps: 'both' invalid; valid: 'engine' or 'trainer'"):
+        mrl_plugins.enable(top_p, {"rollout": {"old_logps": "both"}})
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["grpo", "rloo"])
 def test_worker_pool_async_trains_and_cleans_up(tmp_path, kind):

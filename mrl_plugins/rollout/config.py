@@ -8,6 +8,7 @@ from mrl_plugins.errors import ConfigError, choices
 
 PIPELINES = ("async", "sync")
 STALE_POLICIES = ("drop", "keep")
+OLD_LOGPS = ("trainer", "engine")
 
 
 @dataclass
@@ -30,12 +31,20 @@ class RolloutConfig:
         default=1,
         metadata={
             "help": "max weight versions a sample may lag the trainer "
-            "(TRL num_iterations=k makes a lookahead k versions old)"
+            "(with TRL num_iterations=k the lookahead is submitted one step before it is used)"
         },
     )
     stale_policy: str = field(
         default="drop",
         metadata={"help": "samples older than max_staleness: 'drop' (regenerate) or 'keep' (count only)"},
+    )
+    old_logps: str = field(
+        default="trainer",
+        metadata={
+            "help": "GRPO's old logprobs in the loss: 'trainer' (TRL's extra forward pass per generation plus its "
+            "importance-sampling correction) or 'engine' (the engine's sampling logprobs, i.e. the behaviour "
+            "policy, as TRL's AsyncGRPO does; saves that forward pass; GRPO only, temperature-only sampling)"
+        },
     )
     engine_threads: int = field(default=1, metadata={"help": "torch threads of each rollout engine"})
     trainer_threads: int = field(
@@ -76,6 +85,8 @@ class RolloutConfig:
             raise ConfigError(f"rollout.pipeline: {self.pipeline!r} invalid; valid: {choices(PIPELINES)}")
         if self.stale_policy not in STALE_POLICIES:
             raise ConfigError(f"rollout.stale_policy: {self.stale_policy!r} invalid; valid: {choices(STALE_POLICIES)}")
+        if self.old_logps not in OLD_LOGPS:
+            raise ConfigError(f"rollout.old_logps: {self.old_logps!r} invalid; valid: {choices(OLD_LOGPS)}")
         for key in ("engine_threads", "trainer_threads"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"rollout.{key}: must be >= 1, got {getattr(self, key)}")

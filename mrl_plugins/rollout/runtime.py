@@ -9,7 +9,8 @@ Engines: ``rollout.workers: 0`` runs the engine inside the trainer process (a se
 copy, no overlap); ``workers >= 1`` runs :class:`~mrl_plugins.rollout.pool.WorkerPool` processes.
 With ``pipeline: async`` the runtime looks one generation batch ahead in the trainer's dataloader
 and has the workers generate it while the trainer trains on the current one (one version of
-staleness); samples older than ``max_staleness`` versions are dropped and regenerated, or kept
+staleness; with TRL ``num_iterations = k`` the lookahead is submitted one optimizer step before the
+next generation, after publishing that step's weights, so it is one version old too); samples older than ``max_staleness`` versions are dropped and regenerated, or kept
 and counted (``stale_policy``).
 """
 
@@ -180,6 +181,7 @@ class PoolRuntime:
         self.pm, self.ctx, self.gen, self.pool = pm, ctx, gen, pool
         self.cfg = ctx.config.rollout
         self._pending: dict[tuple, int] = {}
+        self._deferred: tuple[list[list[int]], int, str, int] | None = None
         self._local_factory = local_engine
         self._local: Any = None
 
@@ -220,15 +222,43 @@ class PoolRuntime:
         if self.cfg.pipeline == "async":
             nxt = self._next_prompts(prompts)
             if nxt is not None:
-                self._pending[_key(nxt)] = self.pool.submit(
-                    nxt, num_generations, model_id=model_id, min_version=current
-                )
+                every = self.generation_interval()
+                if every <= 1:
+                    self._pending[_key(nxt)] = self.pool.submit(
+                        nxt, num_generations, model_id=model_id, min_version=current
+                    )
+                else:  # submitted one optimizer step before it is needed: one version stale, not `every`
+                    self._deferred = (nxt, num_generations, model_id, current + every - 1)
         metrics.update("rollout", {"generate_s": result.metrics.get("generate_s", 0.0)})
         metrics.update(self.pool.stats(), gauge=True)
         return result
 
+    def generation_interval(self) -> int:
+        """Optimizer steps between two TRL generations: ``steps_per_generation x num_iterations / grad_accum``."""
+        args = self.gen.trainer.args
+        micro = getattr(args, "steps_per_generation", None) or args.gradient_accumulation_steps
+        micro *= max(1, getattr(self.gen.trainer, "num_iterations", 1))
+        return max(1, micro // max(1, args.gradient_accumulation_steps))
+
+    def on_step_end(self, global_step: int) -> None:
+        """After an optimizer step: submit a deferred lookahead once the trainer is one step from using it.
+
+        The weights of this step are published first, so the lookahead is generated with them and is one
+        version old when TRL asks for it (TRL publishes again at its own sync point).
+        """
+        if self._deferred is None or global_step < self._deferred[3]:
+            return
+        nxt, num_generations, model_id, _ = self._deferred
+        self._deferred = None
+        self.gen.sync_weights()
+        self._pending[_key(nxt)] = self.pool.submit(
+            nxt, num_generations, model_id=model_id, min_version=self.gen.version
+        )
+        self.ctx.metrics.add("rollout/deferred_lookaheads", 1)
+
     def _drop_unused(self) -> None:
         """A lookahead that was not asked for (data order changed) is discarded without waiting for it."""
+        self._deferred = None
         for key in list(self._pending):
             self.pool.discard(self._pending.pop(key))
 
