@@ -10,8 +10,9 @@ copy, no overlap); ``workers >= 1`` runs :class:`~mrl_plugins.rollout.pool.Worke
 With ``pipeline: async`` the runtime looks one generation batch ahead in the trainer's dataloader
 and has the workers generate it while the trainer trains on the current one (one version of
 staleness; with TRL ``num_iterations = k`` the lookahead is submitted one optimizer step before the
-next generation, after publishing that step's weights, so it is one version old too); samples older than ``max_staleness`` versions are dropped and regenerated, or kept
-and counted (``stale_policy``).
+next generation, after publishing that step's weights, so it is one version old too); samples
+older than ``max_staleness`` versions are dropped and regenerated, or kept and counted
+(``stale_policy``).
 """
 
 from __future__ import annotations
