@@ -63,7 +63,7 @@ class UpstreamPlugin:
         self, ctx: StageContext, model_id: str, version: int, named_tensors: Iterable[tuple[str, Any]]
     ) -> PublishReport | None:
         start = time.perf_counter()
-        sender = ctx.resources.get("weight_sync.sender")
+        sender = _for_model(ctx.resources.get("weight_sync.sender"), model_id)
         if sender is not None:
             return sender.publish(version, named_tensors)
         target = ctx.resources.get("weight_sync.target_model")
@@ -84,14 +84,14 @@ class UpstreamPlugin:
 
     @hookimpl
     def mrl_weight_sync_receive(self, ctx: StageContext, model_id: str, timeout: float) -> int | None:
-        loader = ctx.resources.get("weight_sync.receiver")
+        loader = _for_model(ctx.resources.get("weight_sync.receiver"), model_id)
         if loader is None:  # in-process: publish already wrote the live weights
             return None
         return loader.poll(timeout)
 
     @hookimpl
     def mrl_weight_sync_switch(self, ctx: StageContext, model_id: str) -> SwitchReport | None:
-        loader = ctx.resources.get("weight_sync.receiver")
+        loader = _for_model(ctx.resources.get("weight_sync.receiver"), model_id)
         if loader is None:
             return None
         return loader.switch(ctx.config.weight_sync.timeout_s)
@@ -127,3 +127,12 @@ def _to_numpy(batch: Mapping[str, Any]) -> dict[str, Any]:
     for key, value in batch.items():
         out[key] = value.detach().cpu().numpy() if hasattr(value, "detach") else value
     return out
+
+
+def _for_model(obj: Any, model_id: str) -> Any:
+    """A per-model resource: the object itself, or its entry in a ``model_id -> object`` dict."""
+    if isinstance(obj, dict):
+        if model_id not in obj:
+            raise PluginError(f"upstream: nothing registered for model_id={model_id!r}; have {sorted(obj)}")
+        return obj[model_id]
+    return obj

@@ -21,8 +21,15 @@ class SlowEngine:
         return self.inner.generate(prompts, num_generations)
 
 
-def make_pool(config: dict | None = None, *, factory: Any = None, placements: list[dict] | None = None) -> tuple:
-    """A real WorkerPool on the tiny model: returns ``(pool, model, tokenizer, sampling, pm, ctx)``."""
+def make_pool(
+    config: dict | None = None,
+    *,
+    factory: Any = None,
+    placements: list[dict] | None = None,
+    extra_models: dict | None = None,
+) -> tuple:
+    """A real WorkerPool on the tiny model (plus ``extra_models``): returns ``(pool, model, tokenizer, sampling,
+    pm, ctx)``."""
     from mrl_plugins.config import load_config
     from mrl_plugins.hookspecs import StageContext
     from mrl_plugins.manager import get_plugin_manager
@@ -45,6 +52,7 @@ def make_pool(config: dict | None = None, *, factory: Any = None, placements: li
         placements=placements or [{"cores": [1], "threads": 1}],
         engine_factory=factory,
         seed=0,
+        extra_models=extra_models,
     )
     return pool, model, tok, sampling, pm, ctx
 

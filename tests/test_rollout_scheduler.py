@@ -280,3 +280,28 @@ def test_close_wakes_blocked_worker_and_submitter():
         t.join(timeout=3)
     assert not any(t.is_alive() for t in ths)
     assert out["ticket"] is None and isinstance(out["err"], SchedulerClosedError)
+
+
+def test_wait_hook_serves_the_queue_while_throttled_without_counting_rejections():
+    """A single-threaded caller (the worker pool) dispatches from the hook; the lock is free while it runs."""
+    s = ModelScheduler({"m": 0}, switch_throttle=1)
+    s.submit("m", "queued")
+    s.begin_switch("m")
+    calls = []
+
+    def hook():
+        calls.append(1)
+        if len(calls) == 3:
+            ticket = s.next_request(timeout=0)  # would deadlock if the hook ran with the lock held
+            assert ticket.request == "queued"
+            s.end_switch("m")
+
+    fut = s.submit("m", "next", timeout=5, wait_hook=hook)
+    assert len(calls) == 3 and not fut.done()
+    st = s.stats()["m"]
+    assert (st["throttled"], st["rejected"], st["queue_depth"]) == (1, 0, 1)
+    s.begin_switch("m")
+    with pytest.raises(BackpressureError, match="switch_throttle=1"):
+        s.submit("m", "late", timeout=0.05, wait_hook=lambda: time.sleep(0.01))
+    assert s.stats()["m"]["rejected"] == 1
+    s.close()

@@ -4,6 +4,16 @@ weight-sync stage and returns experience through the comm stage.
 Trainer side: :class:`WorkerPool` submits requests (prompt ids, small: a plain queue), collects the
 answers as comm frames, detects dead workers (exit code, or no answer within ``rollout.timeout_s``)
 and restarts them when ``rollout.restart_workers`` allows. Worker side: :func:`worker_main`.
+
+Several models: a pool can serve the policy plus further models (a reference, candidate policies:
+``extra_models``), each with its own weight stream (``model_id``) and an inference copy in every
+worker. Requests pass through a :class:`~mrl_plugins.rollout.scheduler.ModelScheduler` (one queue
+and priority per model, ``rollout.model_priorities``) and are handed to a worker only when it has
+fewer than ``inflight_per_worker`` requests outstanding, so a backlog of one big model waits in the
+scheduler, not in the workers' queues, and a small model's request gets the next free slot by
+priority/round-robin. :meth:`WorkerPool.publish` starts a weight switch: intake for that model is
+throttled (``rollout.switch_throttle`` queued requests at most) until every worker reports the new
+version (or ``weight_sync.timeout_s`` passes).
 """
 
 from __future__ import annotations
@@ -35,16 +45,23 @@ class WorkerDiedError(MrlError):
 
 
 @dataclass
+class ServedModel:
+    """One model a worker serves (picklable): its architecture and the handle of its weight stream."""
+
+    model_config: dict
+    model_class: str
+    weight_handle: Any
+
+
+@dataclass
 class WorkerSpec:
     """Everything a spawned worker needs (picklable)."""
 
     index: int
     config: Any  # MrlConfig
-    model_config: dict
-    model_class: str
+    models: dict[str, ServedModel]  # model_id -> what to build
     sampling: Any  # SamplingParams
     engine_factory: Any
-    weight_handle: Any
     comm_handle: Any
     cores: list[int] | None
     threads: int
@@ -92,7 +109,7 @@ class DirectLoader:
         return {"version": self.version}
 
 
-def _build_model(spec: WorkerSpec) -> Any:
+def _build_model(spec: ServedModel) -> Any:
     import transformers
 
     cls = getattr(transformers, spec.model_class, None) or transformers.AutoModelForCausalLM
@@ -102,7 +119,9 @@ def _build_model(spec: WorkerSpec) -> Any:
     return model.eval()
 
 
-def worker_main(spec: WorkerSpec, requests: Any, errors: Any, parent_pid: int, ready: Any = None) -> None:
+def worker_main(
+    spec: WorkerSpec, requests: Any, errors: Any, parent_pid: int, ready: Any = None, events: Any = None
+) -> None:
     """Entry point of a rollout worker process."""
     os.environ.update(spec.env)
     pkg_log = logging.getLogger("mrl_plugins")
@@ -121,43 +140,58 @@ def worker_main(spec: WorkerSpec, requests: Any, errors: Any, parent_pid: int, r
         torch.set_num_threads(spec.threads)
         pm = get_plugin_manager(spec.config)
         ctx = StageContext(config=spec.config)
-        model = _build_model(spec)
-        receiver_end = spec.weight_handle.attach()
-        if spec.direct_weights:
-            receiver = DirectLoader(model, receiver_end)
-        else:
-            from mrl_plugins.weight_sync.receiver import DoubleBufferedReceiver
+        receivers: dict[str, Any] = {}
+        engines: dict[str, Any] = {}
+        for mid, served in spec.models.items():
+            model = _build_model(served)
+            receiver_end = served.weight_handle.attach()
+            if spec.direct_weights:
+                receivers[mid] = DirectLoader(model, receiver_end, mid)
+            else:
+                from mrl_plugins.weight_sync.receiver import DoubleBufferedReceiver
 
-            receiver = DoubleBufferedReceiver(model, receiver_end, staging=spec.config.weight_sync.staging)
-        ctx.resources["weight_sync.receiver"] = receiver
+                receivers[mid] = DoubleBufferedReceiver(
+                    model, receiver_end, model_id=mid, staging=spec.config.weight_sync.staging
+                )
+            engines[mid] = spec.engine_factory(
+                model, None, params=spec.sampling, device=spec.device, seed=spec.seed + spec.index
+            )
+        ctx.resources["weight_sync.receiver"] = receivers
         ctx.resources["comm.producer"] = spec.comm_handle.attach()
-        engine = spec.engine_factory(
-            model, None, params=spec.sampling, device=spec.device, seed=spec.seed + spec.index
-        )
         if ready is not None:
-            ready.set()  # model built, weights and experience paths attached
+            ready.set()  # models built, weights and experience paths attached
         timeout = spec.config.rollout.timeout_s
+
+        def pull(model_ids: Any = receivers) -> None:
+            for mid in model_ids:
+                version = _pull_weights(pm, ctx, mid, timeout)
+                if version is not None and events is not None:
+                    events.put(("switched", spec.index, mid, version))
+
         while True:
             if os.getppid() != parent_pid:
                 return  # trainer died: exit instead of lingering
             try:
                 req = requests.get(timeout=0.5)
             except queue.Empty:
-                _pull_weights(pm, ctx, timeout)
+                pull()
                 continue
             if req is REQ_STOP:
                 return
             req_id, chunk, prompts, num_generations, model_id, min_version = req
+            if model_id not in engines:
+                raise MrlError(f"worker {spec.index}: model_id {model_id!r} is not served; valid: {sorted(engines)}")
+            receiver, engine = receivers[model_id], engines[model_id]
             deadline = time.monotonic() + timeout
-            _pull_weights(pm, ctx, timeout)
+            pull((model_id,))
             while receiver.version < min_version:
                 if time.monotonic() > deadline:
                     raise StageTimeoutError(
-                        f"worker {spec.index}: weight version {min_version} not received within {timeout:.0f} s "
-                        f"(have {receiver.version})"
+                        f"worker {spec.index}: weight version {min_version} of {model_id!r} not received within "
+                        f"{timeout:.0f} s (have {receiver.version})"
                     )
                 time.sleep(0.002)
-                _pull_weights(pm, ctx, timeout)
+                pull((model_id,))
             t0 = time.perf_counter()
             with receiver.active():
                 version = receiver.version
@@ -184,10 +218,13 @@ def worker_main(spec: WorkerSpec, requests: Any, errors: Any, parent_pid: int, r
         raise SystemExit(3) from None
 
 
-def _pull_weights(pm: Any, ctx: StageContext, timeout: float) -> None:
-    staged = pm.weight_sync_receive(ctx=ctx, model_id="policy", timeout=timeout)
-    if staged is not None:
-        pm.weight_sync_switch(ctx=ctx, model_id="policy")  # the receiver logs one line per switch
+def _pull_weights(pm: Any, ctx: StageContext, model_id: str, timeout: float) -> int | None:
+    """Fetch and switch to a newer version of ``model_id`` if one is published; returns it (or None)."""
+    staged = pm.weight_sync_receive(ctx=ctx, model_id=model_id, timeout=timeout)
+    if staged is None:
+        return None
+    report = pm.weight_sync_switch(ctx=ctx, model_id=model_id)  # the receiver logs one line per switch
+    return int(report.to_version) if report is not None else int(staged)
 
 
 @dataclass
@@ -196,13 +233,20 @@ class _Ticket:
     prompts: list[list[int]]
     num_generations: int
     model_id: str
-    chunks: dict[int, tuple[int, list[list[int]]]]  # chunk -> (worker, prompts)
+    min_version: int
+    chunks: dict[int, tuple[int, list[list[int]]]]  # chunk -> (worker or -1 while queued, prompts)
     submitted: float
     results: dict[int, Any] = field(default_factory=dict)
 
 
 class WorkerPool:
-    """Trainer-side handle on the rollout workers."""
+    """Trainer-side handle on the rollout workers.
+
+    :param model: the policy (model_id ``"policy"``); ``extra_models``: further ``model_id -> model`` served by
+        every worker (each needs a priority in ``rollout.model_priorities``).
+    :param inflight_per_worker: requests handed to one worker before it answers (>= 1); the rest wait in the
+        scheduler, ordered by model priority.
+    """
 
     def __init__(
         self,
@@ -214,12 +258,28 @@ class WorkerPool:
         placements: list[dict],
         engine_factory: Any,
         seed: int = 0,
+        extra_models: dict[str, Any] | None = None,
+        inflight_per_worker: int = 2,
     ) -> None:
+        from mrl_plugins.errors import ConfigError, choices
         from mrl_plugins.upstream import UPSTREAM_COMM_TRANSPORT, UPSTREAM_WEIGHT_TRANSPORT
+
+        from .scheduler import ModelScheduler
 
         cfg = ctx.config
         self.pm, self.ctx, self.cfg = pm, ctx, cfg
         self.n = len(placements)
+        self.models = {"policy": model, **(extra_models or {})}
+        priorities = cfg.rollout.model_priorities
+        missing = [m for m in self.models if m not in priorities]
+        if missing:
+            raise ConfigError(
+                f"rollout.model_priorities: no priority for served model(s) {missing}; have {choices(priorities)}"
+            )
+        if inflight_per_worker < 1:
+            raise ConfigError(f"inflight_per_worker: must be >= 1, got {inflight_per_worker}")
+        self.scheduler = ModelScheduler({m: priorities[m] for m in self.models}, cfg.rollout.switch_throttle)
+        self.inflight_per_worker = inflight_per_worker
         self.run_id = f"mrl{os.getpid()}{uuid.uuid4().hex[:6]}"
         self._mp = mp.get_context("spawn")
         self._ids = itertools.count(1)
@@ -227,6 +287,10 @@ class WorkerPool:
         self._abandoned: set[int] = set()
         self._draining: set[int] = set()
         self._stash: dict[tuple[int, int], Any] = {}
+        self._futures: dict[tuple[int, int], Any] = {}  # (req_id, chunk) -> the scheduler's future
+        self._assigned: list[set[tuple[int, int]]] = [set() for _ in range(self.n)]
+        self._versions: dict[tuple[int, str], int] = {}  # (worker, model_id) -> version it switched to
+        self._switching: dict[str, tuple[int, float]] = {}  # model_id -> (version, deadline)
         self._restarts = 0
         self._closed = False
         comm_name = UPSTREAM_COMM_TRANSPORT if pm.is_upstream("comm") else cfg.comm.transport
@@ -235,9 +299,15 @@ class WorkerPool:
         ws_factory = pm.backend("mrl_weight_sync_register_transports", ws_name).factory
         self.consumer = comm_factory(cfg.comm, n_producers=self.n, run_id=self.run_id)
         ctx.resources["comm.consumer"] = self.consumer
-        self.sender = ws_factory(cfg.weight_sync, model_id="policy", run_id=self.run_id)
-        ctx.resources["weight_sync.sender"] = self.sender
+        self.senders = {m: ws_factory(cfg.weight_sync, model_id=m, run_id=self.run_id) for m in self.models}
+        self.sender = self.senders["policy"]
+        ctx.resources["weight_sync.sender"] = self.sender if len(self.senders) == 1 else self.senders
+        served = {
+            m: ServedModel(mod.config.to_dict(), type(mod).__name__, self.senders[m].receiver_handle())
+            for m, mod in self.models.items()
+        }
         self._errors = self._mp.Queue()
+        self._events = self._mp.Queue()
         self._ready: list[Any] = []
         self._specs = []
         self._requests = []
@@ -246,11 +316,9 @@ class WorkerPool:
             spec = WorkerSpec(
                 index=i,
                 config=cfg,
-                model_config=model.config.to_dict(),
-                model_class=type(model).__name__,
+                models=served,
                 sampling=sampling,
                 engine_factory=engine_factory,
-                weight_handle=self.sender.receiver_handle(),
                 comm_handle=self.consumer.producer_handle(i),
                 cores=place.get("cores"),
                 threads=place.get("threads", cfg.rollout.engine_threads),
@@ -269,13 +337,15 @@ class WorkerPool:
     def _start(self, i: int) -> None:
         proc = self._mp.Process(
             target=worker_main,
-            args=(self._specs[i], self._requests[i], self._errors, os.getpid(), self._new_ready(i)),
+            args=(self._specs[i], self._requests[i], self._errors, os.getpid(), self._new_ready(i), self._events),
             name=f"mrl-rollout-{i}",
             daemon=True,
         )
         with _main_not_reimported():
             proc.start()
         self._procs[i] = proc
+        for mid in self.models:
+            self._versions.pop((i, mid), None)  # a fresh process loads the latest version again
         log.info("rollout worker %d started (pid %d, cores %s)", i, proc.pid, self._specs[i].cores)
 
     def _fresh_queue(self, i: int) -> None:
@@ -285,6 +355,9 @@ class WorkerPool:
         old.cancel_join_thread()
         old.close()
         self._requests[i] = self._mp.Queue()
+        for key in [k for k in self._assigned[i] if k[0] not in self._tickets]:  # answers nobody waits for
+            self._assigned[i].discard(key)
+            self._finish(key)
 
     def _new_ready(self, i: int) -> Any:
         event = self._mp.Event()
@@ -324,11 +397,16 @@ class WorkerPool:
                     f"set rollout.restart_workers > 0 to restart dead workers"
                 )
 
+    def _send(self, w: int, t: _Ticket, chunk: int, prompts: list[list[int]]) -> None:
+        t.chunks[chunk] = (w, prompts)
+        self._assigned[w].add((t.req_id, chunk))
+        self._requests[w].put((t.req_id, chunk, prompts, t.num_generations, t.model_id, t.min_version))
+
     def _resubmit_worker(self, i: int) -> None:
         for t in self._tickets.values():
             for chunk, (worker, prompts) in t.chunks.items():
                 if worker == i and chunk not in t.results:
-                    self._requests[i].put((t.req_id, chunk, prompts, t.num_generations, t.model_id, -1))
+                    self._send(i, t, chunk, prompts)
 
     def move_worker(self, i: int, placement: dict, timeout: float | None = None) -> None:
         """Move worker ``i`` to ``placement`` (``cores``/``threads``/``env``/``device``, as the adapter builds
@@ -349,9 +427,8 @@ class WorkerPool:
             for t in self._tickets.values():  # drain: its unanswered chunks go to the others
                 for chunk, (worker, prompts) in list(t.chunks.items()):
                     if worker == i and chunk not in t.results:
-                        w = others[chunk % len(others)]
-                        t.chunks[chunk] = (w, prompts)
-                        self._requests[w].put((t.req_id, chunk, prompts, t.num_generations, t.model_id, -1))
+                        self._assigned[i].discard((t.req_id, chunk))
+                        self._send(others[chunk % len(others)], t, chunk, prompts)
             proc = self._procs[i]
             self._requests[i].put(REQ_STOP)
             proc.join(max(0.1, deadline - time.monotonic()))
@@ -374,44 +451,155 @@ class WorkerPool:
             log.info("rollout worker %d moved to %s", i, placement)
         finally:
             self._draining.discard(i)
+        self._dispatch()
 
-    # ------------------------------------------------------------------ requests
-    def publish(self, version: int, named_tensors: Any) -> Any:
+    # ------------------------------------------------------------------ weights
+    def publish(self, version: int, named_tensors: Any, model_id: str = "policy") -> Any:
+        """Publish ``version`` of ``model_id`` and start its switch: intake for it is throttled
+        (``rollout.switch_throttle``) until every worker reports the version or ``weight_sync.timeout_s`` passes."""
+        if model_id not in self.models:
+            from mrl_plugins.errors import ConfigError, choices
+
+            raise ConfigError(f"publish: model_id {model_id!r} is not served; valid: {choices(self.models)}")
+        if model_id not in self._switching:
+            self.scheduler.begin_switch(model_id)
+        self._switching[model_id] = (int(version), time.monotonic() + self.cfg.weight_sync.timeout_s)
         return self.pm.weight_sync_publish(
-            ctx=self.ctx, model_id="policy", version=version, named_tensors=named_tensors
+            ctx=self.ctx, model_id=model_id, version=version, named_tensors=named_tensors
         )
 
+    def _drain_events(self) -> None:
+        while True:
+            try:
+                kind, w, mid, version = self._events.get_nowait()
+            except queue.Empty:
+                break
+            if kind == "switched":
+                self._versions[(w, mid)] = max(version, self._versions.get((w, mid), -1))
+        now = time.monotonic()
+        for mid, (version, deadline) in list(self._switching.items()):
+            active = [w for w in range(self.n) if w not in self._draining]
+            if all(self._versions.get((w, mid), -1) >= version for w in active) or now > deadline:
+                if now > deadline and self.ctx.metrics is not None:
+                    self.ctx.metrics.add("rollout/switch_timeouts", 1)
+                del self._switching[mid]
+                self.scheduler.end_switch(mid)
+
+    # ------------------------------------------------------------------ requests
     def submit(
         self, prompts: list[list[int]], num_generations: int, *, model_id: str = "policy", min_version: int = -1
     ) -> int:
-        """Split ``prompts`` over the workers; returns a ticket id for :meth:`collect`."""
+        """Split ``prompts`` into one chunk per active worker and queue them in the scheduler; returns a ticket
+        id for :meth:`collect`. While a switch of ``model_id`` is pending and its queue is at
+        ``rollout.switch_throttle``, waits (serving answers meanwhile) up to ``rollout.timeout_s``, then raises
+        :class:`~mrl_plugins.rollout.scheduler.BackpressureError`."""
+        self._drain_events()
         req_id = next(self._ids)
         active = [w for w in range(self.n) if w not in self._draining]
         per = -(-len(prompts) // len(active))
-        chunks = {}
-        for c, worker in enumerate(active):
-            part = [list(p) for p in prompts[c * per : (c + 1) * per]]
-            if part:
-                chunks[c] = (worker, part)
-                self._requests[worker].put((req_id, c, part, num_generations, model_id, min_version))
-        self._tickets[req_id] = _Ticket(req_id, prompts, num_generations, model_id, chunks, time.monotonic())
+        parts = [[list(p) for p in prompts[c * per : (c + 1) * per]] for c in range(len(active))]
+        ticket = _Ticket(
+            req_id, prompts, num_generations, model_id, min_version,
+            {c: (-1, part) for c, part in enumerate(parts) if part}, time.monotonic(),
+        )  # fmt: skip
+        deadline = time.monotonic() + self.cfg.rollout.timeout_s
+        self._tickets[req_id] = ticket
+
+        def serve_while_throttled() -> None:
+            self._check_workers()
+            self._pump(0.05)
+
+        try:
+            for c in ticket.chunks:
+                self._futures[(req_id, c)] = self.scheduler.submit(
+                    model_id,
+                    (req_id, c),
+                    timeout=max(0.0, deadline - time.monotonic()),
+                    wait_hook=serve_while_throttled,
+                )
+        except BaseException:
+            self.discard(req_id)
+            raise
+        self._dispatch()
         return req_id
+
+    def _dispatch(self) -> None:
+        """Hand queued requests, in the scheduler's order, to workers with a free slot (least loaded first)."""
+        while True:
+            active = [w for w in range(self.n) if w not in self._draining]
+            w = min(active, key=lambda k: len(self._assigned[k]))
+            if len(self._assigned[w]) >= self.inflight_per_worker:
+                return
+            st = self.scheduler.next_request(timeout=0)
+            if st is None:
+                return
+            req_id, chunk = st.request
+            t = self._tickets.get(req_id)
+            if t is None:  # discarded after it was queued
+                self._finish((req_id, chunk))
+                continue
+            self._send(w, t, chunk, t.chunks[chunk][1])
+
+    def _finish(self, key: tuple[int, int]) -> None:
+        fut = self._futures.pop(key, None)
+        if fut is not None and not fut.done():
+            if not fut.cancel():
+                fut.set_result(None)
 
     def discard(self, req_id: int) -> None:
         """Forget ticket ``req_id``: its answers are dropped when they arrive (no waiting)."""
-        if self._tickets.pop(req_id, None) is not None:
+        t = self._tickets.pop(req_id, None)
+        if t is not None:
             self._abandoned.add(req_id)
+            for chunk, (worker, _) in t.chunks.items():
+                if worker < 0:
+                    self._finish((req_id, chunk))  # still queued: cancelled, never sent
         for key in [k for k in self._stash if k[0] == req_id]:
             del self._stash[key]
+
+    def answered(self, req_id: int) -> bool:
+        """Whether every chunk of ticket ``req_id`` has arrived (no waiting, no receiving)."""
+        t = self._tickets[req_id]
+        return all(c in t.results or (req_id, c) in self._stash for c in t.chunks)
+
+    def _pump(self, wait: float) -> None:
+        """Process worker events, hand out queued requests, receive at most one answer (kept in the stash)."""
+        self._drain_events()
+        self._dispatch()
+        try:
+            got = self.pm.comm_receive(ctx=self.ctx, timeout=wait)
+        except (TimeoutError, ChannelClosedError):
+            # dead or closed producers: the callers' _check_workers() raises or restarts them
+            time.sleep(0.05)
+            return
+        meta, batch = _unpack(got)
+        entry = (meta, {k: _own(v) for k, v in batch.items()})
+        if hasattr(got, "release"):
+            got.release()
+        key = (int(meta["seq"]), int(meta["chunk"]))
+        w = int(meta.get("worker", -1))
+        if 0 <= w < self.n:
+            self._assigned[w].discard(key)
+            self._versions[(w, str(meta["model_id"]))] = max(
+                int(meta["version"]), self._versions.get((w, str(meta["model_id"])), -1)
+            )
+        self._finish(key)
+        if key[0] in self._tickets:
+            self._stash[key] = entry
+        elif key[0] in self._abandoned and self.ctx.metrics is not None:
+            self.ctx.metrics.add("rollout/discarded_batches", 1)
+        self._dispatch()
 
     def collect(self, req_id: int, timeout: float | None = None) -> RolloutResult:
         """Wait for every chunk of ticket ``req_id``; never longer than ``timeout`` (rollout.timeout_s)."""
         ticket = self._tickets[req_id]
         timeout = self.cfg.rollout.timeout_s if timeout is None else timeout
         deadline = time.monotonic() + timeout
-        for key in [k for k in self._stash if k[0] == req_id]:
-            ticket.results[key[1]] = self._stash.pop(key)
-        while len(ticket.results) < len(ticket.chunks):
+        while True:
+            for key in [k for k in self._stash if k[0] == req_id]:
+                ticket.results[key[1]] = self._stash.pop(key)
+            if len(ticket.results) >= len(ticket.chunks):
+                break
             self._check_workers()
             remaining = deadline - time.monotonic()
             if remaining <= 0:
@@ -419,23 +607,7 @@ class WorkerPool:
                     f"rollout: no answer for request {req_id} within {timeout:.0f} s (rollout.timeout_s); "
                     f"workers alive: {[p.is_alive() for p in self._procs]}"
                 )
-            try:
-                got = self.pm.comm_receive(ctx=self.ctx, timeout=min(0.5, remaining))
-            except (TimeoutError, ChannelClosedError):
-                # dead or closed producers: _check_workers() at the top of the loop raises or restarts them
-                time.sleep(0.05)
-                continue
-            meta, batch = _unpack(got)
-            entry = (meta, {k: _own(v) for k, v in batch.items()})
-            if hasattr(got, "release"):
-                got.release()
-            key = (int(meta["seq"]), int(meta["chunk"]))
-            if key[0] == req_id:
-                ticket.results[key[1]] = entry
-            elif key[0] in self._tickets:
-                self._stash[key] = entry
-            elif key[0] in self._abandoned and self.ctx.metrics is not None:
-                self.ctx.metrics.add("rollout/discarded_batches", 1)
+            self._pump(min(0.5, remaining))
         del self._tickets[req_id]
         return self._assemble(ticket)
 
@@ -469,12 +641,16 @@ class WorkerPool:
             st = getattr(obj, "stats", None)
             if st is not None:
                 out.update({f"{name}/{k}": v for k, v in st().items() if isinstance(v, int | float)})
+        for mid, st in self.scheduler.stats().items():
+            for key in ("queue_depth", "wait_p50_ms", "wait_p99_ms", "throttled"):
+                out[f"rollout/sched/{mid}/{key}"] = float(st[key])
         return out
 
     def close(self, timeout: float = 10.0) -> None:
         if self._closed:
             return
         self._closed = True
+        self.scheduler.close()
         for q in self._requests:
             try:
                 q.put(REQ_STOP)
@@ -488,10 +664,10 @@ class WorkerPool:
             if proc.is_alive():
                 proc.kill()
                 proc.join(2)
-        for q in [*self._requests, self._errors]:
+        for q in [*self._requests, self._errors, self._events]:
             q.close()
             q.join_thread()
-        for obj in (self.consumer, self.sender):
+        for obj in (self.consumer, *self.senders.values()):
             with nullcontext():
                 try:
                     obj.close(unlink=True)

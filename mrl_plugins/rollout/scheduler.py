@@ -34,7 +34,7 @@ import math
 import threading
 import time
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
@@ -167,12 +167,17 @@ class ModelScheduler:
         return max(self._best, st.priority - int(waited // self.aging_s))
 
     # ------------------------------------------------------------------------------------------------ intake
-    def submit(self, model_id: str, request: Any, *, timeout: float | None = None) -> Future:
+    def submit(
+        self, model_id: str, request: Any, *, timeout: float | None = None, wait_hook: Callable[[], None] | None = None
+    ) -> Future:
         """Queue ``request`` for ``model_id``; returns the future its worker completes.
 
         While a weight switch of ``model_id`` is pending and ``switch_throttle`` requests are already queued for
         it, blocks up to ``timeout`` seconds (default ``throttle_timeout_s``; 0 = do not block) for room, then
         raises :class:`BackpressureError`. ConfigError for an unknown model; SchedulerClosedError after close.
+        ``wait_hook`` (optional) is called repeatedly instead of sleeping while throttled, without the lock held:
+        a caller that also dispatches (single-threaded pools) serves requests and ends the switch from it; it
+        should return within a fraction of a second.
         """
         wait_s = self.throttle_timeout_s if timeout is None else float(timeout)
         if wait_s < 0:
@@ -192,7 +197,14 @@ class ModelScheduler:
                             f"intake for model {model_id!r} throttled: weight switch pending and {len(st.queue)} "
                             f"requests queued (switch_throttle={self.switch_throttle}); no room within {wait_s:g} s"
                         )
-                    self._cond.wait(remaining)
+                    if wait_hook is None:
+                        self._cond.wait(remaining)
+                        continue
+                    self._cond.release()
+                    try:
+                        wait_hook()
+                    finally:
+                        self._cond.acquire()
                 if self._closed:
                     raise SchedulerClosedError(f"scheduler closed while {model_id!r} intake was throttled")
             fut: Future = Future()
