@@ -28,16 +28,25 @@ Codecs (``comm.codec``):
   ======================  ==========================  =============================================
 
 Overflow guard: a float field is cast only when every *finite* source value fits the target's
-finite range (``|x| <= 65504`` for fp16). The check reads the source -- ``torch.aminmax`` as the
-fast path, and only when that returns a non-finite bound (the field holds -inf/inf/nan of its own,
-e.g. masked logprobs) an exact pass over the finite values. It never inspects the cast result for
-inf, because NPUs before Ascend 910B saturate to 65504 instead of producing inf. A field that does
-not fit is sent in its original dtype, bit-exact, and counted (``fallbacks``). Values are never
-clamped. inf/-inf/nan already in the source are preserved by the casts.
+finite range (``|x| <= 65504`` for fp16). The check reads the source with numpy's SIMD reductions
+(about twice as fast as ``torch.aminmax`` here): max and min as the fast path; a side whose bound
+is non-finite (the field holds -inf/inf/nan of its own, e.g. masked logprobs) is checked exactly by
+counting, ``count(x < -65504) == count(x == -inf)`` (nan compares false). A field that held -inf in
+its previous frame goes to the count straight away (a speed hint only; the answer is the same). It
+never inspects the cast result for inf, because NPUs before Ascend 910B saturate to 65504 instead
+of producing inf. A field that does not fit is sent in its original dtype, bit-exact, and counted
+(``fallbacks``). Values are never clamped. inf/-inf/nan already in the source are preserved by the
+casts.
+
+Integers are narrowed from one pass in the usual case: for non-negative values the bitwise OR is
+below ``2**k`` exactly when every value is (the int8/16/32 limits are powers of two); a field with
+a negative value is sized from its min and max.
 
 Keep any field lossless with ``comm.lossless_fields: [old_per_token_logps, ...]`` (or
-``Codec(..., lossless_fields=...)``); ints and bools are lossless under every codec. Casts use
-torch (numpy's float16 conversion is ~10x slower), writing straight into the destination buffer.
+``Codec(..., lossless_fields=...)``); ints and bools are lossless under every codec. Casts write
+straight into the destination buffer: integer casts and raw copies with numpy, float16/bfloat16
+casts with torch (numpy's float16 conversion is ~10x slower; it is used for float32 fields of at
+most 256 values, where torch's fixed cost dominates -- both round to nearest even).
 """
 
 from __future__ import annotations
@@ -47,6 +56,7 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from mrl_plugins.errors import ConfigError, choices
@@ -77,13 +87,16 @@ def _raw(dt: torch.dtype) -> FieldChoice:
     return FieldChoice(RAW, dt)
 
 
+_BITPACKED = FieldChoice(BITPACK, torch.uint8)
+
+
 @functools.lru_cache(maxsize=64)
 def _cast(dt: torch.dtype) -> FieldChoice:
     return FieldChoice(CAST, dt)
 
 
 class Codec:
-    """Chooses per field how a tensor is sent. Stateless apart from its counters.
+    """Chooses per field how a tensor is sent. Stateless apart from its counters and the -inf speed hint.
 
     :param name: ``"raw"``, ``"fp16"`` or ``"bf16"``.
     :param lossless_fields: names never cast to a lossy dtype.
@@ -96,7 +109,9 @@ class Codec:
         self.target = _LOSSY_TARGET[name]
         self.lossless_fields = frozenset(lossless_fields)
         self.fallbacks = 0
-        self._scratch: dict[torch.dtype, torch.Tensor] = {}
+        self._fmax = _FMAX[self.target] if self.target is not None else 0.0
+        self._scratch: dict[str, np.ndarray] = {}
+        self._neginf: set[str] = set()  # float fields that held -inf in their last frame (a speed hint)
 
     def __repr__(self) -> str:
         return f"Codec({self.name!r}, lossless_fields={sorted(self.lossless_fields)!r})"
@@ -104,55 +119,104 @@ class Codec:
     def __reduce__(self):  # picklable without its counters
         return (Codec, (self.name, tuple(self.lossless_fields)))
 
-    def choose(self, name: str, t: torch.Tensor) -> FieldChoice:
-        """Pick the wire representation of field ``name`` (a CPU tensor). Counts float fallbacks."""
+    def choose(self, name: str, t: torch.Tensor, a: np.ndarray | None = None) -> FieldChoice:
+        """Pick the wire representation of field ``name`` (a CPU tensor). Counts float fallbacks.
+
+        ``a``: a numpy view of ``t`` if the caller already has one (saves making it again).
+        """
         dt = t.dtype
         if self.target is None or t.numel() == 0:
             return _raw(dt)
         if dt == torch.bool:
-            return FieldChoice(BITPACK, torch.uint8)
+            return _BITPACKED
         if dt in _INT_SOURCES:
-            lo, hi = torch.aminmax(t)
-            lo, hi = lo.item(), hi.item()
-            size = dt.itemsize
-            for cand, csize, cmin, cmax in _NARROW_INTS:
-                if csize >= size:
-                    break
-                if cmin <= lo and hi <= cmax:
-                    return _cast(cand)
-            return _raw(dt)
+            return _narrowest_int(t.numpy() if a is None else a, dt)
         if dt in _FLOAT_SOURCES and name not in self.lossless_fields:
-            if fits_finite_range(t, self.target, self._scratch):
+            fits, neginf = _fits(t.numpy() if a is None else a, self._fmax, self._scratch, name in self._neginf)
+            if neginf:
+                self._neginf.add(name)
+            else:
+                self._neginf.discard(name)
+            if fits:
                 return _cast(self.target)
             self.fallbacks += 1
             return FieldChoice(RAW, dt, fallback=True)
         return _raw(dt)
 
 
-def fits_finite_range(t: torch.Tensor, target: torch.dtype, scratch: dict | None = None) -> bool:
+def _narrowest_int(a: np.ndarray, dt: torch.dtype) -> FieldChoice:
+    """The narrowest integer dtype that holds every value of ``a`` (lossless), else ``dt`` itself.
+
+    One pass in the common case: the bitwise OR of non-negative values is below ``2**k`` exactly when
+    every value is, and the candidates' limits are powers of two. A negative value (OR < 0) falls back
+    to min/max.
+    """
+    size = dt.itemsize
+    acc = int(np.bitwise_or.reduce(a, axis=None))
+    if acc >= 0:
+        lo, hi = 0, acc
+    else:
+        lo, hi = int(a.min()), int(a.max())
+    for cand, csize, cmin, cmax in _NARROW_INTS:
+        if csize >= size:
+            break
+        if cmin <= lo and hi <= cmax:
+            return _cast(cand)
+    return _raw(dt)
+
+
+def fits_finite_range(
+    t: torch.Tensor, target: torch.dtype, scratch: dict | None = None, a: np.ndarray | None = None
+) -> bool:
     """True when every finite value of ``t`` lies within ``target``'s finite range (source check, no clamp).
 
-    ``scratch`` (dtype -> tensor) lets the exact pass reuse one buffer instead of faulting in fresh
-    pages on every call.
+    ``scratch`` (``"mask"`` -> bool array) lets the exact pass reuse one buffer; ``a`` is a numpy
+    view of ``t`` if the caller has one. See :func:`_fits` for the method.
     """
     fmax = _FMAX.get(target) or torch.finfo(target).max
-    lo, hi = torch.aminmax(t)
-    lo, hi = lo.item(), hi.item()
-    if -fmax <= lo and hi <= fmax:  # both finite and in range (nan compares False)
-        return True
-    if math.isfinite(lo) and math.isfinite(hi):
-        return False  # finite bounds outside the range
-    # the field holds inf/nan of its own: look at its finite values only
-    n = t.numel()
-    buf = scratch.get(t.dtype) if scratch is not None else None
-    if buf is None or buf.numel() < n:
-        buf = torch.empty(max(n, 1 << 16), dtype=t.dtype)
+    return _fits(t.numpy() if a is None else a, fmax, scratch, False)[0]
+
+
+def _fits(a: np.ndarray, fmax: float, scratch: dict | None, expect_neginf: bool) -> tuple[bool, bool]:
+    """``(every finite value of a is within [-fmax, fmax], a holds -inf)``; reads the source only.
+
+    numpy's SIMD max and min (~2x faster than ``torch.aminmax`` here) answer when both are finite.
+    A side whose bound is non-finite (the field holds inf/nan of its own) is checked exactly: the
+    values beyond the limit must all be infinities, ``count(x < -fmax) == count(x == -inf)`` (nan
+    compares false). With ``expect_neginf`` (the field held -inf last time, e.g. masked logprobs)
+    the min is skipped and the low side counted straight away; the answer is the same either way.
+    The second item is only a hint for the next call (exact when the first is true).
+    """
+    hi = float(np.maximum.reduce(a, axis=None))  # nan if the field holds one
+    if not hi <= fmax and math.isfinite(hi):
+        return False, expect_neginf  # a finite bound above the range
+    if not expect_neginf:
+        lo = float(np.minimum.reduce(a, axis=None))
+        if -fmax <= lo and hi <= fmax:  # nan compares False
+            return True, False
+        if not -fmax <= lo and math.isfinite(lo):
+            return False, False  # a finite bound below the range
+    mask = _mask(a, scratch)
+    if not hi <= fmax:  # +inf or nan: exact check of the high side
+        if _count(np.greater, a, fmax, mask) != _count(np.equal, a, math.inf, mask):
+            return False, expect_neginf
+    below = _count(np.less, a, -fmax, mask)
+    return below == 0 or below == _count(np.equal, a, -math.inf, mask), below > 0
+
+
+def _mask(a: np.ndarray, scratch: dict | None) -> np.ndarray:
+    n = a.size
+    buf = scratch.get("mask") if scratch is not None else None
+    if buf is None or buf.size < n:
+        buf = np.empty(max(n, 1 << 16), dtype=np.bool_)
         if scratch is not None:
-            scratch[t.dtype] = buf
-    view = buf[:n].view(t.shape)
-    torch.nan_to_num(t, nan=0.0, posinf=0.0, neginf=0.0, out=view)
-    lo, hi = torch.aminmax(view)
-    return -fmax <= lo.item() and hi.item() <= fmax
+            scratch["mask"] = buf
+    return buf[:n].reshape(a.shape)
+
+
+def _count(op, a: np.ndarray, value: float, mask: np.ndarray) -> int:
+    op(a, value, out=mask)
+    return int(np.count_nonzero(mask))
 
 
 def make_codec(config=None, name: str | None = None) -> Codec:

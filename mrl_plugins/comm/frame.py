@@ -71,6 +71,15 @@ _DTYPES: list[torch.dtype] = [
     torch.uint64, torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.complex64, torch.complex128,
 ]  # fmt: skip
 _CODE = {dt: i for i, dt in enumerate(_DTYPES)}
+#: torch dtype -> numpy dtype, for the dtypes numpy has (all but bfloat16)
+_NP = {dt: torch.empty(0, dtype=dt).numpy().dtype for dt in _DTYPES if dt != torch.bfloat16}
+#: wire dtypes whose casts numpy does at least as fast as torch (ints); numpy's float16 casts are ~10x slower
+_NP_WIRE = frozenset({torch.int8, torch.int16, torch.int32, torch.int64})
+#: decode: wire dtypes restored by numpy (fewer fixed costs; torch is faster for large int8 -> int64)
+_NP_RESTORE = frozenset({torch.int16, torch.int32})
+_NP_RESTORE_SMALL = 32768
+#: float32 -> float16 casts of at most this many values go through numpy (same rounding, fewer fixed costs)
+_NP_HALF_MAX = 256
 
 
 class FrameError(MrlError, ValueError):
@@ -81,15 +90,21 @@ def _align(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
-def _as_tensor(name: str, value: Any) -> tuple[torch.Tensor, int]:
-    """CPU tensor view of a field value and its kind (torch or numpy)."""
+def _as_tensor(name: str, value: Any) -> tuple[torch.Tensor, np.ndarray | None, int]:
+    """CPU tensor view of a field value, a numpy view of it (``None`` for dtypes numpy lacks, e.g.
+    bfloat16) and its kind (torch or numpy)."""
     if isinstance(value, torch.Tensor):
         t = value.detach() if value.requires_grad else value
         if not t.is_cpu:
             t = t.cpu()
         if t.dtype not in _CODE:
             raise FrameError(f"field {name!r}: dtype {t.dtype} is not supported; supported: {_DTYPES}")
-        return t, KIND_TORCH
+        if t.dtype in _NP:
+            try:
+                return t, t.numpy(), KIND_TORCH
+            except RuntimeError:  # a conjugate view: torch resolves it when copying
+                pass
+        return t, None, KIND_TORCH
     if isinstance(value, np.ndarray):
         if not value.dtype.isnative:
             value = value.astype(value.dtype.newbyteorder("="))
@@ -99,7 +114,7 @@ def _as_tensor(name: str, value: Any) -> tuple[torch.Tensor, int]:
                 t = torch.from_numpy(value)
         except TypeError as exc:
             raise FrameError(f"field {name!r}: numpy dtype {value.dtype} is not supported ({exc})") from None
-        return t, KIND_NUMPY
+        return t, value, KIND_NUMPY
     raise FrameError(f"field {name!r}: expected a torch.Tensor or numpy.ndarray, got {type(value).__name__}")
 
 
@@ -166,10 +181,10 @@ class FramePlan:
         self.header_len = off
         for name, value in batch.items():
             bname = _enc_name(name, 64, "field name")
-            t, kind = _as_tensor(name, value)
+            t, a, kind = _as_tensor(name, value)
             if t.dim() > MAX_NDIM:
                 raise FrameError(f"field {name!r}: {t.dim()} dimensions, at most {MAX_NDIM} supported")
-            choice = codec.choose(name, t) if codec is not None else None
+            choice = codec.choose(name, t, a) if codec is not None else None
             method, wire = (choice.method, choice.wire_dtype) if choice is not None else (RAW, t.dtype)
             if choice is not None and choice.fallback:
                 self.fallbacks += 1
@@ -177,7 +192,15 @@ class FramePlan:
             numel = t.numel()
             nbytes = (numel + 7) // 8 if method == BITPACK else numel * wire.itemsize
             self.raw_nbytes += numel * t.dtype.itemsize
-            self.fields.append((bname, t, kind, method, wire, off, nbytes, numel))
+            if a is not None and (
+                method == RAW
+                or wire in _NP_WIRE
+                or (wire == torch.float16 and a.dtype == np.float32 and numel <= _NP_HALF_MAX)
+            ):
+                np_dst = _NP[wire]  # written by numpy (fewer fixed costs)
+            else:
+                np_dst = None
+            self.fields.append((bname, t, kind, method, wire, off, nbytes, numel, a, np_dst))
             off = _align(off + nbytes)
         self.nbytes = off
 
@@ -187,11 +210,13 @@ class FramePlan:
         if len(mv) < self.nbytes:
             raise FrameError(f"frame of {self.nbytes} bytes does not fit a buffer of {len(mv)} bytes")
         entries = []
-        for bname, t, kind, method, wire, off, nbytes, numel in self.fields:
+        for bname, t, kind, method, wire, off, nbytes, numel, a, np_dst in self.fields:
             if numel:
                 if method == BITPACK:
                     packed = np.packbits(t.reshape(-1).numpy())
                     mv[off : off + nbytes] = packed.data
+                elif np_dst is not None:
+                    np.copyto(np.frombuffer(mv, np_dst, numel, off).reshape(a.shape), a, casting="unsafe")
                 else:
                     torch.frombuffer(mv, dtype=wire, count=numel, offset=off).view_as(t).copy_(t)
             shape = list(t.shape) + [0] * (MAX_NDIM - t.dim())
@@ -305,6 +330,9 @@ def _decode_field(mv, orig, wire, method, kind, shape, off, nbytes, numel, copy)
     elif method == BITPACK:
         bits = np.unpackbits(np.frombuffer(mv, np.uint8, count=nbytes, offset=off), count=numel)
         t = torch.from_numpy(bits.view(np.bool_).reshape(shape))
+    elif method == CAST and (wire in _NP_RESTORE or (wire in _NP_WIRE and numel < _NP_RESTORE_SMALL)):
+        a = np.frombuffer(mv, _NP[wire], numel, off).reshape(shape).astype(_NP[orig])
+        return a if kind == KIND_NUMPY else torch.from_numpy(a)
     else:
         t = torch.frombuffer(mv, dtype=wire, count=numel, offset=off).view(shape)  # shape: tuple
         if method == CAST:
