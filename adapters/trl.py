@@ -65,8 +65,9 @@ def trainer_kind(trainer: Any) -> str:
     )
 
 
-def _placements(cfg: Any, device: Any) -> tuple[list[dict], list[int] | None]:
-    """Where each rollout worker runs, and the cores left to the trainer (CPU)."""
+def _placements(cfg: Any, device: Any) -> tuple[list[dict], list[int] | None, dict]:
+    """Where each rollout worker runs, the cores left to the trainer (CPU), and the placement of a worker
+    that shares the trainer's device (hybrid mode's colocated pool; on CPU: the trainer's cores)."""
     from mrl_plugins.device import allowed_cores, split_cores, visible_devices_env
 
     rc = cfg.rollout
@@ -88,15 +89,24 @@ def _placements(cfg: Any, device: Any) -> tuple[list[dict], list[int] | None]:
                 engine_pool = [c for c in cores if c not in trainer_cores] or cores
             else:
                 engine_pool = cores
+        shared = {"cores": trainer_cores or cores, "threads": rc.engine_threads, "device": "cpu"}
+        if cfg.mode == "hybrid":  # the first `colocated` workers share the trainer's cores, the rest split the others
+            own = n - colocated
+            groups = split_cores(min(own, len(engine_pool)), engine_pool) if own else []
+            places = [dict(shared) for _ in range(colocated)]
+            places += [
+                {"cores": groups[i % len(groups)], "threads": rc.engine_threads, "device": "cpu"} for i in range(own)
+            ]
+            return places, trainer_cores, shared
         groups = split_cores(min(n, len(engine_pool)), engine_pool) if n else []
         places = [{"cores": groups[i % len(groups)], "threads": rc.engine_threads, "device": "cpu"} for i in range(n)]
-        return places, trainer_cores
+        return places, trainer_cores, shared
     env_name = visible_devices_env(device.type)
     visible = [v.strip() for v in os.environ.get(env_name or "", "").split(",") if v.strip()] if env_name else []
     base = device.index or 0
     places = []
-    for i in range(n):
-        index = base if i < colocated else base + 1 + (i - colocated)
+    for i in range(n + 1):  # the last one: the trainer's own device (hybrid's colocated placement)
+        index = base if i < colocated or i == n else base + 1 + (i - colocated)
         if visible and index >= len(visible):
             raise ConfigError(
                 f"rollout.workers: worker {i} needs device {index} but {env_name}={','.join(visible)} "
@@ -110,7 +120,7 @@ def _placements(cfg: Any, device: Any) -> tuple[list[dict], list[int] | None]:
                 "threads": rc.engine_threads,
             }
         )
-    return places, None
+    return places[:n], None, places[n]
 
 
 def _check_combination(pm: Any, cfg: Any) -> None:
@@ -155,6 +165,11 @@ def enable(trainer: Any, config: Any = None) -> Any:
             raise ConfigError("plugins.rollout: 'mrl' does not run TRL tool calls; set plugins.rollout: upstream")
         if cfg.rollout.old_logps == "engine":
             _check_engine_logps(trainer, kind)
+        if cfg.rollout.rebalance and (cfg.mode != "hybrid" or cfg.rollout.workers < 2):
+            raise ConfigError(
+                f"rollout.rebalance: moves workers between the pools of mode: hybrid with rollout.workers >= 2; "
+                f"got mode: {cfg.mode}, workers: {cfg.rollout.workers}"
+            )
         _install_rollout(trainer, state, device)
     else:
         _time_upstream_generation(trainer, state)
@@ -221,7 +236,7 @@ def _install_rollout(trainer: Any, state: _State, device: Any) -> None:
     if cfg.rollout.workers == 0:
         runtime: Any = LocalEngineRuntime(pm, ctx, model, sampling, engine_factory, seed)
     else:
-        places, trainer_cores = _placements(cfg, device)
+        places, trainer_cores, shared = _placements(cfg, device)
         pool = WorkerPool(pm, ctx, model, sampling, placements=places, engine_factory=engine_factory, seed=seed)
 
         def local_engine() -> Any:  # the trainer's own model answers while the workers start
@@ -231,6 +246,21 @@ def _install_rollout(trainer: Any, state: _State, device: Any) -> None:
             return engine
 
         runtime = PoolRuntime(pm, ctx, gen, pool, local_engine if cfg.rollout.local_warmup else None)
+        if cfg.rollout.rebalance:
+            from mrl_plugins.rollout.hybrid import COLOCATED, DEDICATED, HybridBalancer
+
+            rc = cfg.rollout
+            kinds = [COLOCATED if i < rc.colocated_workers else DEDICATED for i in range(rc.workers)]
+            runtime.balancer = HybridBalancer(
+                pool,
+                places,
+                kinds,
+                shared,
+                window=rc.rebalance_window,
+                high=rc.rebalance_high,
+                low=rc.rebalance_low,
+                metrics=ctx.metrics,
+            )
         _add_step_end_callback(trainer, state, runtime.on_step_end)
         if trainer_cores and device.type == "cpu":
             saved = (os.sched_getaffinity(0), torch.get_num_threads())

@@ -70,6 +70,22 @@ class RolloutConfig:
     restart_workers: int = field(
         default=0, metadata={"help": "restarts allowed for dead workers (0: a dead worker is an error)"}
     )
+    rebalance: bool = field(
+        default=False,
+        metadata={
+            "help": "hybrid mode: move workers between the colocated and dedicated pools by the trainer's wait "
+            "share (see mrl_plugins.rollout.hybrid); needs workers >= 2"
+        },
+    )
+    rebalance_window: int = field(
+        default=5, metadata={"help": "hybrid: generations averaged per decision (and waited after a move)"}
+    )
+    rebalance_high: float = field(
+        default=0.25, metadata={"help": "hybrid: mean wait share above which a dedicated worker becomes colocated"}
+    )
+    rebalance_low: float = field(
+        default=0.05, metadata={"help": "hybrid: mean wait share below which a colocated worker becomes dedicated"}
+    )
     model_priorities: dict = field(
         default_factory=lambda: {"policy": 0},
         metadata={"help": "multi-model pool: model_id -> priority (lower runs first)"},
@@ -102,6 +118,13 @@ class RolloutConfig:
         for key in ("timeout_s", "start_timeout_s"):
             if getattr(self, key) <= 0:
                 raise ConfigError(f"rollout.{key}: must be > 0, got {getattr(self, key)}")
+        if self.rebalance_window < 1:
+            raise ConfigError(f"rollout.rebalance_window: must be >= 1, got {self.rebalance_window}")
+        if not 0 <= self.rebalance_low < self.rebalance_high <= 1:
+            raise ConfigError(
+                f"rollout.rebalance_low/rebalance_high: need 0 <= low < high <= 1, got "
+                f"{self.rebalance_low} and {self.rebalance_high}"
+            )
         if not self.model_priorities or not all(isinstance(v, int) for v in self.model_priorities.values()):
             raise ConfigError("rollout.model_priorities: a mapping model_id -> int priority is required")
 

@@ -291,6 +291,7 @@ class WorkerPool:
         self._assigned: list[set[tuple[int, int]]] = [set() for _ in range(self.n)]
         self._versions: dict[tuple[int, str], int] = {}  # (worker, model_id) -> version it switched to
         self._switching: dict[str, tuple[int, float]] = {}  # model_id -> (version, deadline)
+        self._moving: dict[int, tuple[float, float, dict]] = {}  # worker -> (deadline, timeout, placement)
         self._restarts = 0
         self._closed = False
         comm_name = UPSTREAM_COMM_TRANSPORT if pm.is_upstream("comm") else cfg.comm.transport
@@ -408,16 +409,18 @@ class WorkerPool:
                 if worker == i and chunk not in t.results:
                     self._send(i, t, chunk, prompts)
 
-    def move_worker(self, i: int, placement: dict, timeout: float | None = None) -> None:
+    def move_worker(self, i: int, placement: dict, timeout: float | None = None, *, wait: bool = True) -> None:
         """Move worker ``i`` to ``placement`` (``cores``/``threads``/``env``/``device``, as the adapter builds
         them) without stopping the service: new requests skip it, its unanswered chunks are handed to the other
         workers first, then it is stopped and restarted in its new place (hybrid mode: shifting capacity between
-        the colocated and the dedicated pool). Waits at most ``timeout`` (``rollout.start_timeout_s``)."""
+        the colocated and the dedicated pool). ``wait=True`` returns once it is ready again, at most ``timeout``
+        (``rollout.start_timeout_s``); ``wait=False`` returns after the restart and lets it take requests when
+        it reports ready (a StageTimeoutError surfaces from a later call if it does not within ``timeout``)."""
         from mrl_plugins.errors import ConfigError
 
         if not 0 <= i < self.n:
             raise ConfigError(f"move_worker: no worker {i}; workers are 0..{self.n - 1}")
-        if self.n - len(self._draining) < 2:
+        if i in self._draining or self.n - len(self._draining) < 2:
             raise ConfigError("move_worker: needs another active worker to serve while this one moves")
         timeout = self.cfg.rollout.start_timeout_s if timeout is None else timeout
         deadline = time.monotonic() + timeout
@@ -442,16 +445,29 @@ class WorkerPool:
             spec.env = placement.get("env", spec.env)
             spec.device = placement.get("device", spec.device)
             self._start(i)
-            while not self._ready[i].is_set():
+        except BaseException:
+            self._draining.discard(i)
+            raise
+        self._moving[i] = (deadline, timeout, placement)
+        if wait:
+            while i in self._moving:
                 if not self._procs[i].is_alive():
                     self._check_workers()
-                if time.monotonic() > deadline:
-                    raise StageTimeoutError(f"move_worker: worker {i} not ready within {timeout:.0f} s")
+                self._drain_events()
                 time.sleep(0.05)
-            log.info("rollout worker %d moved to %s", i, placement)
-        finally:
-            self._draining.discard(i)
         self._dispatch()
+
+    def _check_moves(self) -> None:
+        """Workers that finished moving take requests again; one that is not ready in time is an error."""
+        for i, (deadline, timeout, placement) in list(self._moving.items()):
+            if self._ready[i].is_set():
+                del self._moving[i]
+                self._draining.discard(i)
+                log.info("rollout worker %d moved to %s", i, placement)
+            elif time.monotonic() > deadline:
+                del self._moving[i]
+                self._draining.discard(i)
+                raise StageTimeoutError(f"move_worker: worker {i} not ready within {timeout:.0f} s")
 
     # ------------------------------------------------------------------ weights
     def publish(self, version: int, named_tensors: Any, model_id: str = "policy") -> Any:
@@ -469,6 +485,7 @@ class WorkerPool:
         )
 
     def _drain_events(self) -> None:
+        self._check_moves()
         while True:
             try:
                 kind, w, mid, version = self._events.get_nowait()

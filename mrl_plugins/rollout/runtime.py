@@ -185,6 +185,8 @@ class PoolRuntime:
         self._deferred: tuple[list[list[int]], int, str, int] | None = None
         self._local_factory = local_engine
         self._local: Any = None
+        self._pool_was_ready = False
+        self.balancer: Any = None  # hybrid mode: a HybridBalancer moving workers between the pools
 
     def _generate_locally(self, prompts: list[list[int]], num_generations: int, model_id: str) -> RolloutResult:
         if self._local is None:
@@ -198,7 +200,9 @@ class PoolRuntime:
         metrics = self.ctx.metrics
         current = self.gen.version
         ticket = self._pending.pop(_key(prompts), None)
-        if self._local_factory is not None and not self.pool.ready:
+        if self._local_factory is not None and not self._pool_was_ready:
+            self._pool_was_ready = self.pool.ready  # once ready, a worker that moves or restarts is not a warm-up
+        if self._local_factory is not None and not self._pool_was_ready:
             if ticket is not None:
                 self.pool.discard(ticket)
             result = self._generate_locally(prompts, num_generations, model_id)  # workers still starting
@@ -212,7 +216,10 @@ class PoolRuntime:
             self._drop_unused()
             t0 = time.perf_counter()
             result = self.pool.collect(ticket)
-            metrics.add("time/wait_s", time.perf_counter() - t0)
+            waited = time.perf_counter() - t0
+            metrics.add("time/wait_s", waited)
+            if self.balancer is not None:
+                self.balancer.observe(waited)
         stale = current - result.weight_version
         if stale > self.cfg.max_staleness:
             metrics.add("rollout/stale_samples", len(result.completion_ids))
