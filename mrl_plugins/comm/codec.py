@@ -30,13 +30,13 @@ Codecs (``comm.codec``):
 Overflow guard: a float field is cast only when every *finite* source value fits the target's
 finite range (``|x| <= 65504`` for fp16). The check reads the source with numpy's SIMD reductions
 (about twice as fast as ``torch.aminmax`` here): max and min as the fast path; a side whose bound
-is non-finite (the field holds -inf/inf/nan of its own, e.g. masked logprobs) is checked exactly by
-counting, ``count(x < -65504) == count(x == -inf)`` (nan compares false). A field that held -inf in
-its previous frame goes to the count straight away (a speed hint only; the answer is the same). It
-never inspects the cast result for inf, because NPUs before Ascend 910B saturate to 65504 instead
-of producing inf. A field that does not fit is sent in its original dtype, bit-exact, and counted
-(``fallbacks``). Values are never clamped. inf/-inf/nan already in the source are preserved by the
-casts.
+is non-finite (the field holds -inf/inf/nan of its own, e.g. masked logprobs) is checked exactly:
+the values below -65504 must all be -inf (their max, a masked reduction, is -inf; nan compares
+false). A field that held -inf in its previous frame skips the min (a speed hint only; the answer
+is the same; likewise +inf above the range). It never inspects the cast result for inf, because
+NPUs before Ascend 910B saturate to 65504 instead of producing inf. A field that does not fit is
+sent in its original dtype, bit-exact, and counted (``fallbacks``). Values are never clamped.
+inf/-inf/nan already in the source are preserved by the casts.
 
 Integers are narrowed from one pass in the usual case: for non-negative values the bitwise OR is
 below ``2**k`` exactly when every value is (the int8/16/32 limits are powers of two); a field with
@@ -182,10 +182,10 @@ def _fits(a: np.ndarray, fmax: float, scratch: dict | None, expect_neginf: bool)
 
     numpy's SIMD max and min (~2x faster than ``torch.aminmax`` here) answer when both are finite.
     A side whose bound is non-finite (the field holds inf/nan of its own) is checked exactly: the
-    values beyond the limit must all be infinities, ``count(x < -fmax) == count(x == -inf)`` (nan
-    compares false). With ``expect_neginf`` (the field held -inf last time, e.g. masked logprobs)
-    the min is skipped and the low side counted straight away; the answer is the same either way.
-    The second item is only a hint for the next call (exact when the first is true).
+    values beyond the limit must all be infinities, i.e. the max of the values ``< -fmax`` (a mask
+    pass, then a masked reduction) is -inf (nan compares false). With ``expect_neginf`` (the field
+    held -inf last time, e.g. masked logprobs) the min is skipped and the low side checked straight
+    away; the answer is the same either way. The second item is only a hint for the next call.
     """
     hi = float(np.maximum.reduce(a, axis=None))  # nan if the field holds one
     if not hi <= fmax and math.isfinite(hi):
@@ -197,11 +197,14 @@ def _fits(a: np.ndarray, fmax: float, scratch: dict | None, expect_neginf: bool)
         if not -fmax <= lo and math.isfinite(lo):
             return False, False  # a finite bound below the range
     mask = _mask(a, scratch)
-    if not hi <= fmax:  # +inf or nan: exact check of the high side
-        if _count(np.greater, a, fmax, mask) != _count(np.equal, a, math.inf, mask):
+    if not hi <= fmax:  # +inf or nan: the values above the range must all be +inf
+        np.greater(a, fmax, out=mask)
+        if np.minimum.reduce(a, axis=None, where=mask, initial=math.inf) != math.inf:
             return False, expect_neginf
-    below = _count(np.less, a, -fmax, mask)
-    return below == 0 or below == _count(np.equal, a, -math.inf, mask), below > 0
+    np.less(a, -fmax, out=mask)  # the values below the range must all be -inf
+    if np.maximum.reduce(a, axis=None, where=mask, initial=-math.inf) != -math.inf:
+        return False, expect_neginf
+    return True, bool(mask.any()) if expect_neginf else lo == -math.inf
 
 
 def _mask(a: np.ndarray, scratch: dict | None) -> np.ndarray:
@@ -212,11 +215,6 @@ def _mask(a: np.ndarray, scratch: dict | None) -> np.ndarray:
         if scratch is not None:
             scratch["mask"] = buf
     return buf[:n].reshape(a.shape)
-
-
-def _count(op, a: np.ndarray, value: float, mask: np.ndarray) -> int:
-    op(a, value, out=mask)
-    return int(np.count_nonzero(mask))
 
 
 def make_codec(config=None, name: str | None = None) -> Codec:
