@@ -65,9 +65,15 @@ def trainer_kind(trainer: Any) -> str:
     )
 
 
-def _placements(cfg: Any, device: Any) -> tuple[list[dict], list[int] | None, dict]:
-    """Where each rollout worker runs, the cores left to the trainer (CPU), and the placement of a worker
-    that shares the trainer's device (hybrid mode's colocated pool; on CPU: the trainer's cores)."""
+def _placements(cfg: Any, device: Any, rank: int = 0, world: int = 1) -> tuple[list[dict], list[int] | None, dict]:
+    """Where each rollout worker of training rank ``rank`` (of ``world``) runs, the cores left to the trainer
+    (CPU), and the placement of a worker that shares the trainer's device (hybrid mode's colocated pool; on
+    CPU: the trainer's cores).
+
+    Every rank has a pool of its own. CPU: the process's cores are split into ``world`` groups, one per rank,
+    each split between its trainer and its workers as for one rank. NPU/CUDA: the first ``world`` devices
+    train (accelerate's local rank -> device), rank ``r``'s dedicated workers take the devices after them:
+    ``world + r * dedicated + j``."""
     from mrl_plugins.device import allowed_cores, split_cores, visible_devices_env
 
     rc = cfg.rollout
@@ -75,6 +81,8 @@ def _placements(cfg: Any, device: Any) -> tuple[list[dict], list[int] | None, di
     colocated = n if cfg.mode == "colocate" else (0 if cfg.mode == "disaggregated" else rc.colocated_workers)
     if device.type == "cpu":
         cores = sorted(os.sched_getaffinity(0))
+        if world > 1 and rc.engine_cores is None and rc.trainer_cores is None:
+            cores = split_cores(world, cores)[rank] if len(cores) >= world else cores
         if rc.engine_cores is not None or rc.trainer_cores is not None:
             valid = set(allowed_cores())
             for key in ("engine_cores", "trainer_cores"):
@@ -105,8 +113,9 @@ def _placements(cfg: Any, device: Any) -> tuple[list[dict], list[int] | None, di
     visible = [v.strip() for v in os.environ.get(env_name or "", "").split(",") if v.strip()] if env_name else []
     base = device.index or 0
     places = []
+    first_free = max(world, base + 1) + rank * (n - colocated)  # after every training rank's device
     for i in range(n + 1):  # the last one: the trainer's own device (hybrid's colocated placement)
-        index = base if i < colocated or i == n else base + 1 + (i - colocated)
+        index = base if i < colocated or i == n else first_free + (i - colocated)
         if visible and index >= len(visible):
             raise ConfigError(
                 f"rollout.workers: worker {i} needs device {index} but {env_name}={','.join(visible)} "
@@ -156,11 +165,6 @@ def enable(trainer: Any, config: Any = None) -> Any:
     state = _State(pm, ctx, kind)
 
     if not pm.is_upstream("rollout"):
-        if trainer.accelerator.num_processes > 1 and cfg.rollout.workers > 0:
-            raise ConfigError(
-                f"rollout.workers: {cfg.rollout.workers} worker processes per trainer rank are not supported with "
-                f"{trainer.accelerator.num_processes} training processes; set rollout.workers: 0 (engine per rank)"
-            )
         if getattr(trainer, "tools", None):
             raise ConfigError("plugins.rollout: 'mrl' does not run TRL tool calls; set plugins.rollout: upstream")
         if cfg.rollout.old_logps == "engine":
@@ -236,7 +240,8 @@ def _install_rollout(trainer: Any, state: _State, device: Any) -> None:
     if cfg.rollout.workers == 0:
         runtime: Any = LocalEngineRuntime(pm, ctx, model, sampling, engine_factory, seed)
     else:
-        places, trainer_cores, shared = _placements(cfg, device)
+        acc = trainer.accelerator
+        places, trainer_cores, shared = _placements(cfg, device, acc.process_index, acc.num_processes)
         pool = WorkerPool(pm, ctx, model, sampling, placements=places, engine_factory=engine_factory, seed=seed)
 
         def local_engine() -> Any:  # the trainer's own model answers while the workers start

@@ -93,16 +93,18 @@ class MrlGeneration:
 
     # ---------------------------------------------------------------- TRL interface
     def sync_weights(self) -> None:
-        from mrl_plugins.weight_sync.sources import iter_trainer_weights, should_publish
+        """Publish the trainer's weights as version ``global_step``.
+
+        Every training rank publishes: each rank owns its inference copy (an in-process engine or its own
+        worker pool), so a rank that skipped this would generate with its first weights forever. Under
+        ZeRO-3 the iteration is also the collective gather every rank must join.
+        """
+        from mrl_plugins.weight_sync.sources import iter_trainer_weights
 
         version = int(self.trainer.state.global_step)
         accelerator = getattr(self.trainer, "accelerator", None)
         t0 = time.perf_counter()
         tensors = iter_trainer_weights(self.trainer.model_wrapped, accelerator)
-        if accelerator is not None and not should_publish(accelerator):
-            for _ in tensors:  # every rank takes part in ZeRO-3 gathers
-                pass
-            return
         rep = self.pm.weight_sync_publish(ctx=self.ctx, model_id="policy", version=version, named_tensors=tensors)
         self.version = version
         self.metrics.add("time/weight_sync_s", time.perf_counter() - t0)
