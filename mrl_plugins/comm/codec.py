@@ -88,11 +88,7 @@ def _raw(dt: torch.dtype) -> FieldChoice:
 
 
 _BITPACKED = FieldChoice(BITPACK, torch.uint8)
-
-
-@functools.lru_cache(maxsize=64)
-def _cast(dt: torch.dtype) -> FieldChoice:
-    return FieldChoice(CAST, dt)
+_CASTS = {d: FieldChoice(CAST, d) for d in (torch.int8, torch.int16, torch.int32, torch.float16, torch.bfloat16)}
 
 
 class Codec:
@@ -138,7 +134,7 @@ class Codec:
             else:
                 self._neginf.discard(name)
             if fits:
-                return _cast(self.target)
+                return _CASTS[self.target]
             self.fallbacks += 1
             return FieldChoice(RAW, dt, fallback=True)
         return _raw(dt)
@@ -151,17 +147,15 @@ def _narrowest_int(a: np.ndarray, dt: torch.dtype) -> FieldChoice:
     every value is, and the candidates' limits are powers of two. A negative value (OR < 0) falls back
     to min/max.
     """
-    size = dt.itemsize
-    acc = int(np.bitwise_or.reduce(a, axis=None))
-    if acc >= 0:
-        lo, hi = 0, acc
-    else:
-        lo, hi = int(a.min()), int(a.max())
+    hi = int(np.bitwise_or.reduce(a, axis=None))
+    lo = 0 if hi >= 0 else int(np.minimum.reduce(a, axis=None))
+    if lo < 0:
+        hi = int(np.maximum.reduce(a, axis=None))
     for cand, csize, cmin, cmax in _NARROW_INTS:
-        if csize >= size:
+        if csize >= dt.itemsize:
             break
         if cmin <= lo and hi <= cmax:
-            return _cast(cand)
+            return _CASTS[cand]
     return _raw(dt)
 
 
@@ -201,10 +195,13 @@ def _fits(a: np.ndarray, fmax: float, scratch: dict | None, expect_neginf: bool)
         np.greater(a, fmax, out=mask)
         if np.minimum.reduce(a, axis=None, where=mask, initial=math.inf) != math.inf:
             return False, expect_neginf
-    np.less(a, -fmax, out=mask)  # the values below the range must all be -inf
-    if np.maximum.reduce(a, axis=None, where=mask, initial=-math.inf) != -math.inf:
-        return False, expect_neginf
-    return True, bool(mask.any()) if expect_neginf else lo == -math.inf
+    # the values below the range must all be -inf: their max (fmax ignores the nan start) is -inf,
+    # or nan when there are none
+    np.less(a, -fmax, out=mask)
+    below = float(np.fmax.reduce(a, axis=None, where=mask, initial=math.nan))
+    if below == -math.inf:
+        return True, True
+    return below != below, False
 
 
 def _mask(a: np.ndarray, scratch: dict | None) -> np.ndarray:

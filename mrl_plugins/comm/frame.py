@@ -48,6 +48,7 @@ MAX_NDIM = 8
 _FIXED = struct.Struct("<4sHHIQqqIIII16s64s")
 _EXTRA = struct.Struct("<32sq")
 _FIELD = struct.Struct("<64sBBBBI8qQQQ")
+_ZEROS = (0,) * MAX_NDIM  # shape padding of a field entry
 _HCRC_OFF = 4 + 2 + 2 + 4 + 8 + 8 + 8 + 4 + 4 + 4  # offset of the header crc slot
 _PCRC_OFF = _HCRC_OFF - 4
 FLAG_CHECKSUM = 1
@@ -179,19 +180,26 @@ class FramePlan:
         self.raw_nbytes = 0
         off = _align(_FIXED.size + _EXTRA.size * len(self.extras) + _FIELD.size * len(batch))
         self.header_len = off
+        body = [_EXTRA.pack(k, v) for k, v in self.extras]  # the header after its fixed part
         for name, value in batch.items():
             bname = _enc_name(name, 64, "field name")
             t, a, kind = _as_tensor(name, value)
-            if t.dim() > MAX_NDIM:
-                raise FrameError(f"field {name!r}: {t.dim()} dimensions, at most {MAX_NDIM} supported")
-            choice = codec.choose(name, t, a) if codec is not None else None
-            method, wire = (choice.method, choice.wire_dtype) if choice is not None else (RAW, t.dtype)
-            if choice is not None and choice.fallback:
-                self.fallbacks += 1
-                self.fallback_fields.append(name)
+            shape = t.shape
+            ndim = len(shape)
+            if ndim > MAX_NDIM:
+                raise FrameError(f"field {name!r}: {ndim} dimensions, at most {MAX_NDIM} supported")
+            dt = t.dtype
+            if codec is None:
+                method, wire = RAW, dt
+            else:
+                choice = codec.choose(name, t, a)
+                method, wire = choice.method, choice.wire_dtype
+                if choice.fallback:
+                    self.fallbacks += 1
+                    self.fallback_fields.append(name)
             numel = t.numel()
             nbytes = (numel + 7) // 8 if method == BITPACK else numel * wire.itemsize
-            self.raw_nbytes += numel * t.dtype.itemsize
+            self.raw_nbytes += numel * dt.itemsize
             if a is not None and (
                 method == RAW
                 or wire in _NP_WIRE
@@ -200,43 +208,39 @@ class FramePlan:
                 np_dst = _NP[wire]  # written by numpy (fewer fixed costs)
             else:
                 np_dst = None
-            self.fields.append((bname, t, kind, method, wire, off, nbytes, numel, a, np_dst))
+            self.fields.append((bname, t, kind, method, wire, off, nbytes, numel, a, np_dst, shape))
+            body.append(
+                _FIELD.pack(
+                    bname, _CODE[dt], _CODE[wire], method, kind, ndim, *shape, *_ZEROS[ndim:], off, nbytes, numel
+                )
+            )
             off = _align(off + nbytes)
         self.nbytes = off
+        body.append(bytes(self.header_len - _FIXED.size - sum(map(len, body))))
+        self._header_body = b"".join(body)
 
     def write_into(self, buf: memoryview | bytearray) -> int:
         """Write the frame at the start of ``buf`` (writable, >= :attr:`nbytes`); return its length."""
         mv = memoryview(buf).cast("B")
         if len(mv) < self.nbytes:
             raise FrameError(f"frame of {self.nbytes} bytes does not fit a buffer of {len(mv)} bytes")
-        entries = []
-        for bname, t, kind, method, wire, off, nbytes, numel, a, np_dst in self.fields:
-            if numel:
-                if method == BITPACK:
-                    packed = np.packbits(t.reshape(-1).numpy())
-                    mv[off : off + nbytes] = packed.data
-                elif np_dst is not None:
-                    np.copyto(np.frombuffer(mv, np_dst, numel, off).reshape(a.shape), a, casting="unsafe")
-                else:
-                    torch.frombuffer(mv, dtype=wire, count=numel, offset=off).view_as(t).copy_(t)
-            shape = list(t.shape) + [0] * (MAX_NDIM - t.dim())
-            entries.append(
-                _FIELD.pack(bname, _CODE[t.dtype], _CODE[wire], method, kind, t.dim(), *shape, off, nbytes, numel)
-            )
-        pos = _FIXED.size
-        for k, v in self.extras:
-            _EXTRA.pack_into(mv, pos, k, v)
-            pos += _EXTRA.size
-        for e in entries:
-            mv[pos : pos + len(e)] = e
-            pos += len(e)
-        mv[pos : self.header_len] = bytes(self.header_len - pos)
-        pcrc = _payload_sum(mv[self.header_len : self.nbytes], self.flags) if self.checksum else 0
+        for _bname, t, _kind, method, wire, off, nbytes, numel, a, np_dst, shape in self.fields:
+            if not numel:
+                continue
+            if np_dst is not None:
+                np.ndarray(shape, np_dst, mv, off)[...] = a  # a cast (unsafe casting) or a copy
+            elif method == BITPACK:
+                mv[off : off + nbytes] = np.packbits(t.reshape(-1).numpy()).data
+            else:
+                torch.frombuffer(mv, dtype=wire, count=numel, offset=off).view(shape).copy_(t)
+        hl = self.header_len
+        mv[_FIXED.size : hl] = self._header_body
+        pcrc = _payload_sum(mv[hl : self.nbytes], self.flags) if self.checksum else 0
         _FIXED.pack_into(
-            mv, 0, MAGIC, FORMAT_VERSION, self.flags, self.header_len, self.nbytes,
+            mv, 0, MAGIC, FORMAT_VERSION, self.flags, hl, self.nbytes,
             self.version, self.seq, len(self.fields), len(self.extras), pcrc, 0, self.uuid, self.model_id,
         )  # fmt: skip
-        struct.pack_into("<I", mv, _HCRC_OFF, crc32c.crc32c(mv[: self.header_len]))
+        struct.pack_into("<I", mv, _HCRC_OFF, crc32c.crc32c(mv[:hl]))
         return self.nbytes
 
 
