@@ -5,7 +5,9 @@ the async disaggregated pipeline against upstream TRL's synchronous generate.
 steps and total core budget (all cores of this machine): upstream TRL with 1 thread, with every core
 (torch's default) -- its best is the baseline -- and the plugins with ``configs/disaggregated.yaml``
 (trainer on one core, one rollout worker on the other). Each setting is repeated ``--grpo-reps``
-times; medians and spread are reported.
+times; medians and spread are reported, for the whole run (worker start-up included) and for its second
+half (``steady_steps_per_s``). ``overlap_bound_vs_upstream``: the best a one-core-trainer / one-core-worker
+overlap can do, ``1 / max(generate, train)`` per step of the 1-thread upstream run, over the best upstream.
 """
 
 from __future__ import annotations
@@ -24,6 +26,12 @@ ALL = {"rollout": "mrl", "weight_sync": "mrl", "comm": "mrl"}
 
 def _median(values: list[float]) -> dict[str, float]:
     return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
+
+
+def _steady(step_times: list[float]) -> float:
+    """Steps/s of the second half of a run (start-up, warm-up and the first weight versions excluded)."""
+    tail = step_times[len(step_times) // 2 :] or step_times
+    return 1.0 / statistics.median(tail) if tail else float("nan")
 
 
 def run_grpo_part(*, steps: int, model: str, reps: int, out: Path) -> dict[str, Any]:
@@ -53,6 +61,7 @@ def run_grpo_part(*, steps: int, model: str, reps: int, out: Path) -> dict[str, 
         ]
         results[name] = {
             "steps_per_s": _median([r["steps_per_s"] for r in runs]),
+            "steady_steps_per_s": _median([_steady(r["step_times"]) for r in runs]),
             "final_reward": _median([r["final_reward"] for r in runs]),
             "time_split": runs[0]["time_split"],
             "threads": runs[0]["threads"],
@@ -60,12 +69,17 @@ def run_grpo_part(*, steps: int, model: str, reps: int, out: Path) -> dict[str, 
         print(
             f"  {name:<32} {results[name]['steps_per_s']['median']:.3f} steps/s "
             f"(min {results[name]['steps_per_s']['min']:.3f}, max {results[name]['steps_per_s']['max']:.3f}), "
+            f"second half {results[name]['steady_steps_per_s']['median']:.3f} steps/s, "
             f"final reward {results[name]['final_reward']['median']:.3f}",
             flush=True,
         )
     upstream_names = [n for n in settings if n.startswith("upstream")]
     best = max(upstream_names, key=lambda n: results[n]["steps_per_s"]["median"])
     ours = results["disaggregated_async"]
+    # Upper bound of a one-core-each overlap: per step, the longer of upstream's 1-thread generation and
+    # 1-thread training (no extra forward pass: rollout.old_logps: engine), from the 1-thread run's time split.
+    one = results["upstream_1_thread"]["time_split"]
+    bound_step_s = max(one["generate"], one["train"]) / steps
     return {
         "settings": results,
         "upstream_best": best,
@@ -73,6 +87,9 @@ def run_grpo_part(*, steps: int, model: str, reps: int, out: Path) -> dict[str, 
         "model": model,
         "ratios": {
             "steps_per_s_vs_upstream": ours["steps_per_s"]["median"] / results[best]["steps_per_s"]["median"],
+            "steady_steps_per_s_vs_upstream": ours["steady_steps_per_s"]["median"]
+            / results[best]["steady_steps_per_s"]["median"],
+            "overlap_bound_vs_upstream": (1 / bound_step_s) / results[best]["steps_per_s"]["median"],
             "final_reward_vs_upstream": (
                 ours["final_reward"]["median"] / results[best]["final_reward"]["median"]
                 if results[best]["final_reward"]["median"]
