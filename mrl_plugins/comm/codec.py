@@ -148,9 +148,15 @@ def _narrowest_int(a: np.ndarray, dt: torch.dtype) -> FieldChoice:
     to min/max.
     """
     hi = int(np.bitwise_or.reduce(a, axis=None))
-    lo = 0 if hi >= 0 else int(np.minimum.reduce(a, axis=None))
-    if lo < 0:
-        hi = int(np.maximum.reduce(a, axis=None))
+    if hi >= 0:  # the usual case: non-negative ids and masks
+        if hi < 128:
+            return _CASTS[torch.int8]
+        if hi < 32768 and dt.itemsize > 2:
+            return _CASTS[torch.int16]
+        if hi < 2**31 and dt.itemsize > 4:
+            return _CASTS[torch.int32]
+        return _raw(dt)
+    lo, hi = int(np.minimum.reduce(a, axis=None)), int(np.maximum.reduce(a, axis=None))
     for cand, csize, cmin, cmax in _NARROW_INTS:
         if csize >= dt.itemsize:
             break
@@ -205,13 +211,19 @@ def _fits(a: np.ndarray, fmax: float, scratch: dict | None, expect_neginf: bool)
 
 
 def _mask(a: np.ndarray, scratch: dict | None) -> np.ndarray:
-    n = a.size
-    buf = scratch.get("mask") if scratch is not None else None
-    if buf is None or buf.size < n:
-        buf = np.empty(max(n, 1 << 16), dtype=np.bool_)
-        if scratch is not None:
-            scratch["mask"] = buf
-    return buf[:n].reshape(a.shape)
+    """A bool array shaped like ``a``: a view of one reused buffer (no fresh pages per call)."""
+    if scratch is None:
+        return np.empty(a.shape, dtype=np.bool_)
+    views = scratch.get("views")
+    m = views.get(a.shape) if views is not None else None
+    if m is None:
+        buf = scratch.get("mask")
+        if buf is None or buf.size < a.size or views is None or len(views) >= 16:
+            if buf is None or buf.size < a.size:
+                buf = scratch["mask"] = np.empty(max(a.size, 1 << 16), dtype=np.bool_)
+            views = scratch["views"] = {}
+        m = views[a.shape] = buf[: a.size].reshape(a.shape)
+    return m
 
 
 def make_codec(config=None, name: str | None = None) -> Codec:

@@ -94,6 +94,11 @@ def _align(n: int) -> int:
 def _as_tensor(name: str, value: Any) -> tuple[torch.Tensor, np.ndarray | None, int]:
     """CPU tensor view of a field value, a numpy view of it (``None`` for dtypes numpy lacks, e.g.
     bfloat16) and its kind (torch or numpy)."""
+    if type(value) is torch.Tensor and value.dtype in _NP and value.is_cpu and not value.requires_grad:
+        try:  # the common case, in short
+            return value, value.numpy(), KIND_TORCH
+        except RuntimeError:  # a conjugate view: torch resolves it when copying
+            return value, None, KIND_TORCH
     if isinstance(value, torch.Tensor):
         t = value.detach() if value.requires_grad else value
         if not t.is_cpu:
@@ -181,40 +186,46 @@ class FramePlan:
         off = _align(_FIXED.size + _EXTRA.size * len(self.extras) + _FIELD.size * len(batch))
         self.header_len = off
         body = [_EXTRA.pack(k, v) for k, v in self.extras]  # the header after its fixed part
+        fields = self.fields
+        choose = codec.choose if codec is not None else None
+        raw_nbytes = 0
         for name, value in batch.items():
             bname = _enc_name(name, 64, "field name")
             t, a, kind = _as_tensor(name, value)
-            shape = t.shape
+            if a is not None:
+                shape, numel = a.shape, a.size
+            else:
+                shape, numel = tuple(t.shape), t.numel()
             ndim = len(shape)
             if ndim > MAX_NDIM:
                 raise FrameError(f"field {name!r}: {ndim} dimensions, at most {MAX_NDIM} supported")
             dt = t.dtype
-            if codec is None:
+            if choose is None:
                 method, wire = RAW, dt
             else:
-                choice = codec.choose(name, t, a)
+                choice = choose(name, t, a)
                 method, wire = choice.method, choice.wire_dtype
                 if choice.fallback:
                     self.fallbacks += 1
                     self.fallback_fields.append(name)
-            numel = t.numel()
             nbytes = (numel + 7) // 8 if method == BITPACK else numel * wire.itemsize
-            self.raw_nbytes += numel * dt.itemsize
+            raw_nbytes += numel * dt.itemsize
             if a is not None and (
                 method == RAW
                 or wire in _NP_WIRE
-                or (wire == torch.float16 and a.dtype == np.float32 and numel <= _NP_HALF_MAX)
+                or (wire == torch.float16 and numel <= _NP_HALF_MAX and a.dtype == np.float32)
             ):
                 np_dst = _NP[wire]  # written by numpy (fewer fixed costs)
             else:
                 np_dst = None
-            self.fields.append((bname, t, kind, method, wire, off, nbytes, numel, a, np_dst, shape))
+            fields.append((bname, t, kind, method, wire, off, nbytes, numel, a, np_dst, shape))
             body.append(
                 _FIELD.pack(
                     bname, _CODE[dt], _CODE[wire], method, kind, ndim, *shape, *_ZEROS[ndim:], off, nbytes, numel
                 )
             )
-            off = _align(off + nbytes)
+            off = (off + nbytes + ALIGN - 1) & -ALIGN
+        self.raw_nbytes = raw_nbytes
         self.nbytes = off
         body.append(bytes(self.header_len - _FIXED.size - sum(map(len, body))))
         self._header_body = b"".join(body)
@@ -232,7 +243,13 @@ class FramePlan:
             elif method == BITPACK:
                 mv[off : off + nbytes] = np.packbits(t.reshape(-1).numpy()).data
             else:
-                torch.frombuffer(mv, dtype=wire, count=numel, offset=off).view(shape).copy_(t)
+                # a torch cast (float16/bfloat16) into a numpy view of the buffer: fewer fixed costs than
+                # torch.frombuffer (numpy has no bfloat16: its bits go through a uint16 view)
+                npw = _NP.get(wire)
+                if npw is not None:
+                    torch.from_numpy(np.ndarray(shape, npw, mv, off)).copy_(t)
+                else:
+                    torch.from_numpy(np.ndarray(shape, np.uint16, mv, off)).view(wire).copy_(t)
         hl = self.header_len
         mv[_FIXED.size : hl] = self._header_body
         pcrc = _payload_sum(mv[hl : self.nbytes], self.flags) if self.checksum else 0
@@ -334,11 +351,15 @@ def _decode_field(mv, orig, wire, method, kind, shape, off, nbytes, numel, copy)
     elif method == BITPACK:
         bits = np.unpackbits(np.frombuffer(mv, np.uint8, count=nbytes, offset=off), count=numel)
         t = torch.from_numpy(bits.view(np.bool_).reshape(shape))
-    elif method == CAST and (wire in _NP_RESTORE or (wire in _NP_WIRE and numel < _NP_RESTORE_SMALL)):
-        a = np.frombuffer(mv, _NP[wire], numel, off).reshape(shape).astype(_NP[orig])
-        return a if kind == KIND_NUMPY else torch.from_numpy(a)
     else:
-        t = torch.frombuffer(mv, dtype=wire, count=numel, offset=off).view(shape)  # shape: tuple
+        npw = _NP.get(wire)
+        a = np.ndarray(shape, np.uint16 if npw is None else npw, mv, off)  # a view on the buffer
+        if method == CAST and (wire in _NP_RESTORE or (wire in _NP_WIRE and numel < _NP_RESTORE_SMALL)):
+            a = a.astype(_NP[orig])
+            return a if kind == KIND_NUMPY else torch.from_numpy(a)
+        if kind == KIND_NUMPY and method == RAW:
+            return a.copy() if copy else a
+        t = torch.from_numpy(a) if npw is not None else torch.from_numpy(a).view(torch.bfloat16)
         if method == CAST:
             t = t.to(orig)
         elif copy:
