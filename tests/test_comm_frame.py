@@ -161,6 +161,19 @@ def test_decode_is_zero_copy_unless_copy_requested():
         decode_frame(buf)  # the payload changed under the checksum
 
 
+def test_numpy_fields_decode_as_views_unless_copy_requested():
+    x = np.arange(16, dtype=np.int64)
+    buf = encode_frame({"x": x, "bf": torch.arange(4, dtype=torch.bfloat16)}, {}, Codec("raw"))
+    _, view = decode_frame(buf)
+    _, owned = decode_frame(buf, copy=True)
+    raw = np.frombuffer(buf, np.uint8)
+    assert isinstance(view["x"], np.ndarray) and np.shares_memory(view["x"], raw)
+    assert not np.shares_memory(owned["x"], raw) and np.array_equal(owned["x"], x)
+    assert view["bf"].dtype == torch.bfloat16 and torch.equal(view["bf"], torch.arange(4, dtype=torch.bfloat16))
+    assert np.shares_memory(view["bf"].view(torch.int16).numpy(), raw)
+    assert not np.shares_memory(owned["bf"].view(torch.int16).numpy(), raw)
+
+
 def test_fields_are_64_byte_aligned():
     batch = {"a": torch.ones(3, dtype=torch.int8), "b": torch.ones(5), "c": np.zeros(7, dtype=np.int16)}
     plan = FramePlan(batch, {}, None)
