@@ -38,9 +38,9 @@ NPUs before Ascend 910B saturate to 65504 instead of producing inf. A field that
 sent in its original dtype, bit-exact, and counted (``fallbacks``). Values are never clamped.
 inf/-inf/nan already in the source are preserved by the casts.
 
-Integers are narrowed from one pass in the usual case: for non-negative values the bitwise OR is
-below ``2**k`` exactly when every value is (the int8/16/32 limits are powers of two); a field with
-a negative value is sized from its min and max.
+Integers are narrowed from one pass in the usual case: the max of the values read as unsigned
+(numpy's SIMD max) is their max when none is negative; a field with a negative value is sized from
+its signed min and max.
 
 Keep any field lossless with ``comm.lossless_fields: [old_per_token_logps, ...]`` (or
 ``Codec(..., lossless_fields=...)``); ints and bools are lossless under every codec. Casts write
@@ -88,6 +88,8 @@ def _raw(dt: torch.dtype) -> FieldChoice:
 
 
 _BITPACKED = FieldChoice(BITPACK, torch.uint8)
+_UNSIGNED = {2: np.uint16, 4: np.uint32, 8: np.uint64}  # itemsize -> unsigned view of a signed int array
+_SIGN = {2: 2**15, 4: 2**31, 8: 2**63}
 _CASTS = {d: FieldChoice(CAST, d) for d in (torch.int8, torch.int16, torch.int32, torch.float16, torch.bfloat16)}
 
 
@@ -143,12 +145,11 @@ class Codec:
 def _narrowest_int(a: np.ndarray, dt: torch.dtype) -> FieldChoice:
     """The narrowest integer dtype that holds every value of ``a`` (lossless), else ``dt`` itself.
 
-    One pass in the common case: the bitwise OR of non-negative values is below ``2**k`` exactly when
-    every value is, and the candidates' limits are powers of two. A negative value (OR < 0) falls back
-    to min/max.
+    One pass in the common case: the max of the values read as unsigned is their max when none is
+    negative (a negative value reads as >= 2**(bits-1); then min and max are taken as signed).
     """
-    hi = int(np.bitwise_or.reduce(a, axis=None))
-    if hi >= 0:  # the usual case: non-negative ids and masks
+    hi = int(np.maximum.reduce(a.view(_UNSIGNED[a.dtype.itemsize]), axis=None))
+    if hi < _SIGN[a.dtype.itemsize]:  # the usual case: non-negative ids and masks
         if hi < 128:
             return _CASTS[torch.int8]
         if hi < 32768 and dt.itemsize > 2:
