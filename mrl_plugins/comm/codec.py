@@ -31,12 +31,12 @@ Overflow guard: a float field is cast only when every *finite* source value fits
 finite range (``|x| <= 65504`` for fp16). The check reads the source with numpy's SIMD reductions
 (about twice as fast as ``torch.aminmax`` here): max and min as the fast path; a side whose bound
 is non-finite (the field holds -inf/inf/nan of its own, e.g. masked logprobs) is checked exactly:
-the values below -65504 must all be -inf (their max, a masked reduction, is -inf; nan compares
-false). A field that held -inf in its previous frame skips the min (a speed hint only; the answer
-is the same; likewise +inf above the range). It never inspects the cast result for inf, because
-NPUs before Ascend 910B saturate to 65504 instead of producing inf. A field that does not fit is
-sent in its original dtype, bit-exact, and counted (``fallbacks``). Values are never clamped.
-inf/-inf/nan already in the source are preserved by the casts.
+the values below -65504 must all be -inf (their max, a masked reduction, is -inf), likewise the
+values above 65504 must all be +inf; nan compares false. A field that held -inf in its previous
+frame skips the min (a speed hint only; the answer is the same). It never inspects the cast result
+for inf, because NPUs before Ascend 910B saturate to 65504 instead of producing inf. A field that
+does not fit is sent in its original dtype, bit-exact, and counted (``fallbacks``). Values are
+never clamped. inf/-inf/nan already in the source are preserved by the casts.
 
 Integers are narrowed from one pass in the usual case: the max of the values read as unsigned
 (numpy's SIMD max) is their max when none is negative; a field with a negative value is sized from
