@@ -1,53 +1,72 @@
 """torch.distributed weight transports on a dedicated process group.
 
-Both sides take part in every collective. The sender owns a ``TCPStore`` (its address is the
+Both sides take part in every transfer. The sender owns a ``TCPStore`` (its address is the
 picklable handle) and, on its first publish, builds a dedicated process group with the receivers
 (rank 0 = sender). The store doubles as the *version notice*: ``publish`` sets ``<model_id>/latest``
-before the first collective, so ``latest_version()`` is one store round trip and a receiver joins the
-broadcast only when a newer version is being sent.
+before the first message, so ``latest_version()`` is one store round trip and a receiver joins the
+transfer only when a newer version is being sent.
 
-``broadcast`` (bucketed, streaming)
-    Per bucket (``bucket_bytes``): one control message (fixed 64 KiB ``uint8`` tensor: JSON with the
-    entries, their offsets and the crc32c per chunk of the *previous* bucket, so that both sides
-    checksum one bucket while the next is on the wire) followed by the data: tensors of at least
-    ``BIG`` bytes are broadcast as they are (no packing copy), smaller ones packed into one buffer.
-    Controls, sends and receives are issued asynchronously (the receiver posts the next control
-    before it waits for the current data) so that the fixed cost of each collective overlaps with
-    the transfer of the previous ones; the receiver writes big tensors straight into the
-    destination (no copy). One bucket is in flight while the next one is collected. A final ``end``
-    control carries the bucket count and byte total; a sender whose source fails sends ``abort``.
+``broadcast`` (streaming, every chunk checksummed)
+    The tensors are cut into *messages* of at most ``bucket_bytes`` (the unit of one transfer call):
+    a tensor of at least ``min(BIG, bucket_bytes)`` bytes goes by whole rows straight from its own
+    memory (no packing copy; the receiver writes it straight into the destination), smaller ones
+    are packed into one buffer per bucket. A *control* message (a 64 KiB ``uint8`` head holding
+    JSON) comes before every *group* of about ``group_bytes`` (64 MiB): the group's tensors, their
+    offsets and its message ranges, plus the checksums of the messages the sender has finished
+    since the previous control. The checksum is xxh3-64 (named ``"algo": "xxh3"`` in the controls)
+    of every ``chunk_bytes`` slice of a message. Each side checksums a message right after its own
+    transfer of it completed, while the data is still in the CPU caches (~60 GB/s there against
+    ~21 GB/s from memory) and while the next messages are on the wire; the receiver compares as
+    the sender's checksums arrive, and the final ``end`` control carries the last ones and the
+    totals. A mismatch (or a missing checksum) makes ``fetch_into`` raise :class:`WeightSyncError`
+    naming the message and its tensors once the stream has ended (the stream is always consumed, so
+    the group stays in step); the destination is a staging buffer, so no switch happens and the
+    active version stays. A sender whose source fails sends ``abort``. At most ``WINDOW`` messages
+    of the sender are in flight. On the built-in gloo group messages are tagged point-to-point
+    send/recv (gloo posts them directly, without queueing behind its two collective worker threads,
+    so any number is in flight); with a group handed in (hccl/nccl) they are broadcasts in issue
+    order.
 
 ``per_param`` (baseline)
     One control message listing every tensor, then one synchronous broadcast per parameter: what
     TRL's server mode does with its communicator. No checksums. It holds references to all tensors
     of the version (fine for a module's own parameters, not meant for ZeRO-3 gathers).
 
-A dead peer surfaces as :class:`~mrl_plugins.errors.StageTimeoutError`: every collective has the
+A dead peer surfaces as :class:`~mrl_plugins.errors.StageTimeoutError`: every wait has the
 configured timeout and a closed connection is reported as the peer's death.
 """
 
 from __future__ import annotations
 
+import bisect
 import datetime
 import json
+import secrets
 import struct
 import time
 import uuid as uuidlib
+from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from mrl_plugins.errors import StageTimeoutError
+from mrl_plugins.errors import StageTimeoutError, choices
 from mrl_plugins.hookspecs import PublishReport
 
 from .config import WeightSyncConfig
-from .shards import ST_TO_DTYPE, Dest, WeightSyncError, align, as_bytes, checksum, st_dtype
+from .shards import CHECKSUM_ALGOS, ST_TO_DTYPE, Dest, WeightSyncError, align, as_bytes, chunk_checksums, st_dtype
 
 CTRL_BYTES = 64 << 10
-MAGIC = b"MRLWSBC1"
-BIG = 1 << 20  # tensors >= 1 MiB are sent as they are
+MAGIC = b"MRLWSBC2"
+HEAD = 24  # MAGIC, JSON length, tag base
+BIG = 1 << 20  # tensors >= 1 MiB (or >= one bucket) are sent from their own memory
+GROUP_BYTES = 64 << 20  # tensor bytes described by one control message
+WINDOW_BYTES = 64 << 20  # the sender waits for (and checksums) its oldest message beyond this many bytes in flight
+CONNECTIONS = 2  # TCP connections per pair of the built-in gloo group (one gloo I/O thread each)
+ALGO = "xxh3"
+TAG_SPAN = (1 << 31) - 2  # gloo tags are non-negative 32-bit ints; tag 0 is each publish's first control
 
 
 def backend_name() -> str:
@@ -70,12 +89,18 @@ def _peer_error(exc: BaseException, what: str, timeout: float) -> StageTimeoutEr
     return StageTimeoutError(f"{what}: peer dead or not answering within {timeout:.1f}s ({type(exc).__name__}: {exc})")
 
 
+def _tag(base: int, seq: int) -> int:
+    return 1 + (base + seq) % TAG_SPAN
+
+
 class _Group:
     """A dedicated group: a raw ``ProcessGroupGloo`` on our own store, or a group handed in by the caller."""
 
-    def __init__(self, store: Any, rank: int, world: int, timeout: float, group: Any = None) -> None:
+    def __init__(
+        self, store: Any, rank: int, world: int, timeout: float, group: Any = None, connections: int = 1
+    ) -> None:
         self.store, self.rank, self.world, self.timeout = store, rank, world, timeout
-        self.group = group
+        self.group, self.connections = group, connections
         self.pg: Any = None
 
     def connect(self, timeout: float) -> None:
@@ -90,7 +115,13 @@ class _Group:
                 "broadcast transport (the built-in dedicated group is gloo)"
             )
         try:
-            self.pg = dist.ProcessGroupGloo(self.store, self.rank, self.world, _td(timeout))
+            if self.connections > 1:
+                opts = dist.ProcessGroupGloo._Options()
+                opts._timeout = _td(timeout)
+                opts._devices = [dist.ProcessGroupGloo.create_default_device() for _ in range(self.connections)]
+                self.pg = dist.ProcessGroupGloo(self.store, self.rank, self.world, opts)
+            else:
+                self.pg = dist.ProcessGroupGloo(self.store, self.rank, self.world, _td(timeout))
         except RuntimeError as exc:
             raise _peer_error(exc, "creating the weight-sync process group", timeout) from None
 
@@ -112,29 +143,61 @@ class _Group:
         except RuntimeError as exc:
             raise _peer_error(exc, "weight broadcast", timeout) from None
 
-    @staticmethod
-    def wait(work: Any, timeout: float) -> None:
+    def post(self, t: torch.Tensor, tag: int, timeout: float) -> list[Any]:
+        """Start moving ``t``: the sender to every receiver, a receiver from the sender (``tag`` on our own group)."""
+        if self.group is not None:
+            return [self.bcast(t, timeout, async_op=True)]
         try:
-            work.wait()
+            if self.rank == 0:
+                return [self.pg.send([t], r, tag) for r in range(1, self.world)]
+            return [self.pg.recv([t], 0, tag)]
         except RuntimeError as exc:
-            raise _peer_error(exc, "weight broadcast", timeout) from None
+            raise _peer_error(exc, "weight transfer", timeout) from None
+
+    def wait(self, work: Any, timeout: float) -> None:
+        try:
+            if self.group is None:
+                work.wait(_td(timeout))
+            else:
+                work.wait()
+        except RuntimeError as exc:
+            raise _peer_error(exc, "weight transfer", timeout) from None
 
 
-def _ctrl_pack(msg: dict) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _ctrl_pack(msg: dict, base: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A control message: the fixed-size head (MAGIC, length, tag base, JSON) and the JSON that did not fit."""
     raw = json.dumps(msg, separators=(",", ":")).encode()
     head = torch.zeros(CTRL_BYTES, dtype=torch.uint8)
-    room = CTRL_BYTES - 16
-    head[:16] = torch.frombuffer(bytearray(MAGIC + struct.pack("<Q", len(raw))), dtype=torch.uint8)
+    room = CTRL_BYTES - HEAD
+    head[:HEAD] = torch.frombuffer(bytearray(MAGIC + struct.pack("<QQ", len(raw), base)), dtype=torch.uint8)
     first = raw[:room]
-    head[16 : 16 + len(first)] = torch.frombuffer(bytearray(first), dtype=torch.uint8)
+    head[HEAD : HEAD + len(first)] = torch.frombuffer(bytearray(first), dtype=torch.uint8)
     rest = None
     if len(raw) > room:
         rest = torch.frombuffer(bytearray(raw[room:]), dtype=torch.uint8)
     return head, rest
 
 
+def _ctrl_head(head: torch.Tensor) -> tuple[int, int, bytes]:
+    """Length, tag base and the first part of the JSON of a control head."""
+    raw = bytes(head[:HEAD].numpy())
+    if raw[:8] != MAGIC:
+        raise WeightSyncError("weight broadcast: bad control message (stream out of step)")
+    n, base = struct.unpack("<QQ", raw[8:])
+    return n, base, bytes(head[HEAD : HEAD + min(n, CTRL_BYTES - HEAD)].numpy())
+
+
+def _row_split(rows: int, row_bytes: int, bucket: int) -> list[tuple[int, int]]:
+    """Row ranges of about equal size, each at most ``bucket`` bytes (at least one row)."""
+    per = max(1, bucket // max(1, row_bytes))
+    k = -(-rows // per)
+    per = -(-rows // k)
+    return [(r, min(rows, r + per)) for r in range(0, rows, per)]
+
+
 class _BaseSender:
     kind = "broadcast"
+    connections = 1  # of the built-in gloo group
 
     def __init__(
         self,
@@ -159,7 +222,9 @@ class _BaseSender:
             host, port, world_size=world_size, is_master=True, timeout=_td(self.timeout), wait_for_workers=False
         )
         self.port = self.store.port
-        self.g = _Group(self.store, 0, world_size, self.timeout, group)
+        if group is not None or not hasattr(dist.ProcessGroupGloo, "_Options"):
+            self.connections = 1
+        self.g = _Group(self.store, 0, world_size, self.timeout, group, self.connections)
         # gloo moves host tensors only; device backends (hccl/nccl, via ``group``) take device tensors
         self._host_only = group is None or dist.get_backend(group) == "gloo"
         self._latest: int | None = None
@@ -167,7 +232,14 @@ class _BaseSender:
 
     def receiver_handle(self) -> BroadcastHandle:
         return BroadcastHandle(
-            self.kind, self.host, self.port, self.world, self.model_id, self.timeout, self.config.verify_checksum
+            self.kind,
+            self.host,
+            self.port,
+            self.world,
+            self.model_id,
+            self.timeout,
+            self.config.verify_checksum,
+            self.connections,
         )
 
     def _start(self, version: int) -> None:
@@ -194,78 +266,136 @@ class _BaseSender:
         self.store = None
 
 
+class _Outbox:
+    """The sender's messages of one publish: tags, the in-flight window, checksums of the finished ones."""
+
+    def __init__(self, g: _Group, timeout: float, chunk: int, algo: str | None, window_bytes: int) -> None:
+        self.g, self.timeout, self.chunk, self.algo, self.window_bytes = g, timeout, chunk, algo, window_bytes
+        self.base = secrets.randbelow(TAG_SPAN)
+        self.seq = 0
+        self.fifo: deque[tuple[list[Any], torch.Tensor, bool]] = deque()
+        self.inflight = 0  # bytes
+        self.sums: list[list[int]] = []  # checksums no control has carried yet, in message order
+        self.carried = 0  # checksums carried by earlier controls
+        self.first = True
+
+    def post(self, buf: torch.Tensor, data: bool = True, tag: int | None = None) -> None:
+        if tag is None:
+            tag = _tag(self.base, self.seq)
+            self.seq += 1
+        self.fifo.append((self.g.post(buf, tag, self.timeout), buf, data))
+        self.inflight += buf.numel()
+        while len(self.fifo) > 1 and self.inflight > self.window_bytes:
+            self.retire()
+
+    def retire(self) -> None:
+        """Wait for the oldest message; checksum it right away, while it is still in the caches."""
+        works, buf, data = self.fifo.popleft()
+        self.inflight -= buf.numel()
+        for w in works:
+            self.g.wait(w, self.timeout)
+        if data and self.algo is not None:
+            self.sums.append(chunk_checksums(buf, self.chunk, self.algo))
+
+    def drain(self) -> None:
+        while self.fifo:
+            self.retire()
+
+    def ctrl(self, msg: dict) -> None:
+        msg["c0"], msg["crcs"] = self.carried, self.sums
+        self.carried += len(self.sums)
+        self.sums = []
+        head, rest = _ctrl_pack(msg, self.base)
+        self.post(head, data=False, tag=0 if self.first else None)
+        self.first = False
+        if rest is not None:
+            self.post(rest, data=False)
+
+
 class BroadcastSender(_BaseSender):
-    """Bucketed, streaming broadcast (see the module docstring)."""
+    """Streaming, checksummed transfer (see the module docstring)."""
 
     kind = "broadcast"
+    connections = CONNECTIONS
 
-    def __init__(self, config: WeightSyncConfig, **kw: Any) -> None:
+    def __init__(self, config: WeightSyncConfig, *, group_bytes: int = GROUP_BYTES, **kw: Any) -> None:
         super().__init__(config, **kw)
         self.bucket_bytes = config.bucket_for("broadcast")
         self.chunk_bytes = config.chunk_for("broadcast")
+        self.group_bytes = max(int(group_bytes), 1)
 
-    def _crcs(self, buf: torch.Tensor) -> list[int]:
-        if not self.config.verify_checksum:
-            return []
-        c = self.chunk_bytes
-        return [checksum(buf[i : i + c]) for i in range(0, buf.numel(), c)]
+    def _layout(self, group: list[tuple[str, torch.Tensor]]) -> tuple[list, list, list[torch.Tensor]]:
+        """Entries ``[name, dtype, shape, offset, nbytes]``, message ranges ``[offset, nbytes]`` and their buffers."""
+        entries: list[list] = []
+        msgs: list[list[int]] = []
+        bufs: list[torch.Tensor] = []
+        small: list[tuple[str, str, torch.Tensor]] = []
+        big, off = min(BIG, self.bucket_bytes), 0
+        for name, t in group:
+            dt = st_dtype(t.dtype)
+            if t.dim() == 0 or t.nbytes < big:
+                small.append((name, dt, t))
+                continue
+            entries.append([name, dt, list(t.shape), off, t.nbytes])
+            b, row = as_bytes(t), t.nbytes // t.shape[0]
+            for r0, r1 in _row_split(t.shape[0], row, self.bucket_bytes):
+                msgs.append([off + r0 * row, (r1 - r0) * row])
+                bufs.append(b[r0 * row : r1 * row])
+            off = align(off + t.nbytes)
+        lay: list[tuple[int, torch.Tensor]] = []
+        start = off
+
+        def pack() -> None:
+            buf = torch.empty(off - start, dtype=torch.uint8)
+            for o, t in lay:
+                buf[o : o + t.nbytes].copy_(as_bytes(t))
+            msgs.append([start, off - start])
+            bufs.append(buf)
+
+        for name, dt, t in small:
+            if lay and off + t.nbytes - start > self.bucket_bytes:
+                pack()
+                lay, start = [], off
+            entries.append([name, dt, list(t.shape), off, t.nbytes])
+            if t.nbytes:
+                lay.append((off - start, t))
+                off = align(off + t.nbytes)
+        if lay:
+            pack()
+        return entries, msgs, bufs
 
     def publish(self, version: int, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> PublishReport:
         self._start(version)
         t0 = time.perf_counter()
         uid = uuidlib.uuid4().hex
-        inflight: list[Any] = []  # works (and their tensors) of the previous bucket
-        older: list[Any] = []  # ... of the bucket before: at most two buckets are in flight
-        prev_bufs: list[torch.Tensor] = []  # its data, checksummed while it is on the wire
-        nbytes, nbuckets = 0, 0
-        big: list[tuple[str, torch.Tensor]] = []
-        small: list[tuple[str, torch.Tensor]] = []
-        held, meta_len = 0, 0
+        algo = ALGO if self.config.verify_checksum else None
+        out = _Outbox(self.g, self.timeout, self.chunk_bytes, algo, WINDOW_BYTES)
+        group: list[tuple[str, torch.Tensor]] = []
+        nbytes, ngroups, nmsgs, held, meta_len = 0, 0, 0, 0, 0
 
         def flush() -> None:
-            nonlocal inflight, older, nbuckets, held, meta_len, big, small, prev_bufs
-            if not big and not small:
+            nonlocal group, held, meta_len, ngroups, nmsgs
+            if not group:
                 return
-            entries, sends, bufs, off = [], [], [], 0
-            for name, t in big:
-                b = as_bytes(t)
-                entries.append([name, st_dtype(t.dtype), list(t.shape), off, t.nbytes])
-                sends.append([off, t.nbytes])
-                bufs.append(b)
-                off = align(off + t.nbytes)
-            if small:
-                start, lay = off, []
-                for name, t in small:
-                    entries.append([name, st_dtype(t.dtype), list(t.shape), off, t.nbytes])
-                    lay.append((off - start, t))
-                    off = align(off + t.nbytes)
-                pack = torch.empty(off - start, dtype=torch.uint8)
-                for o, t in lay:
-                    pack[o : o + t.nbytes].copy_(as_bytes(t))
-                sends.append([start, pack.numel()])
-                bufs.append(pack)
-            prev_crcs = [self._crcs(b) for b in prev_bufs]  # overlaps with the previous bucket's transfer
-            older = inflight
-            msg = {
-                "k": "bucket",
-                "v": version,
-                "uuid": uid,
-                "model_id": self.model_id,
-                "i": nbuckets,
-                "entries": entries,
-                "sends": sends,
-                "chunk": self.chunk_bytes,
-                "prev_crcs": prev_crcs,
-            }
-            head, rest = _ctrl_pack(msg)
-            tensors = [head] + ([rest] if rest is not None else []) + bufs
-            inflight = ([self.g.bcast(t, self.timeout, async_op=True) for t in tensors], tensors)
-            for w in older[0] if older else []:  # the previous bucket: now only this one is in flight
-                self.g.wait(w, self.timeout)
-            older = []
-            prev_bufs = bufs
-            nbuckets += 1
-            big, small, held, meta_len = [], [], 0, 0
+            entries, msgs, bufs = self._layout(group)
+            out.ctrl(
+                {
+                    "k": "bucket",
+                    "v": version,
+                    "uuid": uid,
+                    "model_id": self.model_id,
+                    "i": ngroups,
+                    "entries": entries,
+                    "msgs": msgs,
+                    "algo": out.algo,
+                    "chunk": self.chunk_bytes,
+                }
+            )
+            for b in bufs:
+                out.post(b)
+            ngroups += 1
+            nmsgs += len(bufs)
+            group, held, meta_len = [], 0, 0
 
         try:
             for name, t in named_tensors:
@@ -274,35 +404,27 @@ class BroadcastSender(_BaseSender):
                     t = t.cpu()
                 t = t.contiguous()
                 nbytes += t.nbytes
-                meta_len += len(name) + 96
-                if t.nbytes >= BIG:
-                    big.append((name, t))
-                else:
-                    small.append((name, t))
+                group.append((name, t))
                 held += t.nbytes
-                if held >= self.bucket_bytes or meta_len > CTRL_BYTES // 2:
+                meta_len += len(name) + 96 + 48 * (t.nbytes // self.bucket_bytes + 1)
+                if held >= self.group_bytes or meta_len > CTRL_BYTES // 2:
                     flush()
             flush()
-            prev_crcs = [self._crcs(b) for b in prev_bufs]
-            for pair in (older, inflight):
-                for w in pair[0] if pair else []:
-                    self.g.wait(w, self.timeout)
-            older, inflight, prev_bufs = [], [], []
-            end = {"k": "end", "v": version, "uuid": uid, "count": nbuckets, "nbytes": nbytes, "prev_crcs": prev_crcs}
-            self._ctrl(end)
+            out.drain()
+            out.ctrl({"k": "end", "v": version, "uuid": uid, "count": ngroups, "msgs": nmsgs, "nbytes": nbytes})
+            out.drain()
         except StageTimeoutError:
             raise
         except BaseException:
             try:
-                for pair in (older, inflight):
-                    for w in pair[0] if pair else []:
-                        self.g.wait(w, self.timeout)
-                self._ctrl({"k": "abort", "v": version, "uuid": uid})
+                out.drain()
+                out.ctrl({"k": "abort", "v": version, "uuid": uid})
+                out.drain()
             except Exception:  # noqa: BLE001 - the original error matters more
                 pass
             raise
         self._latest = version
-        return PublishReport(self.model_id, version, nbytes, time.perf_counter() - t0, nbuckets)
+        return PublishReport(self.model_id, version, nbytes, time.perf_counter() - t0, nmsgs)
 
 
 class PerParamSender(_BaseSender):
@@ -343,12 +465,45 @@ class BroadcastHandle:
     model_id: str
     timeout_s: float
     verify: bool = True
+    connections: int = 1
 
     def attach(self, rank: int = 1, group: Any = None) -> BroadcastReceiver:
         """Connect as ``rank`` (1..world_size-1); the group itself is built at the first fetch."""
         if not 1 <= rank < self.world_size:
             raise WeightSyncError(f"receiver rank must be in 1..{self.world_size - 1}, got {rank}")
         return BroadcastReceiver(self, rank, group)
+
+
+class _Inbox:
+    """The receiver's side of :class:`_Outbox`: the same tags, in the same order."""
+
+    def __init__(self, g: _Group, timeout: float) -> None:
+        self.g, self.timeout = g, timeout
+        self.base: int | None = None
+        self.seq = 0
+
+    def post(self, buf: torch.Tensor, tag: int | None = None) -> tuple[torch.Tensor, Any]:
+        if tag is None:
+            tag = _tag(self.base or 0, self.seq)
+            self.seq += 1
+        return buf, self.g.post(buf, tag, self.timeout)[0]
+
+    def post_ctrl(self) -> tuple[torch.Tensor, Any]:
+        return self.post(torch.empty(CTRL_BYTES, dtype=torch.uint8), tag=0 if self.base is None else None)
+
+    def ctrl(self, posted: tuple[torch.Tensor, Any]) -> dict:
+        head, work = posted
+        self.g.wait(work, self.timeout)
+        n, base, body = _ctrl_head(head)
+        if self.base is None:
+            self.base = base
+        elif base != self.base:
+            raise WeightSyncError("weight broadcast: control message of another publish (stream out of step)")
+        if n > CTRL_BYTES - HEAD:
+            rest, work = self.post(torch.empty(n - (CTRL_BYTES - HEAD), dtype=torch.uint8))
+            self.g.wait(work, self.timeout)
+            body += bytes(rest.numpy())
+        return json.loads(body)
 
 
 class BroadcastReceiver:
@@ -364,7 +519,7 @@ class BroadcastReceiver:
             )
         except RuntimeError as exc:
             raise _peer_error(exc, f"connecting to the weight-sync store {h.host}:{h.port}", h.timeout_s) from None
-        self.g = _Group(self.store, rank, h.world_size, h.timeout_s, group)
+        self.g = _Group(self.store, rank, h.world_size, h.timeout_s, group, h.connections)
         self._key = f"{h.model_id}/latest"
 
     def latest_version(self) -> int | None:
@@ -376,21 +531,13 @@ class BroadcastReceiver:
         except RuntimeError as exc:
             raise _peer_error(exc, f"reading the version of model_id={self.h.model_id}", self.h.timeout_s) from None
 
-    def _post_ctrl(self, timeout: float) -> tuple[torch.Tensor, Any]:
+    def _recv_ctrl(self, timeout: float) -> dict:
+        """A control message of the per-parameter baseline (broadcasts)."""
         head = torch.empty(CTRL_BYTES, dtype=torch.uint8)
-        return head, self.g.bcast(head, timeout, async_op=True)
-
-    def _recv_ctrl(self, timeout: float, posted: tuple[torch.Tensor, Any] | None = None) -> dict:
-        head, work = posted or self._post_ctrl(timeout)
-        self.g.wait(work, timeout)
-        raw = bytes(head[:16].numpy())
-        if raw[:8] != MAGIC:
-            raise WeightSyncError("weight broadcast: bad control message (stream out of step)")
-        (n,) = struct.unpack("<Q", raw[8:])
-        room = CTRL_BYTES - 16
-        body = bytes(head[16 : 16 + min(n, room)].numpy())
-        if n > room:
-            rest = torch.empty(n - room, dtype=torch.uint8)
+        self.g.bcast(head, timeout)
+        n, _, body = _ctrl_head(head)
+        if n > CTRL_BYTES - HEAD:
+            rest = torch.empty(n - (CTRL_BYTES - HEAD), dtype=torch.uint8)
             self.g.bcast(rest, timeout)
             body += bytes(rest.numpy())
         return json.loads(body)
@@ -399,17 +546,24 @@ class BroadcastReceiver:
         """Take part in the sender's next publish and copy it into ``dest``. Returns tensor bytes."""
         timeout = self.h.timeout_s if timeout is None else timeout
         self.g.connect(timeout)
-        msg = self._recv_ctrl(timeout)
         bad: list[str] = []
-        if msg.get("v") != version:
-            bad.append(f"asked for version {version}, the sender is publishing {msg.get('v')}")
-        if msg["k"] == "params":
+        if self.h.kind == "per_param":
+            msg = self._recv_ctrl(timeout)
+            self._check_version(msg, version, bad)
             n = self._recv_params(msg, dest, timeout, bad)
         else:
-            n = self._recv_buckets(msg, dest, timeout, bad, version)
+            inbox = _Inbox(self.g, timeout)
+            msg = inbox.ctrl(inbox.post_ctrl())
+            self._check_version(msg, version, bad)
+            n = self._recv_stream(inbox, msg, dest, bad, version)
         if bad:
             raise WeightSyncError(f"model_id={self.h.model_id}: " + "; ".join(bad[:3]))
         return n
+
+    @staticmethod
+    def _check_version(msg: dict, version: int, bad: list[str]) -> None:
+        if msg.get("v") != version:
+            bad.append(f"asked for version {version}, the sender is publishing {msg.get('v')}")
 
     def _target(self, dest: Dest, name: str, dtype: torch.dtype, shape: list[int], bad: list[str]) -> Any:
         if callable(dest) and not hasattr(dest, "get"):
@@ -422,11 +576,13 @@ class BroadcastReceiver:
             t = None
         return t
 
-    def _deliver(self, dest: Dest, name: str, target: Any, view: torch.Tensor) -> None:
+    def _deliver(self, dest: Dest, name: str, target: Any, view: torch.Tensor, row0: int = 0) -> None:
         if target is not None:
+            if row0 or (view.dim() and view.shape[0] != target.shape[0]):
+                target = target[row0 : row0 + view.shape[0]]
             target.copy_(view)
         elif callable(dest) and not hasattr(dest, "get"):
-            dest(name, 0, view)
+            dest(name, row0, view)
 
     def _recv_params(self, msg: dict, dest: Dest, timeout: float, bad: list[str]) -> int:
         n = 0
@@ -444,65 +600,107 @@ class BroadcastReceiver:
             n += nb
         return n
 
-    def _recv_buckets(self, msg: dict, dest: Dest, timeout: float, bad: list[str], version: int) -> int:
-        n, buckets, uid = 0, 0, msg.get("uuid")
-        pending: list[torch.Tensor] = []  # previous bucket's data; its crcs come with the next control
-        chunk = int(msg.get("chunk", 1 << 22))
+    def _plan(self, msg: dict, dest: Dest, bad: list[str]) -> tuple[list[tuple[torch.Tensor, list, str]], dict]:
+        """Per message of a group: the buffer to receive into, the copies to make from it, its tensors' names.
 
-        def verify(prev_crcs: list) -> None:
-            if self.h.verify and pending:
-                for buf, crcs in zip(pending, prev_crcs):
-                    got = [checksum(buf[i : i + chunk]) for i in range(0, buf.numel(), chunk)]
-                    if crcs and got != crcs:
-                        bad.append(f"checksum mismatch in bucket {buckets - 1} (version {version})")
-                if len(prev_crcs) != len(pending):
-                    bad.append(f"bucket {buckets - 1}: {len(prev_crcs)} checksum lists for {len(pending)} sends")
+        A message that is exactly a row range of one tensor whose destination is a contiguous CPU tensor is
+        received in place; anything else goes through a temporary buffer. Also returns the destinations.
+        """
+        entries = [e for e in msg["entries"] if e[4]]
+        targets: dict[str, Any] = {}
+        for name, dt, shape, _, nb in msg["entries"]:
+            targets[name] = self._target(dest, name, ST_TO_DTYPE[dt], shape, bad)
+            if nb == 0 and not bad:
+                self._deliver(dest, name, targets[name], torch.empty(shape, dtype=ST_TO_DTYPE[dt]))
+        starts = [e[3] for e in entries]
+        plan = []
+        for a, nb in msg["msgs"]:
+            b = a + nb
+            i = max(0, bisect.bisect_right(starts, a) - 1)
+            copies = []  # (name, dtype, piece shape, offset in the message, bytes, row0, offset in the tensor)
+            while i < len(entries) and entries[i][3] < b:
+                name, dt, shape, off, enb = entries[i]
+                lo, hi = max(a, off), min(b, off + enb)
+                if lo < hi:
+                    row = enb // (shape[0] if shape else 1)
+                    if (lo - off) % row or (hi - off) % row:
+                        raise WeightSyncError(f"weight broadcast: message [{a}, {b}) cuts a row of {name}")
+                    r0, r1 = (lo - off) // row, (hi - off) // row
+                    piece = [r1 - r0, *shape[1:]] if shape else []
+                    copies.append((name, ST_TO_DTYPE[dt], piece, lo - a, hi - lo, r0, lo - off))
+                i += 1
+            if not copies:
+                raise WeightSyncError(f"weight broadcast: message [{a}, {b}) holds no tensor (stream out of step)")
+            label = ", ".join(c[0] for c in copies[:3]) + (", ..." if len(copies) > 3 else "")
+            name, _, _, mo, cnb, _, toff = copies[0]
+            tgt = targets.get(name)
+            direct = len(copies) == 1 and mo == 0 and cnb == nb and tgt is not None
+            if direct and tgt.is_contiguous() and tgt.device.type == "cpu":
+                plan.append((as_bytes(tgt)[toff : toff + nb], [], label))
+            else:
+                plan.append((torch.empty(nb, dtype=torch.uint8), copies, label))
+        return plan, targets
+
+    def _recv_stream(self, inbox: _Inbox, msg: dict, dest: Dest, bad: list[str], version: int) -> int:
+        n, groups, uid = 0, 0, msg.get("uuid")
+        mine: list[list[int]] = []  # checksums of the received messages, in order
+        theirs: list[list[int]] = []  # ... as the sender computed them
+        labels: list[str] = []
+        checked = 0
+        verify, algo = self.h.verify, None
+
+        def compare(m: dict) -> None:
+            nonlocal checked
+            if m.get("c0") != len(theirs):
+                raise WeightSyncError("weight broadcast: checksums out of step with the messages")
+            theirs.extend(m.get("crcs") or [])
+            upto = min(len(theirs), len(mine))
+            for i in range(checked, upto):
+                if theirs[i] != mine[i]:
+                    bad.append(f"checksum mismatch in message {i} ({labels[i]}) of version {version}")
+            checked = max(checked, upto)
 
         while True:
             k = msg["k"]
             if k == "abort":
                 raise WeightSyncError(f"model_id={self.h.model_id}: the sender aborted version {msg.get('v')}")
+            if msg.get("uuid") != uid:
+                raise WeightSyncError(f"weight broadcast: control message of another publish ({k!r})")
+            if verify:
+                compare(msg)
             if k == "end":
-                verify(msg.get("prev_crcs", []))
-                if msg["count"] != buckets or msg["nbytes"] != n:
-                    bad.append(f"got {buckets} buckets/{n} bytes, sender sent {msg['count']}/{msg['nbytes']}")
+                if msg["count"] != groups or msg["nbytes"] != n or msg["msgs"] != len(labels):
+                    bad.append(
+                        f"got {groups} groups/{len(labels)} messages/{n} bytes, the sender sent "
+                        f"{msg['count']}/{msg['msgs']}/{msg['nbytes']}"
+                    )
+                if verify and not len(theirs) == len(mine) == len(labels):
+                    bad.append(f"{len(theirs)} checksums for {len(labels)} messages (version {version})")
                 return n
-            if k != "bucket" or msg.get("uuid") != uid or msg.get("i") != buckets:
-                raise WeightSyncError(f"weight broadcast: unexpected control message {k!r} (bucket {buckets})")
-            ents = msg["entries"]
-            works, checks, copies = [], [], []
-            for off, nb in msg["sends"]:
-                inside = [e for e in ents if off <= e[3] < off + nb]
-                direct = None
-                if len(inside) == 1 and inside[0][4] == nb:
-                    name, dt, shape, _, _ = inside[0]
-                    tgt = self._target(dest, name, ST_TO_DTYPE[dt], shape, bad)
-                    if tgt is not None and tgt.is_contiguous() and tgt.device.type == "cpu":
-                        direct = as_bytes(tgt)
-                    else:
-                        copies.append((None, inside, off, tgt))
-                else:
-                    copies.append((None, inside, off, None))
-                buf = direct if direct is not None else torch.empty(nb, dtype=torch.uint8)
-                if direct is None:
-                    copies[-1] = (buf, *copies[-1][1:])
-                works.append(self.g.bcast(buf, timeout, async_op=True))
-                checks.append(buf)
-            posted = self._post_ctrl(timeout)  # the next control, so that the sender never waits for us
-            verify(msg.get("prev_crcs", []))  # the previous bucket, while this one is on the wire
-            for w in works:
-                self.g.wait(w, timeout)
-            pending = checks
-            for buf, inside, off, tgt in copies:
-                for name, dt, shape, eoff, nb in inside:
-                    dtype = ST_TO_DTYPE[dt]
-                    view = buf[eoff - off : eoff - off + nb].view(dtype).view(shape)
-                    target = tgt if tgt is not None else self._target(dest, name, dtype, shape, bad)
-                    if not bad:
-                        self._deliver(dest, name, target, view)
-            n += sum(e[4] for e in ents)
-            buckets += 1
-            msg = self._recv_ctrl(timeout, posted)
+            if k != "bucket" or msg.get("i") != groups:
+                raise WeightSyncError(f"weight broadcast: unexpected control message {k!r} (group {groups})")
+            if verify:
+                algo = msg.get("algo")
+                if algo not in CHECKSUM_ALGOS:
+                    raise WeightSyncError(
+                        f"weight broadcast: the sender checksums with {algo!r}; this receiver knows "
+                        f"{choices(CHECKSUM_ALGOS)}"
+                    )
+            chunk = int(msg["chunk"])
+            plan, targets = self._plan(msg, dest, bad)
+            posted = [inbox.post(buf)[1] for buf, _, _ in plan]
+            nxt = inbox.post_ctrl()  # the next control, so that the sender never waits for us
+            for (buf, copies, label), work in zip(plan, posted):
+                self.g.wait(work, inbox.timeout)
+                labels.append(label)
+                if verify:  # right away, while the message is in the caches
+                    mine.append(chunk_checksums(buf, chunk, algo))
+                if not bad:
+                    for name, dtype, piece, mo, cnb, r0, _ in copies:
+                        self._deliver(dest, name, targets[name], buf[mo : mo + cnb].view(dtype).view(piece), r0)
+            n += sum(e[4] for e in msg["entries"])
+            groups += 1
+            msg = inbox.ctrl(nxt)
 
     def close(self) -> None:
         self.g.pg = None
