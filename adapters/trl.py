@@ -169,6 +169,11 @@ def enable(trainer: Any, config: Any = None) -> Any:
             raise ConfigError("plugins.rollout: 'mrl' does not run TRL tool calls; set plugins.rollout: upstream")
         if cfg.rollout.old_logps == "engine":
             _check_engine_logps(trainer, kind)
+        if cfg.rollout.remote_workers and trainer.accelerator.num_processes > 1:
+            raise ConfigError(
+                f"rollout.remote_workers: remote workers serve a single training process; got "
+                f"{trainer.accelerator.num_processes} (use local workers per rank, rollout.workers)"
+            )
         if cfg.rollout.rebalance and (cfg.mode != "hybrid" or cfg.rollout.workers < 2):
             raise ConfigError(
                 f"rollout.rebalance: moves workers between the pools of mode: hybrid with rollout.workers >= 2; "
@@ -237,7 +242,7 @@ def _install_rollout(trainer: Any, state: _State, device: Any) -> None:
     gen = MrlGeneration(pm, ctx, trainer)
     model = trainer.accelerator.unwrap_model(trainer.model)
     seed = int(trainer.args.seed)
-    if cfg.rollout.workers == 0:
+    if cfg.rollout.workers == 0 and cfg.rollout.remote_workers == 0:
         runtime: Any = LocalEngineRuntime(pm, ctx, model, sampling, engine_factory, seed)
     else:
         acc = trainer.accelerator

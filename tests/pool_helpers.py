@@ -49,7 +49,7 @@ def make_pool(
         ctx,
         model,
         sampling,
-        placements=placements or [{"cores": [1], "threads": 1}],
+        placements=[{"cores": [1], "threads": 1}] if placements is None else placements,
         engine_factory=factory,
         seed=0,
         extra_models=extra_models,

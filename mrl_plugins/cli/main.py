@@ -124,6 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("compare", help="vanilla TRL vs plugins side by side: report, JSON, plots", add_help=False)
     sub.add_parser("doctor", help="pre-run checks / post-run triage", add_help=False)
     sub.add_parser("plan", help="bandwidth budget per path", add_help=False)
+    sub.add_parser("worker", help="run a rollout worker for a trainer on another host", add_help=False)
     p_bench = sub.add_parser("bench", help="benchmarks: comm, weights, rollout", add_help=False)
     p_bench.add_argument("which", nargs="?", choices=sorted(BENCHES))
     if not argv or argv[0] in ("-h", "--help"):
@@ -143,6 +144,8 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_module("mrl_plugins.cli.doctor")(rest)
         if command == "plan":
             return cmd_module("mrl_plugins.cli.plan")(rest)
+        if command == "worker":
+            return cmd_module("mrl_plugins.rollout.remote")(rest)
         if command == "bench":
             if not rest or rest[0] not in BENCHES:
                 print(

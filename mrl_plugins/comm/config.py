@@ -39,6 +39,13 @@ class CommConfig:
         default_factory=list,
         metadata={"help": "field names never sent in a lossy dtype (ints/bools stay lossless anyway)"},
     )
+    host: str = field(
+        default="127.0.0.1",
+        metadata={
+            "help": "torch_distributed: address the trainer's receiving end listens on and hands to producers "
+            "(this host's IP reachable from remote rollout workers)"
+        },
+    )
     ring_slots: int = field(default=4, metadata={"help": "frames in flight per producer in the shm ring (>= 1)"})
     slot_bytes: int = field(
         default=8 << 20, metadata={"help": "bytes per ring slot = largest frame accepted (>= 4096)"}
@@ -81,6 +88,8 @@ class CommConfig:
             val = getattr(self, key)
             if isinstance(val, bool) or not isinstance(val, int) or val < lo:
                 raise ConfigError(f"comm.{key} must be an integer >= {lo}, got {val!r}")
+        if not isinstance(self.host, str) or not self.host:
+            raise ConfigError(f"comm.host must be a host name or IP address, got {self.host!r}")
         if self.full_policy not in FULL_POLICIES:
             raise ConfigError(
                 f"comm.full_policy: unknown policy {self.full_policy!r}; valid: {choices(FULL_POLICIES)}"

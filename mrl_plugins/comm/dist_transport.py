@@ -295,4 +295,4 @@ class DistProducer:
 
 def dist_factory(config: CommConfig, *, n_producers: int, run_id: str) -> DistConsumer:
     """Transport factory registered as ``torch_distributed``."""
-    return DistConsumer(config, n_producers=n_producers, run_id=run_id)
+    return DistConsumer(config, n_producers=n_producers, run_id=run_id, host=config.host)

@@ -21,6 +21,18 @@ class RolloutConfig:
     workers: int = field(
         default=1, metadata={"help": "rollout worker processes; 0 = engine inside the trainer process (no overlap)"}
     )
+    remote_workers: int = field(
+        default=0,
+        metadata={
+            "help": "workers on other hosts, each started there with `mrl worker --connect <rendezvous> --index i` "
+            "(indices after the local ones); need comm.transport: torch_distributed and weight_sync.transport: "
+            "directory (shared filesystem) or broadcast"
+        },
+    )
+    rendezvous: str = field(
+        default="127.0.0.1:0",
+        metadata={"help": "HOST:PORT the trainer listens on for remote workers (reachable from them; port 0 = any)"},
+    )
     colocated_workers: int = field(
         default=0, metadata={"help": "hybrid mode: how many of the workers share the trainer's device"}
     )
@@ -106,7 +118,11 @@ class RolloutConfig:
         for key in ("engine_threads", "trainer_threads"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"rollout.{key}: must be >= 1, got {getattr(self, key)}")
-        for key in ("workers", "max_staleness", "restart_workers", "colocated_workers"):
+        if self.remote_workers:
+            from .remote import parse_address
+
+            parse_address(self.rendezvous)
+        for key in ("workers", "max_staleness", "restart_workers", "colocated_workers", "remote_workers"):
             if getattr(self, key) < 0:
                 raise ConfigError(f"rollout.{key}: must be >= 0, got {getattr(self, key)}")
         if self.colocated_workers > self.workers:

@@ -38,6 +38,8 @@ from mrl_plugins.hookspecs import RolloutResult, StageContext, SwitchReport
 log = logging.getLogger("mrl_plugins.rollout")
 
 REQ_STOP = None
+REMOTE_COMM = ("torch_distributed",)  # experience paths that reach other hosts
+REMOTE_WEIGHTS = ("directory", "broadcast")  # weight paths that reach other hosts
 
 
 class WorkerDiedError(MrlError):
@@ -120,7 +122,7 @@ def _build_model(spec: ServedModel) -> Any:
 
 
 def worker_main(
-    spec: WorkerSpec, requests: Any, errors: Any, parent_pid: int, ready: Any = None, events: Any = None
+    spec: WorkerSpec, requests: Any, errors: Any, parent_pid: int | None, ready: Any = None, events: Any = None
 ) -> None:
     """Entry point of a rollout worker process."""
     os.environ.update(spec.env)
@@ -137,6 +139,10 @@ def worker_main(
 
         if spec.cores:
             os.sched_setaffinity(0, spec.cores)
+        if spec.device == "auto":  # a remote worker: this host's accelerator
+            from mrl_plugins.device import get_device
+
+            spec.device = str(get_device("auto").torch_device)
         torch.set_num_threads(spec.threads)
         pm = get_plugin_manager(spec.config)
         ctx = StageContext(config=spec.config)
@@ -169,8 +175,8 @@ def worker_main(
                     events.put(("switched", spec.index, mid, version))
 
         while True:
-            if os.getppid() != parent_pid:
-                return  # trainer died: exit instead of lingering
+            if parent_pid is not None and os.getppid() != parent_pid:
+                return  # trainer died: exit instead of lingering (remote workers: its store is gone)
             try:
                 req = requests.get(timeout=0.5)
             except queue.Empty:
@@ -268,7 +274,10 @@ class WorkerPool:
 
         cfg = ctx.config
         self.pm, self.ctx, self.cfg = pm, ctx, cfg
-        self.n = len(placements)
+        remote = cfg.rollout.remote_workers
+        self.n = len(placements) + remote
+        if self.n < 1:
+            raise ConfigError("rollout.workers: a worker pool needs at least one worker (local or remote)")
         self.models = {"policy": model, **(extra_models or {})}
         priorities = cfg.rollout.model_priorities
         missing = [m for m in self.models if m not in priorities]
@@ -296,6 +305,12 @@ class WorkerPool:
         self._closed = False
         comm_name = UPSTREAM_COMM_TRANSPORT if pm.is_upstream("comm") else cfg.comm.transport
         ws_name = UPSTREAM_WEIGHT_TRANSPORT if pm.is_upstream("weight_sync") else cfg.weight_sync.transport
+        if remote and (comm_name not in REMOTE_COMM or ws_name not in REMOTE_WEIGHTS):
+            raise ConfigError(
+                f"rollout.remote_workers: workers on other hosts need comm.transport in {choices(REMOTE_COMM)} "
+                f"and weight_sync.transport in {choices(REMOTE_WEIGHTS)} (plugins 'mrl'); got {comm_name!r} and "
+                f"{ws_name!r}"
+            )
         comm_factory = pm.backend("mrl_comm_register_transports", comm_name).factory
         ws_factory = pm.backend("mrl_weight_sync_register_transports", ws_name).factory
         self.consumer = comm_factory(cfg.comm, n_producers=self.n, run_id=self.run_id)
@@ -309,11 +324,17 @@ class WorkerPool:
         }
         self._errors = self._mp.Queue()
         self._events = self._mp.Queue()
+        self._error_qs, self._event_qs = [self._errors], [self._events]
         self._ready: list[Any] = []
         self._specs = []
-        self._requests = []
+        self._requests: list[Any] = []
         self._procs: list[Any] = []
-        for i, place in enumerate(placements):
+        self.remote: Any = None
+        if remote:
+            from .remote import RemoteSlots
+
+            self.remote = RemoteSlots(cfg.rollout.rendezvous, len(placements), remote, cfg.rollout.timeout_s)
+        for i, place in enumerate([*placements, *({"device": "auto", "remote": True} for _ in range(remote))]):
             spec = WorkerSpec(
                 index=i,
                 config=cfg,
@@ -330,8 +351,18 @@ class WorkerPool:
                 log_level=logging.getLogger("mrl_plugins").getEffectiveLevel(),
             )
             self._specs.append(spec)
-            self._requests.append(self._mp.Queue())
             self._procs.append(None)
+            if place.get("remote"):
+                requests, errors, events, ready = self.remote.offer(i, spec)
+                self._requests.append(requests)
+                self._error_qs.append(errors)
+                self._event_qs.append(events)
+                self._ready.append(ready)
+                log.info(
+                    "rollout worker %d: waiting for `mrl worker --connect %s --index %d`", i, self.remote.address, i
+                )
+                continue
+            self._requests.append(self._mp.Queue())
             self._start(i)
 
     # ------------------------------------------------------------------ processes
@@ -378,11 +409,16 @@ class WorkerPool:
         return [p.pid for p in self._procs if p is not None]
 
     def _check_workers(self) -> None:
-        try:
-            idx, msg = self._errors.get_nowait()
+        for q in self._error_qs:
+            try:
+                idx, msg = q.get_nowait()
+            except queue.Empty:
+                continue
             raise WorkerDiedError(f"rollout worker {idx} failed: {msg}")
-        except queue.Empty:
-            pass
+        for i in self.remote.indices if self.remote is not None else ():
+            why = self.remote.check_alive(i, self._ready[i].is_set())
+            if why is not None:
+                raise WorkerDiedError(f"{why} (remote workers are not restarted: start `mrl worker` again)")
         for i, proc in enumerate(self._procs):
             if proc is not None and not proc.is_alive():
                 if self._restarts < self.cfg.rollout.restart_workers:
@@ -420,6 +456,8 @@ class WorkerPool:
 
         if not 0 <= i < self.n:
             raise ConfigError(f"move_worker: no worker {i}; workers are 0..{self.n - 1}")
+        if self._procs[i] is None:
+            raise ConfigError(f"move_worker: worker {i} runs on another host; restart its `mrl worker` instead")
         if i in self._draining or self.n - len(self._draining) < 2:
             raise ConfigError("move_worker: needs another active worker to serve while this one moves")
         timeout = self.cfg.rollout.start_timeout_s if timeout is None else timeout
@@ -486,13 +524,14 @@ class WorkerPool:
 
     def _drain_events(self) -> None:
         self._check_moves()
-        while True:
-            try:
-                kind, w, mid, version = self._events.get_nowait()
-            except queue.Empty:
-                break
-            if kind == "switched":
-                self._versions[(w, mid)] = max(version, self._versions.get((w, mid), -1))
+        for q in self._event_qs:
+            while True:
+                try:
+                    kind, w, mid, version = q.get_nowait()
+                except queue.Empty:
+                    break
+                if kind == "switched":
+                    self._versions[(w, mid)] = max(version, self._versions.get((w, mid), -1))
         now = time.monotonic()
         for mid, (version, deadline) in list(self._switching.items()):
             active = [w for w in range(self.n) if w not in self._draining]
@@ -622,7 +661,7 @@ class WorkerPool:
             if remaining <= 0:
                 raise StageTimeoutError(
                     f"rollout: no answer for request {req_id} within {timeout:.0f} s (rollout.timeout_s); "
-                    f"workers alive: {[p.is_alive() for p in self._procs]}"
+                    f"workers alive: {[p.is_alive() if p is not None else 'remote' for p in self._procs]}"
                 )
             self._pump(min(0.5, remaining))
         del self._tickets[req_id]
@@ -674,6 +713,8 @@ class WorkerPool:
             except Exception:  # noqa: BLE001
                 pass
         deadline = time.monotonic() + timeout
+        if self.remote is not None:  # let remote workers take their stop before the store goes away
+            self.remote.wait_stopped(deadline)
         for proc in self._procs:
             if proc is None:
                 continue
@@ -681,7 +722,7 @@ class WorkerPool:
             if proc.is_alive():
                 proc.kill()
                 proc.join(2)
-        for q in [*self._requests, self._errors, self._events]:
+        for q in [*self._requests, *self._error_qs, *self._event_qs]:
             q.close()
             q.join_thread()
         for obj in (self.consumer, *self.senders.values()):

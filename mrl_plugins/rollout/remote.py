@@ -1,0 +1,216 @@
+"""Rollout workers on other hosts: they join the trainer's pool through a ``TCPStore`` rendezvous.
+
+The trainer (``rollout.remote_workers: N``, ``rollout.rendezvous: HOST:PORT``) owns a ``torch.distributed``
+``TCPStore`` on that address and publishes there, per remote worker ``i``, the pickled
+:class:`~mrl_plugins.rollout.pool.WorkerSpec` (config, model architectures, engine, and the handles of
+the experience and weight paths). On the other host::
+
+    mrl worker --connect HOST:PORT --index i [--device auto] [--cores 0,1] [--threads 4]
+
+fetches its spec and runs the same worker loop as a local worker. Requests travel through the store
+(:class:`StoreQueue`: small pickled prompt lists), experience through the ``torch_distributed`` comm
+transport (point-to-point over its own group), weights through a transport every host can reach
+(``directory`` on a shared filesystem, or ``broadcast``). The remote worker stamps a heartbeat in the
+store every second; a worker whose heartbeat stops for ``rollout.timeout_s`` is reported as dead
+(remote workers are not restarted by the trainer: restart ``mrl worker`` on its host). When the
+trainer goes away its store goes with it and the worker exits.
+"""
+
+from __future__ import annotations
+
+import datetime
+import pickle
+import queue
+import threading
+import time
+from typing import Any
+
+from mrl_plugins.errors import ConfigError, StageTimeoutError
+
+PREFIX = "mrl/pool"
+
+
+def parse_address(value: str, what: str = "rollout.rendezvous") -> tuple[str, int]:
+    """``HOST:PORT`` -> ``(host, port)``; a clear error for anything else (port 0 = pick a free one)."""
+    host, sep, port = str(value).rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) < 65536:
+        raise ConfigError(f"{what}: expected HOST:PORT (e.g. 10.0.0.5:29600; port 0 = any free), got {value!r}")
+    return host, int(port)
+
+
+def _td(seconds: float) -> datetime.timedelta:
+    return datetime.timedelta(seconds=seconds)
+
+
+class StoreQueue:
+    """A FIFO queue in a ``TCPStore`` (any number of producers, one consumer), with ``mp.Queue``'s calls.
+
+    ``put`` takes a slot number with the store's atomic ``add`` and writes the pickled item under it;
+    ``get`` waits for the next slot's key, reads and deletes it.
+    """
+
+    def __init__(self, store: Any, name: str) -> None:
+        self.store, self.name = store, name
+        self._head = 0
+
+    def _key(self, n: int) -> str:
+        return f"{PREFIX}/{self.name}/{n}"
+
+    def put(self, obj: Any, timeout: float | None = None) -> None:
+        n = self.store.add(f"{PREFIX}/{self.name}/tail", 1) - 1
+        self.store.set(self._key(n), pickle.dumps(obj))
+
+    def get(self, timeout: float | None = None) -> Any:
+        key = self._key(self._head)
+        if not self.store.check([key]):
+            if not timeout:
+                raise queue.Empty
+            try:
+                self.store.wait([key], _td(timeout))
+            except Exception as exc:  # the store's timeout (or a lost connection, which the caller re-checks)
+                if "timeout" in str(exc).lower() or "timed out" in str(exc).lower():
+                    raise queue.Empty from None
+                raise
+        item = pickle.loads(self.store.get(key))
+        self.store.delete_key(key)
+        self._head += 1
+        return item
+
+    def get_nowait(self) -> Any:
+        return self.get(timeout=0)
+
+    def close(self) -> None:
+        """Nothing to release (the store belongs to its owner); for ``mp.Queue`` compatibility."""
+
+    def join_thread(self) -> None:
+        """For ``mp.Queue`` compatibility."""
+
+    def cancel_join_thread(self) -> None:
+        """For ``mp.Queue`` compatibility."""
+
+
+class StoreFlag:
+    """A one-way flag in the store (``mp.Event``'s ``set``/``is_set``)."""
+
+    def __init__(self, store: Any, name: str) -> None:
+        self.store, self.key = store, f"{PREFIX}/{name}"
+
+    def set(self) -> None:
+        self.store.set(self.key, b"1")
+
+    def is_set(self) -> bool:
+        return bool(self.store.check([self.key]))
+
+    def clear(self) -> None:
+        self.store.delete_key(self.key)
+
+
+class RemoteSlots:
+    """Trainer side: the rendezvous store and, per remote worker, its queues, ready flag and heartbeat."""
+
+    def __init__(self, address: str, first_index: int, count: int, timeout: float) -> None:
+        import torch.distributed as dist
+
+        host, port = parse_address(address)
+        self.store = dist.TCPStore(host, port, None, True, timeout=_td(timeout), wait_for_workers=False)
+        self.host, self.port = host, int(self.store.port)
+        self.indices = list(range(first_index, first_index + count))
+        self.timeout = timeout
+        self._beats: dict[int, tuple[int, float]] = {}
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    def offer(self, index: int, spec: Any) -> tuple[StoreQueue, StoreQueue, StoreQueue, StoreFlag]:
+        """Publish worker ``index``'s spec; returns its (requests, errors, events, ready) channels."""
+        self.store.set(f"{PREFIX}/spec/{index}", pickle.dumps(spec))
+        self._beats[index] = (-1, time.monotonic())
+        return (
+            StoreQueue(self.store, f"req/{index}"),
+            StoreQueue(self.store, f"err/{index}"),
+            StoreQueue(self.store, f"ev/{index}"),
+            StoreFlag(self.store, f"ready/{index}"),
+        )
+
+    def wait_stopped(self, deadline: float) -> None:
+        """Until every connected remote worker acknowledged its stop (or ``deadline``, monotonic)."""
+        ready = [i for i in self.indices if StoreFlag(self.store, f"ready/{i}").is_set()]
+        flags = [StoreFlag(self.store, f"stopped/{i}") for i in ready]
+        while time.monotonic() < deadline and not all(f.is_set() for f in flags):
+            time.sleep(0.05)
+
+    def check_alive(self, index: int, ready: bool) -> str | None:
+        """Why worker ``index`` counts as dead (its heartbeat stopped for ``timeout`` s once ready), or None."""
+        beat = int(self.store.add(f"{PREFIX}/hb/{index}", 0))
+        last, since = self._beats[index]
+        now = time.monotonic()
+        if beat != last:
+            self._beats[index] = (beat, now)
+            return None
+        if ready and now - since > self.timeout:
+            return f"remote rollout worker {index} stopped heartbeating {now - since:.0f} s ago"
+        return None
+
+
+def serve(address: str, index: int, *, device: str | None = None, cores: list[int] | None = None,
+          threads: int | None = None, timeout: float = 600.0) -> None:  # fmt: skip
+    """Run remote worker ``index`` of the pool at ``address`` until the trainer stops it (``mrl worker``)."""
+    import torch.distributed as dist
+
+    from .pool import worker_main
+
+    host, port = parse_address(address, "mrl worker --connect")
+    store = dist.TCPStore(host, port, None, False, timeout=_td(timeout), wait_for_workers=False)
+    key = f"{PREFIX}/spec/{index}"
+    try:
+        store.wait([key], _td(timeout))
+    except Exception as exc:
+        raise StageTimeoutError(f"mrl worker: no spec for worker {index} at {address} within {timeout:.0f} s") from exc
+    spec = pickle.loads(store.get(key))
+    if device is not None:
+        spec.device = device
+    spec.cores = cores
+    if threads is not None:
+        spec.threads = threads
+    stop = threading.Event()
+
+    def beat() -> None:
+        while not stop.wait(1.0):
+            try:
+                store.add(f"{PREFIX}/hb/{index}", 1)
+            except Exception:  # the trainer (and its store) is gone: the worker loop notices too
+                return
+
+    store.add(f"{PREFIX}/hb/{index}", 1)
+    hb = threading.Thread(target=beat, name="mrl-remote-heartbeat", daemon=True)
+    hb.start()
+    try:
+        worker_main(
+            spec,
+            StoreQueue(store, f"req/{index}"),
+            StoreQueue(store, f"err/{index}"),
+            None,
+            StoreFlag(store, f"ready/{index}"),
+            StoreQueue(store, f"ev/{index}"),
+        )
+        StoreFlag(store, f"stopped/{index}").set()
+    finally:
+        stop.set()
+        hb.join(2)
+
+
+def cli(argv: list[str]) -> int:
+    import argparse
+
+    p = argparse.ArgumentParser(prog="mrl worker", description="run a rollout worker for a trainer on another host")
+    p.add_argument("--connect", required=True, help="the trainer's rollout.rendezvous address HOST:PORT")
+    p.add_argument("--index", type=int, required=True, help="this worker's index (as the trainer's log names it)")
+    p.add_argument("--device", default=None, help="torch device here, e.g. npu:0, cuda:0, cpu (default: trainer's)")
+    p.add_argument("--cores", default=None, help="CPU cores to bind, e.g. 0,1 (default: no binding)")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: rollout.engine_threads)")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for the trainer")
+    ns = p.parse_args(argv)
+    cores = [int(c) for c in ns.cores.split(",")] if ns.cores else None
+    serve(ns.connect, ns.index, device=ns.device, cores=cores, threads=ns.threads, timeout=ns.timeout)
+    return 0
