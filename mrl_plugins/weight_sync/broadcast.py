@@ -28,7 +28,7 @@ transfer only when a newer version is being sent.
     Transfer: on the built-in gloo group the messages are tagged point-to-point send/recv over
     ``CONNECTIONS`` (2) TCP connections per pair (consecutive tags alternate between them, each has
     its own gloo I/O thread); gloo starts these at once instead of queueing them behind its two
-    collective worker threads. The sender keeps up to ``WINDOW_BYTES`` (64 MiB) in flight and the
+    collective worker threads. The sender keeps up to ``WINDOW_BYTES`` (128 MiB) in flight and the
     receiver posts a whole group's receives on its control. With a group handed in (hccl/nccl) the
     messages are broadcasts in issue order. Measured on the 988 MB Qwen2.5-0.5B-like list (2 cores,
     see ``mrl bench weights`` and :mod:`~mrl_plugins.weight_sync.config`): the collective-per-tensor
@@ -72,7 +72,7 @@ MAGIC = b"MRLWSBC2"
 HEAD = 24  # MAGIC, JSON length, tag base
 BIG = 1 << 20  # tensors >= 1 MiB (or >= one bucket) are sent from their own memory
 GROUP_BYTES = 64 << 20  # tensor bytes described by one control message
-WINDOW_BYTES = 64 << 20  # the sender waits for (and checksums) its oldest message beyond this many bytes in flight
+WINDOW_BYTES = 128 << 20  # the sender waits for (and checksums) its oldest message beyond this many bytes in flight
 CONNECTIONS = 2  # TCP connections per pair of the built-in gloo group (one gloo I/O thread each)
 ALGO = "xxh3"
 TAG_SPAN = (1 << 31) - 2  # gloo tags are non-negative 32-bit ints; tag 0 is each publish's first control
@@ -326,6 +326,7 @@ class BroadcastSender(_BaseSender):
 
     kind = "broadcast"
     connections = CONNECTIONS
+    window_bytes = WINDOW_BYTES
 
     def __init__(self, config: WeightSyncConfig, *, group_bytes: int = GROUP_BYTES, **kw: Any) -> None:
         super().__init__(config, **kw)
@@ -378,7 +379,7 @@ class BroadcastSender(_BaseSender):
         t0 = time.perf_counter()
         uid = uuidlib.uuid4().hex
         algo = ALGO if self.config.verify_checksum else None
-        out = _Outbox(self.g, self.timeout, self.chunk_bytes, algo, WINDOW_BYTES)
+        out = _Outbox(self.g, self.timeout, self.chunk_bytes, algo, self.window_bytes)
         group: list[tuple[str, torch.Tensor]] = []
         nbytes, ngroups, nmsgs, held, meta_len = 0, 0, 0, 0, 0
 
