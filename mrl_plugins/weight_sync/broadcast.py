@@ -670,15 +670,28 @@ class BroadcastReceiver:
                     bad.append(f"checksum mismatch in message {i} ({labels[i]}) of version {version}")
             checked = max(checked, upto)
 
+        held: list[tuple] = []  # received, not yet checksummed and delivered
+
+        def finish(item: tuple) -> None:
+            buf, copies, label, targets, chunk, algo = item
+            labels.append(label)
+            if verify:  # right away, while the message is in the caches
+                mine.append(chunk_checksums(buf, chunk, algo))
+            if not bad:
+                for name, dtype, piece, mo, cnb, r0, _ in copies:
+                    self._deliver(dest, name, targets[name], buf[mo : mo + cnb].view(dtype).view(piece), r0)
+
         while True:
             k = msg["k"]
             if k == "abort":
                 raise WeightSyncError(f"model_id={self.h.model_id}: the sender aborted version {msg.get('v')}")
             if msg.get("uuid") != uid:
                 raise WeightSyncError(f"weight broadcast: control message of another publish ({k!r})")
-            if verify:
-                compare(msg)
             if k == "end":
+                for item in held:
+                    finish(item)
+                if verify:
+                    compare(msg)
                 if msg["count"] != groups or msg["nbytes"] != n or msg["msgs"] != len(labels):
                     bad.append(
                         f"got {groups} groups/{len(labels)} messages/{n} bytes, the sender sent "
@@ -687,6 +700,8 @@ class BroadcastReceiver:
                 if verify and not len(theirs) == len(mine) == len(labels):
                     bad.append(f"{len(theirs)} checksums for {len(labels)} messages (version {version})")
                 return n
+            if verify:
+                compare(msg)  # a held message is compared at a later control
             if k != "bucket" or msg.get("i") != groups:
                 raise WeightSyncError(f"weight broadcast: unexpected control message {k!r} (group {groups})")
             if verify:
@@ -700,14 +715,16 @@ class BroadcastReceiver:
             plan, targets = self._plan(msg, dest, bad)
             posted = [inbox.post(buf)[1] for buf, _, _ in plan]
             nxt = inbox.post_ctrl()  # the next control, so that the sender never waits for us
-            for (buf, copies, label), work in zip(plan, posted):
+            for item in held:  # the previous group's last message: only now, so that the wire kept going
+                finish(item)
+            held = []
+            for j, ((buf, copies, label), work) in enumerate(zip(plan, posted)):
                 self.g.wait(work, inbox.timeout)
-                labels.append(label)
-                if verify:  # right away, while the message is in the caches
-                    mine.append(chunk_checksums(buf, chunk, algo))
-                if not bad:
-                    for name, dtype, piece, mo, cnb, r0, _ in copies:
-                        self._deliver(dest, name, targets[name], buf[mo : mo + cnb].view(dtype).view(piece), r0)
+                item = (buf, copies, label, targets, chunk, algo)
+                if j == len(plan) - 1:
+                    held.append(item)  # finished once the next group's receives are posted
+                else:
+                    finish(item)
             n += sum(e[4] for e in msg["entries"])
             groups += 1
             msg = inbox.ctrl(nxt)
