@@ -26,7 +26,7 @@ class RolloutConfig:
         metadata={
             "help": "workers on other hosts, each started there with `mrl worker --connect <rendezvous> --index i` "
             "(indices after the local ones); need comm.transport: torch_distributed and weight_sync.transport: "
-            "directory (shared filesystem) or broadcast"
+            "directory (shared filesystem)"
         },
     )
     rendezvous: str = field(

@@ -39,7 +39,7 @@ log = logging.getLogger("mrl_plugins.rollout")
 
 REQ_STOP = None
 REMOTE_COMM = ("torch_distributed",)  # experience paths that reach other hosts
-REMOTE_WEIGHTS = ("directory", "broadcast")  # weight paths that reach other hosts
+REMOTE_WEIGHTS = ("directory",)  # weight paths verified to reach other hosts (broadcast: not yet)
 
 
 class WorkerDiedError(MrlError):

@@ -9,11 +9,11 @@ the experience and weight paths). On the other host::
 
 fetches its spec and runs the same worker loop as a local worker. Requests travel through the store
 (:class:`StoreQueue`: small pickled prompt lists), experience through the ``torch_distributed`` comm
-transport (point-to-point over its own group), weights through a transport every host can reach
-(``directory`` on a shared filesystem, or ``broadcast``). The remote worker stamps a heartbeat in the
-store every second; a worker whose heartbeat stops for ``rollout.timeout_s`` is reported as dead
-(remote workers are not restarted by the trainer: restart ``mrl worker`` on its host). When the
-trainer goes away its store goes with it and the worker exits.
+transport (point-to-point over its own group), weights through the ``directory`` transport on a
+filesystem every host shares (``broadcast`` is not wired for remote workers yet). The remote worker
+stamps a heartbeat in the store every second; a worker whose heartbeat stops for ``rollout.timeout_s``
+is reported as dead (remote workers are not restarted by the trainer: restart ``mrl worker`` on its
+host). When the trainer goes away its store goes with it and the worker exits.
 """
 
 from __future__ import annotations
