@@ -116,13 +116,7 @@ def test_corrupted_message_means_no_switch_and_a_clear_error():
         assert unchanged and no_switch  # the active copy still holds version 1
         assert set(v3.values()) == {3.0}
     finally:
-        child.join(10)
-        if child.is_alive():
-            child.kill()
-            child.join(5)
-        sender.close()
-        q.close()
-        q.join_thread()
+        _stop(child, sender, q)
 
 
 def _layout_receiver(handle, rank, versions, q) -> None:
@@ -229,13 +223,7 @@ def test_version_mismatch_is_reported_after_the_stream():
         sender.publish(4, mixed_tensors(1))  # completes: the receiver consumed the whole stream
         assert "asked for version 5, the sender is publishing 4" in q.get(timeout=60)
     finally:
-        child.join(10)
-        if child.is_alive():
-            child.kill()
-            child.join(5)
-        sender.close()
-        q.close()
-        q.join_thread()
+        _stop(child, sender, q)
 
 
 def test_checksum_algorithms():
@@ -306,3 +294,14 @@ def test_handed_in_group_carries_the_stream_as_ordered_broadcasts():
         for qq in (q, hq):
             qq.close()
             qq.join_thread()
+
+
+def _stop(child, sender, q) -> None:
+    """Join the receiver process (kill it if it hangs), close the sender and the result queue."""
+    child.join(10)
+    if child.is_alive():
+        child.kill()
+        child.join(5)
+    sender.close()
+    q.close()
+    q.join_thread()
