@@ -116,7 +116,7 @@ def test_corrupted_message_means_no_switch_and_a_clear_error():
         assert unchanged and no_switch  # the active copy still holds version 1
         assert set(v3.values()) == {3.0}
     finally:
-        _stop(child, sender, q)
+        _stop([child], sender, q)
 
 
 def _layout_receiver(handle, rank, versions, q) -> None:
@@ -189,14 +189,7 @@ def test_every_layout_bit_exact_to_every_receiver(world_size, monkeypatch):
         for ok in seen.values():
             assert all(ok.values()), ok
     finally:
-        for k in kids:
-            k.join(10)
-            if k.is_alive():
-                k.kill()
-                k.join(5)
-        sender.close()
-        q.close()
-        q.join_thread()
+        _stop(kids, sender, q)
 
 
 def _plain_receiver(handle, q) -> None:
@@ -223,7 +216,7 @@ def test_version_mismatch_is_reported_after_the_stream():
         sender.publish(4, mixed_tensors(1))  # completes: the receiver consumed the whole stream
         assert "asked for version 5, the sender is publishing 4" in q.get(timeout=60)
     finally:
-        _stop(child, sender, q)
+        _stop([child], sender, q)
 
 
 def test_checksum_algorithms():
@@ -286,22 +279,18 @@ def test_handed_in_group_carries_the_stream_as_ordered_broadcasts():
             got[kind] = val
         assert got["received"] == [True, True] and min(got["sent"]) > 20
     finally:
-        for k in kids:
-            k.join(10)
-            if k.is_alive():
-                k.kill()
-                k.join(5)
-        for qq in (q, hq):
-            qq.close()
-            qq.join_thread()
+        _stop(kids, None, q, hq)
 
 
-def _stop(child, sender, q) -> None:
-    """Join the receiver process (kill it if it hangs), close the sender and the result queue."""
-    child.join(10)
-    if child.is_alive():
-        child.kill()
-        child.join(5)
-    sender.close()
-    q.close()
-    q.join_thread()
+def _stop(children, sender, *queues) -> None:
+    """Join the child processes (kill any that hangs), close the sender (if any) and the queues."""
+    for child in children:
+        child.join(10)
+        if child.is_alive():
+            child.kill()
+            child.join(5)
+    if sender is not None:
+        sender.close()
+    for q in queues:
+        q.close()
+        q.join_thread()
