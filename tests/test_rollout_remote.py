@@ -62,7 +62,9 @@ def test_dead_remote_worker_is_a_clear_error_within_the_timeout(tmp_path):
     proc = _start_worker(pool)
     try:
         pool.publish(0, list(model.named_parameters()))
-        pool.collect(pool.submit(PROMPTS, 1))
+        # the worker's start (spawn, imports, first weights) may take longer than the 4 s liveness timeout
+        # on a loaded host: the first answer gets its own deadline, the death below gets rollout.timeout_s
+        pool.collect(pool.submit(PROMPTS, 1), timeout=120)
         proc.send_signal(signal.SIGKILL)
         proc.wait(10)
         t0 = time.monotonic()
