@@ -169,6 +169,8 @@ def enable(trainer: Any, config: Any = None) -> Any:
             raise ConfigError("plugins.rollout: 'mrl' does not run TRL tool calls; set plugins.rollout: upstream")
         if cfg.rollout.old_logps == "engine":
             _check_engine_logps(trainer, kind)
+        if cfg.rollout.ref_logps == "engine":
+            _check_engine_ref_logps(trainer, cfg)
         if cfg.rollout.remote_workers and trainer.accelerator.num_processes > 1:
             raise ConfigError(
                 f"rollout.remote_workers: remote workers serve a single training process; got "
@@ -247,7 +249,17 @@ def _install_rollout(trainer: Any, state: _State, device: Any) -> None:
     else:
         acc = trainer.accelerator
         places, trainer_cores, shared = _placements(cfg, device, acc.process_index, acc.num_processes)
-        pool = WorkerPool(pm, ctx, model, sampling, placements=places, engine_factory=engine_factory, seed=seed)
+        score_models = None
+        if cfg.rollout.ref_logps == "engine":  # every worker scores its completions with the reference model
+            score_models = {"ref": trainer.accelerator.unwrap_model(trainer.ref_model)}
+        pool = WorkerPool(
+            pm, ctx, model, sampling, placements=places, engine_factory=engine_factory, seed=seed,
+            score_models=score_models,
+        )  # fmt: skip
+        if score_models:
+            from mrl_plugins.weight_sync.sources import iter_trainer_weights
+
+            pool.publish(0, iter_trainer_weights(trainer.ref_model, trainer.accelerator), model_id="ref")
 
         def local_engine() -> Any:  # the trainer's own model answers while the workers start
             was_training = model.training
@@ -297,6 +309,8 @@ def _install_rollout(trainer: Any, state: _State, device: Any) -> None:
     trainer._last_loaded_step = -1
     if cfg.rollout.old_logps == "engine":
         _use_engine_logps(trainer)
+    if cfg.rollout.ref_logps == "engine":
+        _use_engine_ref_logps(trainer, state, gen)
 
 
 def _add_step_end_callback(trainer: Any, state: _State, fn: Any) -> None:
@@ -360,6 +374,63 @@ def _use_engine_logps(trainer: Any) -> None:
         return out
 
     trainer._generate_and_score_completions = generate_and_score
+
+
+def _check_engine_ref_logps(trainer: Any, cfg: Any) -> None:
+    """``rollout.ref_logps: engine`` needs a frozen reference model and rollout workers that can score."""
+    problem = None
+    if not getattr(trainer, "beta", 0.0):
+        problem = "this trainer has no KL term (beta = 0), so no reference model to score with"
+    elif getattr(trainer, "ref_model", None) is None:
+        problem = "this trainer has no separate reference model (PEFT: the reference is the adapter-less policy)"
+    elif getattr(trainer.args, "sync_ref_model", False):
+        problem = "sync_ref_model changes the reference model during training; only a frozen one is served"
+    elif cfg.rollout.workers == 0 and cfg.rollout.remote_workers == 0:
+        problem = "it needs rollout workers (rollout.workers or rollout.remote_workers > 0) to score on"
+    elif cfg.rollout.engine != "transformers":
+        problem = f"engine {cfg.rollout.engine!r} cannot score completions (only 'transformers' can)"
+    if problem:
+        raise ConfigError(f"rollout.ref_logps: 'engine': {problem}; valid here: 'trainer'")
+
+
+def _engine_ref_logps(result: Any, input_ids: Any, logits_to_keep: int) -> Any:
+    """The workers' reference logprobs laid out as TRL's ``[batch, logits_to_keep]`` tensor, or None when
+    ``input_ids`` are not the completions of ``result`` (then the trainer computes them itself)."""
+    import torch
+
+    scores = None if result is None else result.scores.get("ref")
+    if scores is None or len(scores) != input_ids.size(0):
+        return None
+    tail = input_ids[:, input_ids.size(1) - logits_to_keep :].tolist()
+    out = torch.zeros((input_ids.size(0), logits_to_keep), dtype=torch.float32)
+    for i, (ids, lps) in enumerate(zip(result.completion_ids, scores, strict=True)):
+        n = len(ids)
+        if n > logits_to_keep or tail[i][:n] != ids:
+            return None
+        out[i, :n] = torch.tensor(lps, dtype=torch.float32)
+    return out.to(input_ids.device)
+
+
+def _use_engine_ref_logps(trainer: Any, state: _State, gen: Any) -> None:
+    """Answer TRL's reference forward pass with the rollout workers' scores of the same completions.
+
+    The workers score every completion they generate with their copy of the (frozen) reference model,
+    ``log_softmax(logits / temperature)`` as TRL's fused head computes it; batches the workers did not
+    produce (the trainer's own warm-up generation) or that do not match are computed by TRL as before
+    (``mrl/rollout/ref_logps_trainer``).
+    """
+    orig = trainer._get_per_token_logps_and_entropies
+    metrics = state.ctx.metrics
+
+    def per_token_logps(model: Any, input_ids: Any, attention_mask: Any, logits_to_keep: int, *a: Any, **kw: Any):
+        if model is trainer.ref_model and not kw.get("compute_entropy") and not kw.get("compute_aux_loss"):
+            ref = _engine_ref_logps(gen.last_result, input_ids, int(logits_to_keep))
+            metrics.add("rollout/ref_logps_engine" if ref is not None else "rollout/ref_logps_trainer", 1)
+            if ref is not None:
+                return ref, None, None
+        return orig(model, input_ids, attention_mask, logits_to_keep, *a, **kw)
+
+    trainer._get_per_token_logps_and_entropies = per_token_logps
 
 
 def _time_upstream_generation(trainer: Any, state: _State) -> None:

@@ -84,7 +84,9 @@ class RolloutResult:
     ``prompt_ids``/``completion_ids``/``logprobs`` have one entry per generated sequence
     (``len(prompts) * num_generations``, prompts repeated in order); ``logprobs[i][t]`` is the
     sampling log-probability of ``completion_ids[i][t]``. ``weight_version`` is the version of the
-    weights that produced every sequence of this result.
+    weights that produced every sequence of this result. ``scores[m][i][t]``: the log-probability of
+    ``completion_ids[i][t]`` under another model ``m`` (e.g. ``"ref"``, the reference model), where the
+    rollout scored its completions with one (temperature-scaled like the trainer's; empty otherwise).
     """
 
     prompt_ids: list[list[int]]
@@ -93,6 +95,7 @@ class RolloutResult:
     weight_version: int
     model_id: str = "policy"
     metrics: dict[str, float] = field(default_factory=dict)
+    scores: dict[str, list[list[float]]] = field(default_factory=dict)
 
 
 @dataclass

@@ -27,6 +27,7 @@ def make_pool(
     factory: Any = None,
     placements: list[dict] | None = None,
     extra_models: dict | None = None,
+    score_models: dict | None = None,
 ) -> tuple:
     """A real WorkerPool on the tiny model (plus ``extra_models``): returns ``(pool, model, tokenizer, sampling,
     pm, ctx)``."""
@@ -53,6 +54,7 @@ def make_pool(
         engine_factory=factory,
         seed=0,
         extra_models=extra_models,
+        score_models=score_models,
     )
     return pool, model, tok, sampling, pm, ctx
 

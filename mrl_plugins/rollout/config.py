@@ -9,6 +9,7 @@ from mrl_plugins.errors import ConfigError, choices
 PIPELINES = ("async", "sync")
 STALE_POLICIES = ("drop", "keep")
 OLD_LOGPS = ("trainer", "engine")
+REF_LOGPS = ("trainer", "engine")
 
 
 @dataclass
@@ -56,6 +57,14 @@ class RolloutConfig:
             "help": "GRPO's old logprobs in the loss: 'trainer' (TRL's extra forward pass per generation plus its "
             "importance-sampling correction) or 'engine' (the engine's sampling logprobs, i.e. the behaviour "
             "policy, as TRL's AsyncGRPO does; saves that forward pass; GRPO only, temperature-only sampling)"
+        },
+    )
+    ref_logps: str = field(
+        default="trainer",
+        metadata={
+            "help": "reference-model logprobs for the KL term (beta != 0): 'trainer' (TRL's forward pass of its "
+            "ref_model on the trainer) or 'engine' (every rollout worker holds a copy of the reference model and "
+            "scores the completions it generated; the trainer skips that pass; needs rollout workers)"
         },
     )
     engine_threads: int = field(default=1, metadata={"help": "torch threads of each rollout engine"})
@@ -115,6 +124,8 @@ class RolloutConfig:
             raise ConfigError(f"rollout.stale_policy: {self.stale_policy!r} invalid; valid: {choices(STALE_POLICIES)}")
         if self.old_logps not in OLD_LOGPS:
             raise ConfigError(f"rollout.old_logps: {self.old_logps!r} invalid; valid: {choices(OLD_LOGPS)}")
+        if self.ref_logps not in REF_LOGPS:
+            raise ConfigError(f"rollout.ref_logps: {self.ref_logps!r} invalid; valid: {choices(REF_LOGPS)}")
         for key in ("engine_threads", "trainer_threads"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"rollout.{key}: must be >= 1, got {getattr(self, key)}")

@@ -308,6 +308,47 @@ class TransformersEngine:
         repeated = [list(p) for p in prompts for _ in range(num_generations)]
         return EngineOutput(repeated, completions, logprobs, seconds=time.perf_counter() - start)
 
+    def score(self, prompts: list[list[int]], completions: list[list[int]]) -> list[list[float]]:
+        """Teacher-forced log-probabilities of ``completions[i]`` after ``prompts[i]`` under this engine's model.
+
+        ``log_softmax(logits / temperature)`` at every completion token, as TRL computes its reference
+        log-probabilities (temperature only: no top-p/top-k/min-p shaping). One right-padded forward pass.
+        """
+        import torch
+
+        if len(prompts) != len(completions):
+            raise ConfigError(f"score: {len(prompts)} prompts for {len(completions)} completions")
+        seqs = [list(p) + list(c) for p, c in zip(prompts, completions)]
+        if not seqs:
+            return []
+        dev, width = self.device, max(len(s) for s in seqs)
+        ids = torch.full((len(seqs), width), self.params.resolved_pad(), dtype=torch.long, device=dev)
+        mask = torch.zeros((len(seqs), width), dtype=torch.long, device=dev)
+        rows, cols, targets = [], [], []
+        for i, (p, c) in enumerate(zip(prompts, completions)):
+            ids[i, : len(seqs[i])] = torch.tensor(seqs[i], dtype=torch.long)
+            mask[i, : len(seqs[i])] = 1
+            rows += [i] * len(c)
+            cols += range(len(p) - 1, len(p) + len(c) - 1)  # the logits at t predict token t + 1
+            targets += c
+        was_training = self.model.training
+        if was_training:
+            self.model.eval()
+        try:
+            with torch.inference_mode():
+                logits = self.model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+                picked = logits[torch.tensor(rows, device=dev), torch.tensor(cols, device=dev)].float()
+                logps = torch.log_softmax(picked / self.params.temperature, dim=-1)
+                flat = logps.gather(1, torch.tensor(targets, device=dev).unsqueeze(1)).squeeze(1).tolist()
+        finally:
+            if was_training:
+                self.model.train()
+        out, off = [], 0
+        for c in completions:
+            out.append(flat[off : off + len(c)])
+            off += len(c)
+        return out
+
     def _sample(self, seqs: list[list[int]]) -> tuple[list[list[int]], list[list[float]]]:
         import torch
 

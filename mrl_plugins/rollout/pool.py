@@ -174,6 +174,17 @@ def worker_main(
                 if version is not None and events is not None:
                     events.put(("switched", spec.index, mid, version))
 
+        def await_version(mid: str, version: int, deadline: float) -> None:
+            pull((mid,))
+            while receivers[mid].version < version:
+                if time.monotonic() > deadline:
+                    raise StageTimeoutError(
+                        f"worker {spec.index}: weight version {version} of {mid!r} not received within "
+                        f"{timeout:.0f} s (have {receivers[mid].version})"
+                    )
+                time.sleep(0.002)
+                pull((mid,))
+
         while True:
             if parent_pid is not None and os.getppid() != parent_pid:
                 return  # trainer died: exit instead of lingering (remote workers: its store is gone)
@@ -184,20 +195,13 @@ def worker_main(
                 continue
             if req is REQ_STOP:
                 return
-            req_id, chunk, prompts, num_generations, model_id, min_version = req
-            if model_id not in engines:
-                raise MrlError(f"worker {spec.index}: model_id {model_id!r} is not served; valid: {sorted(engines)}")
+            req_id, chunk, prompts, num_generations, model_id, min_version, score_with = req
+            for mid in (model_id, *score_with):
+                if mid not in engines:
+                    raise MrlError(f"worker {spec.index}: model_id {mid!r} is not served; valid: {sorted(engines)}")
             receiver, engine = receivers[model_id], engines[model_id]
             deadline = time.monotonic() + timeout
-            pull((model_id,))
-            while receiver.version < min_version:
-                if time.monotonic() > deadline:
-                    raise StageTimeoutError(
-                        f"worker {spec.index}: weight version {min_version} of {model_id!r} not received within "
-                        f"{timeout:.0f} s (have {receiver.version})"
-                    )
-                time.sleep(0.002)
-                pull((model_id,))
+            await_version(model_id, min_version, deadline)
             t0 = time.perf_counter()
             with receiver.active():
                 version = receiver.version
@@ -207,6 +211,11 @@ def worker_main(
             flat_ids = torch.tensor(list(itertools.chain.from_iterable(out.completion_ids)), dtype=torch.int64)
             flat_lp = torch.tensor(list(itertools.chain.from_iterable(out.logprobs)), dtype=torch.float32)
             batch = {"completion_ids": flat_ids, "lengths": lengths, "logprobs": flat_lp}
+            for mid in score_with:  # the completions' logprobs under another served model (e.g. the reference)
+                await_version(mid, 0, deadline)
+                with receivers[mid].active():
+                    scores = engines[mid].score(out.prompt_ids, out.completion_ids)
+                batch[f"score_{mid}"] = torch.tensor(list(itertools.chain.from_iterable(scores)), dtype=torch.float32)
             meta = {
                 "model_id": model_id,
                 "version": int(version),
@@ -249,7 +258,9 @@ class WorkerPool:
     """Trainer-side handle on the rollout workers.
 
     :param model: the policy (model_id ``"policy"``); ``extra_models``: further ``model_id -> model`` served by
-        every worker (each needs a priority in ``rollout.model_priorities``).
+        every worker (each needs a priority in ``rollout.model_priorities``); ``score_models``: models every
+        worker holds to *score* each policy completion (its per-token logprobs under that model, e.g. the
+        reference model's, in ``RolloutResult.scores``), published once or whenever they change.
     :param inflight_per_worker: requests handed to one worker before it answers (>= 1); the rest wait in the
         scheduler, ordered by model priority.
     """
@@ -265,6 +276,7 @@ class WorkerPool:
         engine_factory: Any,
         seed: int = 0,
         extra_models: dict[str, Any] | None = None,
+        score_models: dict[str, Any] | None = None,
         inflight_per_worker: int = 2,
     ) -> None:
         from mrl_plugins.errors import ConfigError, choices
@@ -278,16 +290,21 @@ class WorkerPool:
         self.n = len(placements) + remote
         if self.n < 1:
             raise ConfigError("rollout.workers: a worker pool needs at least one worker (local or remote)")
-        self.models = {"policy": model, **(extra_models or {})}
+        scheduled = {"policy": model, **(extra_models or {})}
+        self.score_with = tuple(score_models or ())
+        clash = [m for m in self.score_with if m in scheduled]
+        if clash:
+            raise ConfigError(f"score_models: {clash} already served for generation")
+        self.models = {**scheduled, **(score_models or {})}
         priorities = cfg.rollout.model_priorities
-        missing = [m for m in self.models if m not in priorities]
+        missing = [m for m in scheduled if m not in priorities]
         if missing:
             raise ConfigError(
                 f"rollout.model_priorities: no priority for served model(s) {missing}; have {choices(priorities)}"
             )
         if inflight_per_worker < 1:
             raise ConfigError(f"inflight_per_worker: must be >= 1, got {inflight_per_worker}")
-        self.scheduler = ModelScheduler({m: priorities[m] for m in self.models}, cfg.rollout.switch_throttle)
+        self.scheduler = ModelScheduler({m: priorities[m] for m in scheduled}, cfg.rollout.switch_throttle)
         self.inflight_per_worker = inflight_per_worker
         self.run_id = f"mrl{os.getpid()}{uuid.uuid4().hex[:6]}"
         self._mp = mp.get_context("spawn")
@@ -437,7 +454,8 @@ class WorkerPool:
     def _send(self, w: int, t: _Ticket, chunk: int, prompts: list[list[int]]) -> None:
         t.chunks[chunk] = (w, prompts)
         self._assigned[w].add((t.req_id, chunk))
-        self._requests[w].put((t.req_id, chunk, prompts, t.num_generations, t.model_id, t.min_version))
+        score_with = self.score_with if t.model_id == "policy" else ()
+        self._requests[w].put((t.req_id, chunk, prompts, t.num_generations, t.model_id, t.min_version, score_with))
 
     def _resubmit_worker(self, i: int) -> None:
         for t in self._tickets.values():
@@ -515,6 +533,10 @@ class WorkerPool:
             from mrl_plugins.errors import ConfigError, choices
 
             raise ConfigError(f"publish: model_id {model_id!r} is not served; valid: {choices(self.models)}")
+        if model_id in self.score_with:  # scoring only: no generation intake to throttle
+            return self.pm.weight_sync_publish(
+                ctx=self.ctx, model_id=model_id, version=version, named_tensors=named_tensors
+            )
         if model_id not in self._switching:
             self.scheduler.begin_switch(model_id)
         self._switching[model_id] = (int(version), time.monotonic() + self.cfg.weight_sync.timeout_s)
@@ -669,17 +691,21 @@ class WorkerPool:
 
     def _assemble(self, ticket: _Ticket) -> RolloutResult:
         prompt_ids, completion_ids, logprobs, versions, gen_us = [], [], [], [], 0
+        scores: dict[str, list[list[float]]] = {}
         for c in sorted(ticket.chunks):
             meta, batch = ticket.results[c]
             versions.append(int(meta["version"]))
             gen_us = max(gen_us, int(meta.get("gen_us", 0)))
             lengths = batch["lengths"].tolist()
-            ids = batch["completion_ids"].tolist()
-            lps = batch["logprobs"].tolist()
+            flat = {"ids": batch["completion_ids"].tolist(), "lps": batch["logprobs"].tolist()}
+            flat.update((k, v.tolist()) for k, v in batch.items() if k.startswith("score_"))
             off = 0
             for n in lengths:
-                completion_ids.append(ids[off : off + n])
-                logprobs.append(lps[off : off + n])
+                completion_ids.append(flat["ids"][off : off + n])
+                logprobs.append(flat["lps"][off : off + n])
+                for k in flat:
+                    if k.startswith("score_"):
+                        scores.setdefault(k[len("score_") :], []).append(flat[k][off : off + n])
                 off += n
             prompt_ids.extend(p for p in ticket.chunks[c][1] for _ in range(ticket.num_generations))
         return RolloutResult(
@@ -689,6 +715,7 @@ class WorkerPool:
             weight_version=min(versions),
             model_id=ticket.model_id,
             metrics={"generate_s": gen_us / 1e6, "version_spread": max(versions) - min(versions)},
+            scores=scores,
         )
 
     def stats(self) -> dict[str, float]:

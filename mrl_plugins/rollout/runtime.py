@@ -90,6 +90,7 @@ class MrlGeneration:
         self._pending: dict[tuple, tuple[int, int]] = {}
         self.version = -1
         self.metrics = ctx.metrics
+        self.last_result: RolloutResult | None = None  # the latest generation (its ``scores`` feed ref_logps)
 
     # ---------------------------------------------------------------- TRL interface
     def sync_weights(self) -> None:
@@ -121,6 +122,7 @@ class MrlGeneration:
             t0 = time.perf_counter()
             result = self.pm.rollout_generate(ctx=self.ctx, prompts=prompts, num_generations=1, model_id="policy")
             self.metrics.add("time/generate_s", time.perf_counter() - t0)
+        self.last_result = result
         self.metrics.gauge("rollout/staleness", max(0, self.version - result.weight_version))
         logprobs = [[[lp] for lp in seq] for seq in result.logprobs]
         return result.prompt_ids, result.completion_ids, logprobs, None
