@@ -88,8 +88,15 @@ def _rloo(tmp_path, steps: int):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("codec", "tol"), [("raw", 1e-5), ("fp16", 2**-7)])
-def test_rloo_takes_its_reference_logprobs_from_the_workers(tmp_path, codec, tol):
+@pytest.mark.parametrize(
+    ("comm", "tol"),
+    [
+        ({"codec": "raw"}, 1e-5),
+        ({"codec": "fp16"}, 2**-7),  # the scores travel as fp16
+        ({"codec": "fp16", "lossless_fields": ["score_ref"]}, 1e-5),
+    ],
+)
+def test_rloo_takes_its_reference_logprobs_from_the_workers(tmp_path, comm, tol):
     import mrl_plugins
 
     trainer = _rloo(tmp_path, 3)
@@ -99,7 +106,7 @@ def test_rloo_takes_its_reference_logprobs_from_the_workers(tmp_path, codec, tol
         {
             "mode": "disaggregated",
             "rollout": {"workers": 1, "local_warmup": False, "ref_logps": "engine"},
-            "comm": {"codec": codec},
+            "comm": comm,
         },
     )
     served = trainer._get_per_token_logps_and_entropies
