@@ -13,7 +13,9 @@ fewer than ``inflight_per_worker`` requests outstanding, so a backlog of one big
 scheduler, not in the workers' queues, and a small model's request gets the next free slot by
 priority/round-robin. :meth:`WorkerPool.publish` starts a weight switch: intake for that model is
 throttled (``rollout.switch_throttle`` queued requests at most) until every worker reports the new
-version (or ``weight_sync.timeout_s`` passes).
+version (or ``weight_sync.timeout_s`` passes). ``score_models`` (e.g. the frozen reference) are held
+by every worker too but never scheduled: each policy completion is scored with them right after it is
+generated (teacher-forced logprobs, ``RolloutResult.scores``), in the same frame.
 """
 
 from __future__ import annotations
