@@ -161,3 +161,24 @@ def test_casts_on_either_side_of_the_numpy_torch_switch_are_exact(n, kind):
             torch.testing.assert_close(got, src.to(torch.float16).to(src.dtype), rtol=0, atol=0)
         else:
             assert torch.equal(got, src)
+
+
+def test_consumer_side_fallback_count_from_the_frame_header():
+    import torch
+
+    from mrl_plugins.comm.codec import Codec
+    from mrl_plugins.comm.frame import decode_frame, encode_frame
+
+    batch = {
+        "big": torch.tensor([1e6, -2.0]),  # overflows fp16: sent as fp32
+        "lp": torch.tensor([-0.5, -1.0]),  # fits: cast
+        "kept": torch.tensor([0.25]),  # lossless by configuration
+        "empty": torch.empty(0),  # empty fields always travel raw: not a fallback
+        "ids": torch.arange(4),
+    }
+    codec = Codec("fp16", lossless_fields=["kept"])
+    raw_floats: list[str] = []
+    decode_frame(encode_frame(batch, {}, codec), raw_floats=raw_floats)
+    assert sorted(raw_floats) == ["big", "kept"] and codec.fallbacks == 1
+    assert codec.fallbacks_among(raw_floats) == 1  # what the consumer counts, without the producer's counters
+    assert Codec("raw").fallbacks_among(raw_floats) == 0

@@ -83,6 +83,7 @@ def test_torch_distributed_round_trip_order_codec_and_close():
             cons.receive(timeout=10)
         st = cons.stats()
         assert st["frames"] == 6 and st["bytes"] < st["raw_bytes"]
+        assert st["fallbacks"] == 6  # 'big' of every frame, counted by the consumer from the frames
     finally:
         _join(p, timeout=5)
         cons.close()
@@ -128,6 +129,7 @@ def test_plugin_hooks_through_the_manager(fresh_pm):
         m = comm_metrics(ctx.resources)
         assert m["mrl/comm/frames"] == 1 and m["mrl/comm/producer_fallbacks"] == 1 and "mrl/comm/wait_s" in m
         assert m["mrl/comm/codec_fallbacks"] == 1  # 'big' in the encoded frame
+        assert m["mrl/comm/fallbacks"] == 1  # ... and seen by the shm consumer in the frame it received
     finally:
         mgr.shutdown(ctx, "normal")
     assert ctx.resources == {} and not os.path.exists(path)

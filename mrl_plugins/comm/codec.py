@@ -141,6 +141,13 @@ class Codec:
             return FieldChoice(RAW, dt, fallback=True)
         return _raw(dt)
 
+    def fallbacks_among(self, raw_floats: Iterable[str]) -> int:
+        """How many of the float fields a frame carried in their own dtype (``decode_frame(raw_floats=...)``)
+        were overflow-guard fallbacks under this codec: all but the ``lossless_fields`` (none under ``raw``)."""
+        if self.target is None:
+            return 0
+        return sum(1 for name in raw_floats if name not in self.lossless_fields)
+
 
 def _narrowest_int(a: np.ndarray, dt: torch.dtype) -> FieldChoice:
     """The narrowest integer dtype that holds every value of ``a`` (lossless), else ``dt`` itself.

@@ -90,7 +90,10 @@ class DistConsumer:
         self._inbox: queue.Queue = queue.Queue(maxsize=config.ring_slots)
         self._seen: dict[int, tuple[int, float]] = {}
         self._reported: set[int] = set()
-        self._stats = dict.fromkeys(("frames", "bytes", "raw_bytes", "corrupt", "wait_s", "dead_peers"), 0)
+        self._stats = dict.fromkeys(
+            ("frames", "bytes", "raw_bytes", "fallbacks", "corrupt", "wait_s", "dead_peers"), 0
+        )
+        self._codec = make_codec(config)  # the producers' codec: tells their overflow fallbacks from the frames
         self._rx = threading.Thread(target=self._connect, name="mrl-comm-dist-rx", daemon=True)
         self._rx.start()
 
@@ -167,10 +170,12 @@ class DistConsumer:
         finally:
             self._stats["wait_s"] += time.perf_counter() - t0
         try:
-            meta, batch = decode_frame(frame.numpy().data)
+            raw_floats: list[str] = []
+            meta, batch = decode_frame(frame.numpy().data, raw_floats=raw_floats)
         except FrameError as exc:
             self._stats["corrupt"] += 1
             raise FrameError(f"torch_distributed producer {src - 1}: frame dropped: {exc}") from None
+        self._stats["fallbacks"] += self._codec.fallbacks_among(raw_floats)
         self._stats["frames"] += 1
         self._stats["bytes"] += frame.numel()
         self._stats["raw_bytes"] += sum(int(v.nbytes) for v in batch.values())

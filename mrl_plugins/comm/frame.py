@@ -290,11 +290,16 @@ def peek_length(buf: memoryview | bytes) -> int:
     return total
 
 
-def decode_frame(buf: memoryview | bytes | bytearray, *, copy: bool = False) -> tuple[dict[str, Any], dict[str, Any]]:
+def decode_frame(
+    buf: memoryview | bytes | bytearray, *, copy: bool = False, raw_floats: list[str] | None = None
+) -> tuple[dict[str, Any], dict[str, Any]]:
     """Decode a frame into ``(meta, batch)`` with original dtypes, shapes and kinds restored.
 
     Raw fields are zero-copy views onto ``buf`` unless ``copy`` is true (a read-only ``buf`` such
-    as ``bytes`` is copied once). Raises :class:`FrameError` naming what is wrong.
+    as ``bytes`` is copied once). ``raw_floats``: if given, the names of the non-empty float32/float64
+    fields that travelled in their own dtype are appended (under a lossy codec: the overflow guard's
+    fallbacks, or ``lossless_fields``; see :meth:`Codec.fallbacks_among`). Raises :class:`FrameError`
+    naming what is wrong.
     """
     mv = memoryview(buf).cast("B")
     if mv.readonly:
@@ -342,6 +347,8 @@ def decode_frame(buf: memoryview | bytes | bytearray, *, copy: bool = False) -> 
         ):
             raise FrameError(f"bad layout of field {name!r}: shape={shape} offset={off} nbytes={nbytes}")
         batch[name] = _decode_field(mv, orig, wire, method, kind, shape, off, nbytes, numel, copy)
+        if raw_floats is not None and method == RAW and numel and orig in (torch.float32, torch.float64):
+            raw_floats.append(name)
     return meta, batch
 
 

@@ -92,7 +92,10 @@ class ShmConsumer:
         self._dead_pid: dict[int, int] = {}  # producer slot -> pid reported dead (a new pid may re-attach)
         self._rr = 0
         self._next_check = 0.0
-        self._stats = dict.fromkeys(("frames", "bytes", "raw_bytes", "corrupt", "wait_s", "dead_peers"), 0)
+        self._stats = dict.fromkeys(
+            ("frames", "bytes", "raw_bytes", "fallbacks", "corrupt", "wait_s", "dead_peers"), 0
+        )
+        self._codec = make_codec(config)  # the producers' codec: tells their overflow fallbacks from the frames
         self._hb = Heartbeat(self._beat, config.heartbeat_interval_s, "mrl-comm-consumer-hb")
 
     @property
@@ -198,7 +201,9 @@ class ShmConsumer:
         length = _U64.unpack_from(buf, base)[0]
         if length > self.slot_bytes - _SLOT_HDR:
             raise FrameError(f"frame length {length} exceeds the slot ({self.slot_bytes - _SLOT_HDR} bytes)")
-        meta, batch = decode_frame(buf[base + _SLOT_HDR : base + _SLOT_HDR + length])
+        raw_floats: list[str] = []
+        meta, batch = decode_frame(buf[base + _SLOT_HDR : base + _SLOT_HDR + length], raw_floats=raw_floats)
+        self._stats["fallbacks"] += self._codec.fallbacks_among(raw_floats)
         return meta, batch, length
 
     def _release(self, i: int, seq: int) -> None:
@@ -216,7 +221,8 @@ class ShmConsumer:
             kick(self._space_fds[i])
 
     def stats(self) -> dict[str, float]:
-        """Counters: frames, bytes, raw_bytes, corrupt, wait_s, dead_peers, queue_depth, dropped (producer side)."""
+        """Counters: frames, bytes, raw_bytes, fallbacks (the producers' overflow-guard fallbacks, read from the
+        frames), corrupt, wait_s, dead_peers, queue_depth, dropped (producer side)."""
         out = dict(self._stats)
         depth = 0
         dropped = 0
