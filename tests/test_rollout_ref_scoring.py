@@ -148,3 +148,28 @@ def test_ref_logps_engine_is_refused_where_it_cannot_apply(tmp_path):
     with pytest.raises(ConfigError, match="needs rollout workers"):
         mrl_plugins.enable(rloo, {"rollout": {"workers": 0, "ref_logps": "engine"}})
     assert getattr(grpo, "_mrl_state", None) is None and getattr(rloo, "_mrl_state", None) is None  # untouched
+
+
+def test_worker_scores_are_used_only_for_the_completions_they_belong_to():
+    import torch
+
+    from mrl_plugins.adapters.trl import _engine_ref_logps
+    from mrl_plugins.hookspecs import RolloutResult
+
+    res = RolloutResult(
+        prompt_ids=[[3, 4], [3, 4]],
+        completion_ids=[[7, 8, 2], [9]],
+        logprobs=[[-0.1, -0.2, -0.3], [-0.4]],
+        weight_version=1,
+        scores={"ref": [[-1.0, -2.0, -3.0], [-4.0]]},
+    )
+    pad = 0
+    # TRL's layout: left-padded prompt, right-padded completion, logits_to_keep = the completion width
+    ids = torch.tensor([[3, 4, 7, 8, 2], [3, 4, 9, pad, pad]])
+    got = _engine_ref_logps(res, ids, 3)
+    assert torch.equal(got, torch.tensor([[-1.0, -2.0, -3.0], [-4.0, 0.0, 0.0]]))
+    other = ids.clone()
+    other[1, 2] = 10  # not the completion the workers scored: TRL computes it itself
+    assert _engine_ref_logps(res, other, 3) is None
+    assert _engine_ref_logps(res, ids[:1], 3) is None  # another batch size
+    assert _engine_ref_logps(RolloutResult([[3]], [[5]], [[-0.1]], 0), ids[:1, :3], 1) is None  # no scores
