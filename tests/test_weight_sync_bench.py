@@ -44,3 +44,4 @@ def test_bench_cli_quick_writes_json(tmp_path, capsys):
     assert r["ratios"]["shm_vs_memcpy"] == pytest.approx(main["shm"]["median"] / r["memcpy_gbps"]["median"])
     assert r["ratios"]["switch_ms"] == r["switch_ms"]["median"] > 0
     assert r["models"]["small"]["tensors"] > 10
+    assert all(0 < main[c]["receiver_cpu_share"] < 4 for c in ("per_param", "bucketed", "bucketed_no_checksum"))

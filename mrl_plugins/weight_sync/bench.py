@@ -21,7 +21,8 @@ one repetition to the next (same process pair, the destination zeroed before and
 bit after every transfer), so that a change of machine load hits them alike. The gloo ratios are
 medians over repetitions of the ratio *within* a repetition (``..._min``: the worst repetition).
 ``ratios``: ``bucketed_vs_per_param`` = (b)/(a) with the default config, i.e. checksums verified
-(the baseline verifies nothing);
+(the baseline verifies nothing); each gloo case also reports ``receiver_cpu_share``, the receiving
+process's CPU time (all its threads, gloo's I/O threads included) per second of transfer (median);
 ``bucketed_no_checksum_vs_per_param`` = (b without checksums)/(a), equal work; ``shm_vs_memcpy`` =
 (c)/memcpy.
 """
@@ -279,18 +280,29 @@ def _gloo_child(
         rxs = {k: h.attach() for k, h in hs.items()}
         dest = {n: torch.empty_like(t) for n, t in named}
         xs: dict[str, list[float]] = {case: [] for case in CASES}
+        cpu: dict[str, list[float]] = {case: [] for case in CASES}  # receiving process CPU per wall second
         exact = dict.fromkeys(CASES, True)
         for v in range(reps + 1):  # the cases take turns, so that a change of machine load hits them alike
             for case in _order(v):
                 for t in dest.values():
                     t.zero_()
                 q_in.put("go")
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.process_time()
                 rxs[case].fetch_into(v, dest, 120)
                 if v:  # the first round is the warm-up
-                    xs[case].append(nbytes / (time.perf_counter() - t0) / 1e9)
+                    wall = time.perf_counter() - t0
+                    xs[case].append(nbytes / wall / 1e9)
+                    cpu[case].append((time.process_time() - c0) / wall)
                 exact[case] = exact[case] and all(torch.equal(dest[n], t) for n, t in named)
-        result = {case: {**_summary(xs[case]), "per_rep": xs[case], "bit_exact": exact[case]} for case in CASES}
+        result = {
+            case: {
+                **_summary(xs[case]),
+                "per_rep": xs[case],
+                "bit_exact": exact[case],
+                "receiver_cpu_share": statistics.median(cpu[case]),
+            }
+            for case in CASES
+        }
         q_in.put("done")
         q_out.put(result)
     except BaseException as exc:  # report to the parent instead of hanging it
@@ -398,7 +410,9 @@ def cli(argv: list[str] | None = None) -> int:
     for key, m in r["models"].items():
         print(f"{key}: {m['label']}, {m['tensors']} tensors, {m['bytes'] / 1e6:.0f} MB")
         for case in (*CASES, "shm", "shm_no_checksum", "shm_sequential"):
-            print(f"  {case:24s} GB/s {_fmt(m[case])}")
+            share = m[case].get("receiver_cpu_share")
+            extra = "" if share is None else f"   receiver CPU {share:.2f} cores"
+            print(f"  {case:24s} GB/s {_fmt(m[case])}{extra}")
     print(f"switch_ms (small, device staging) {_fmt(r['switch_ms'])}")
     for k, v in r["ratios"].items():
         print(f"ratio {k:34s} {v:.3f}")
