@@ -26,11 +26,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _launch(tmp_path, rollout: dict, mode: str) -> list[dict]:
+def _launch(tmp_path, rollout: dict, mode: str, kind: str = "grpo") -> list[dict]:
     accelerate = shutil.which("accelerate", path=os.path.dirname(sys.executable)) or "accelerate"
     cmd = [accelerate, "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
            "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(_free_port()),
-           SCRIPT, str(tmp_path), json.dumps(rollout), mode]  # fmt: skip
+           SCRIPT, str(tmp_path), json.dumps(rollout), mode, kind]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1", "ACCELERATE_USE_CPU": "true"}
     res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
@@ -58,3 +58,12 @@ def test_each_rank_runs_its_own_worker_pool(tmp_path):
         assert sum(h.get("mrl/rollout/lookahead_hits", 0) for h in r["hist"]) >= 1
     for pid in pids:  # every rank shut its pool down
         assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+
+
+def test_each_ranks_workers_score_with_that_ranks_reference_model(tmp_path):
+    rollout = {"workers": 1, "max_staleness": 1, "local_warmup": False, "ref_logps": "engine"}
+    ranks = _launch(tmp_path, rollout, "disaggregated", "rloo")  # RLOO: beta 0.05, a separate reference model
+    for r in ranks:
+        assert len(r["hist"]) == 4 and r["version"] == 3
+        assert sum(h.get("mrl/rollout/ref_logps_engine", 0) for h in r["hist"]) == 4  # every generation
+        assert sum(h.get("mrl/rollout/ref_logps_trainer", 0) for h in r["hist"]) == 0

@@ -1,7 +1,8 @@
 """Run under ``accelerate launch --multi_gpu --num_processes 2`` on CPU (gloo): tiny GRPO with the plugins on
 every rank. Writes ``<out>/rank<r>.json`` with the rank's log history, worker pids and last published version.
 
-argv: output folder, the rollout section as JSON, the mode (``colocate`` or ``disaggregated``).
+argv: output folder, the rollout section as JSON, the mode (``colocate`` or ``disaggregated``), optionally the
+trainer (``grpo``, the default, or ``rloo``).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import sys
 
 def main() -> None:
     out_dir, rollout, mode = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3]
+    kind = sys.argv[4] if len(sys.argv) > 4 else "grpo"
     import torch
 
     torch.set_num_threads(1)
@@ -19,7 +21,7 @@ def main() -> None:
     from mrl_plugins.config import load_config
     from mrl_plugins.run import build_trainer
 
-    cfg = load_config({"train": {"model": "tiny", "steps": 4, "output_dir": out_dir}})
+    cfg = load_config({"train": {"model": "tiny", "trainer": kind, "steps": 4, "output_dir": out_dir}})
     trainer = build_trainer(cfg, enable_plugins=False, output_dir=out_dir)
     mrl_plugins.enable(trainer, {"mode": mode, "rollout": rollout})
     pool = getattr(trainer._mrl_state.ctx.resources["rollout.runtime"], "pool", None)
