@@ -223,3 +223,41 @@ def test_served_model_without_priority_is_refused_before_any_process_starts():
     ref, _ = build_model("tiny", seed=1)
     with pytest.raises(ConfigError, match=r"model_priorities: no priority for served model\(s\) \['ref'\]"):
         make_pool(extra_models={"ref": ref})
+
+
+@pytest.mark.parametrize(
+    "cfg",
+    [{"weight_sync": {"transport": "broadcast"}}, {"plugins": {"weight_sync": "upstream"}}],
+    ids=["broadcast", "upstream-per-param"],
+)
+def test_one_receiver_weight_transports_are_refused_for_several_workers(cfg):
+    from mrl_plugins.errors import ConfigError
+
+    two = [{"cores": [1], "threads": 1}, {"cores": [1], "threads": 1}]
+    with pytest.raises(ConfigError, match=r"one receiving rank; a pool of 2 workers needs 'shm' \(one host\)"):
+        make_pool(cfg, placements=two)
+
+
+def test_broadcast_weights_reach_a_single_worker():
+    pool, model, *_ = make_pool({"weight_sync": {"transport": "broadcast", "timeout_s": 60}})
+    try:
+        for version in (1, 2):  # the worker joins the dedicated group at its first fetch, then takes each version
+            pool.publish(version, list(model.named_parameters()))
+            res = pool.collect(pool.submit(PROMPTS, 1, min_version=version))
+            assert res.weight_version == version and len(res.completion_ids) == len(PROMPTS)
+    finally:
+        pool.close()
+
+
+def test_a_dead_worker_of_a_broadcast_pool_is_a_clear_error_not_a_restart():
+    from mrl_plugins.rollout.pool import WorkerDiedError
+
+    pool, model, *_ = make_pool({"rollout": {"restart_workers": 1}, "weight_sync": {"transport": "broadcast"}})
+    try:
+        pool.publish(1, list(model.named_parameters()))
+        pool.collect(pool.submit(PROMPTS, 1, min_version=1))
+        os.kill(pool.pids[0], signal.SIGKILL)
+        with pytest.raises(WorkerDiedError, match="not restarted: weight_sync.transport 'broadcast' keeps the group"):
+            pool.collect(pool.submit(PROMPTS, 1), timeout=30)
+    finally:
+        pool.close(timeout=2)

@@ -35,13 +35,14 @@ from typing import Any
 
 from mrl_plugins.comm.base import ChannelClosedError
 from mrl_plugins.errors import MrlError, StageTimeoutError
-from mrl_plugins.hookspecs import RolloutResult, StageContext, SwitchReport
+from mrl_plugins.hookspecs import RolloutResult, StageContext
 
 log = logging.getLogger("mrl_plugins.rollout")
 
 REQ_STOP = None
 REMOTE_COMM = ("torch_distributed",)  # experience paths that reach other hosts
 REMOTE_WEIGHTS = ("directory",)  # weight paths verified to reach other hosts (broadcast: not yet)
+ONE_RECEIVER_WEIGHTS = ("broadcast", "per_param")  # their dedicated group has one receiving rank
 
 
 class WorkerDiedError(MrlError):
@@ -74,43 +75,6 @@ class WorkerSpec:
     seed: int = 0
     direct_weights: bool = False  # upstream weight sync: load into live params, no staging
     log_level: int = logging.WARNING  # the trainer's level for "mrl_plugins" (version-switch lines at INFO)
-
-
-class DirectLoader:
-    """Upstream weight loading: fetch a new version straight into the live parameters (no staging)."""
-
-    def __init__(self, model: Any, transport_receiver: Any, model_id: str = "policy") -> None:
-        self.model = model
-        self.tr = transport_receiver
-        self.model_id = model_id
-        self.version = -1
-        self._pending_from = -1
-        self._bytes = 0
-
-    def poll(self, timeout: float) -> int | None:
-        latest = self.tr.latest_version()
-        if latest is None or latest <= self.version:
-            return None
-        start = time.perf_counter()
-        self._bytes = self.tr.fetch_into(latest, dict(self.model.named_parameters()), timeout)
-        self._pending_from, self.version = self.version, latest
-        self._seconds = time.perf_counter() - start
-        return latest
-
-    def switch(self, timeout: float | None = None) -> SwitchReport | None:
-        if self._pending_from == self.version:
-            return None
-        rep = SwitchReport(self.model_id, self._pending_from, self.version, self._bytes, self._seconds)
-        self._pending_from = self.version
-        log.info("switch model_id=%s %d -> %d bytes=%d seconds=%.4f (in place, upstream)", *rep.__dict__.values())
-        return rep
-
-    @contextmanager
-    def active(self) -> Iterator[Any]:
-        yield self.model
-
-    def stats(self) -> dict[str, float]:
-        return {"version": self.version}
 
 
 def _build_model(spec: ServedModel) -> Any:
@@ -154,6 +118,8 @@ def worker_main(
             model = _build_model(served)
             receiver_end = served.weight_handle.attach()
             if spec.direct_weights:
+                from mrl_plugins.weight_sync.receiver import DirectLoader
+
                 receivers[mid] = DirectLoader(model, receiver_end, mid)
             else:
                 from mrl_plugins.weight_sync.receiver import DoubleBufferedReceiver
@@ -330,6 +296,13 @@ class WorkerPool:
                 f"and weight_sync.transport in {choices(REMOTE_WEIGHTS)} (plugins 'mrl'); got {comm_name!r} and "
                 f"{ws_name!r}"
             )
+        self._ws_name = ws_name
+        if ws_name in ONE_RECEIVER_WEIGHTS and self.n > 1:
+            raise ConfigError(
+                f"weight_sync.transport {ws_name!r} (the 'upstream' weight sync is 'per_param') sends each version "
+                f"through a collective with one receiving rank; a pool of {self.n} workers needs 'shm' (one host) or "
+                f"'directory' (across hosts), or rollout.workers: 1"
+            )
         comm_factory = pm.backend("mrl_comm_register_transports", comm_name).factory
         ws_factory = pm.backend("mrl_weight_sync_register_transports", ws_name).factory
         self.consumer = comm_factory(cfg.comm, n_producers=self.n, run_id=self.run_id)
@@ -440,6 +413,12 @@ class WorkerPool:
                 raise WorkerDiedError(f"{why} (remote workers are not restarted: start `mrl worker` again)")
         for i, proc in enumerate(self._procs):
             if proc is not None and not proc.is_alive():
+                if self._ws_name in ONE_RECEIVER_WEIGHTS:
+                    raise WorkerDiedError(
+                        f"rollout worker {i} (pid {proc.pid}) died with exit code {proc.exitcode}; it is not "
+                        f"restarted: weight_sync.transport {self._ws_name!r} keeps the group formed at its first "
+                        f"transfer, which a new process cannot rejoin (use 'shm' or 'directory' to restart workers)"
+                    )
                 if self._restarts < self.cfg.rollout.restart_workers:
                     self._restarts += 1
                     self.ctx.metrics.add("rollout/worker_restarts", 1) if self.ctx.metrics else None

@@ -294,6 +294,43 @@ class DoubleBufferedReceiver:
             close()
 
 
+class DirectLoader:
+    """Upstream weight loading: fetch a new version straight into the live parameters (no staging)."""
+
+    def __init__(self, model: Any, transport_receiver: Any, model_id: str = "policy") -> None:
+        self.model = model
+        self.tr = transport_receiver
+        self.model_id = model_id
+        self.version = -1
+        self._pending_from = -1
+        self._bytes = 0
+
+    def poll(self, timeout: float) -> int | None:
+        latest = self.tr.latest_version()
+        if latest is None or latest <= self.version:
+            return None
+        start = time.perf_counter()
+        self._bytes = self.tr.fetch_into(latest, dict(self.model.named_parameters()), timeout)
+        self._pending_from, self.version = self.version, latest
+        self._seconds = time.perf_counter() - start
+        return latest
+
+    def switch(self, timeout: float | None = None) -> SwitchReport | None:
+        if self._pending_from == self.version:
+            return None
+        rep = SwitchReport(self.model_id, self._pending_from, self.version, self._bytes, self._seconds)
+        self._pending_from = self.version
+        LOG.info("switch model_id=%s %d -> %d bytes=%d seconds=%.4f (in place, upstream)", *rep.__dict__.values())
+        return rep
+
+    @contextmanager
+    def active(self) -> Iterator[Any]:
+        yield self.model
+
+    def stats(self) -> dict[str, float]:
+        return {"version": self.version}
+
+
 class VersionPoller:
     """Background thread: poll the transport and stage new versions, or stage at once on :meth:`notify`.
 
