@@ -23,6 +23,7 @@ from __future__ import annotations
 import importlib.util
 import math
 from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -292,21 +293,28 @@ class TransformersEngine:
         """Sample ``num_generations`` completions per prompt; prompt-major order, EOS kept, logprob per token."""
         import time
 
-        import torch
-
         _check_prompts(prompts, num_generations)
         start = time.perf_counter()
-        was_training = self.model.training  # a model shared with a trainer may have been put back in train mode
+        with self._inference():
+            completions, logprobs = self._sample([list(p) for p in prompts for _ in range(num_generations)])
+        repeated = [list(p) for p in prompts for _ in range(num_generations)]
+        return EngineOutput(repeated, completions, logprobs, seconds=time.perf_counter() - start)
+
+    @contextmanager
+    def _inference(self) -> Iterator[None]:
+        """Eval mode and ``torch.inference_mode`` for one call; a model shared with a trainer (which may have put
+        it back in train mode) gets its mode back afterwards."""
+        import torch
+
+        was_training = self.model.training
         if was_training:
             self.model.eval()
         try:
             with torch.inference_mode():
-                completions, logprobs = self._sample([list(p) for p in prompts for _ in range(num_generations)])
+                yield
         finally:
             if was_training:
                 self.model.train()
-        repeated = [list(p) for p in prompts for _ in range(num_generations)]
-        return EngineOutput(repeated, completions, logprobs, seconds=time.perf_counter() - start)
 
     def score(self, prompts: list[list[int]], completions: list[list[int]]) -> list[list[float]]:
         """Teacher-forced log-probabilities of ``completions[i]`` after ``prompts[i]`` under this engine's model.
@@ -331,18 +339,11 @@ class TransformersEngine:
             rows += [i] * len(c)
             cols += range(len(p) - 1, len(p) + len(c) - 1)  # the logits at t predict token t + 1
             targets += c
-        was_training = self.model.training
-        if was_training:
-            self.model.eval()
-        try:
-            with torch.inference_mode():
-                logits = self.model(input_ids=ids, attention_mask=mask, use_cache=False).logits
-                picked = logits[torch.tensor(rows, device=dev), torch.tensor(cols, device=dev)].float()
-                logps = torch.log_softmax(picked / self.params.temperature, dim=-1)
-                flat = logps.gather(1, torch.tensor(targets, device=dev).unsqueeze(1)).squeeze(1).tolist()
-        finally:
-            if was_training:
-                self.model.train()
+        with self._inference():
+            logits = self.model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+            picked = logits[torch.tensor(rows, device=dev), torch.tensor(cols, device=dev)].float()
+            logps = torch.log_softmax(picked / self.params.temperature, dim=-1)
+            flat = logps.gather(1, torch.tensor(targets, device=dev).unsqueeze(1)).squeeze(1).tolist()
         out, off = [], 0
         for c in completions:
             out.append(flat[off : off + len(c)])

@@ -678,15 +678,14 @@ class WorkerPool:
             versions.append(int(meta["version"]))
             gen_us = max(gen_us, int(meta.get("gen_us", 0)))
             lengths = batch["lengths"].tolist()
-            flat = {"ids": batch["completion_ids"].tolist(), "lps": batch["logprobs"].tolist()}
-            flat.update((k, v.tolist()) for k, v in batch.items() if k.startswith("score_"))
+            ids, lps = batch["completion_ids"].tolist(), batch["logprobs"].tolist()
+            scored = {k[len("score_") :]: v.tolist() for k, v in batch.items() if k.startswith("score_")}
             off = 0
             for n in lengths:
-                completion_ids.append(flat["ids"][off : off + n])
-                logprobs.append(flat["lps"][off : off + n])
-                for k in flat:
-                    if k.startswith("score_"):
-                        scores.setdefault(k[len("score_") :], []).append(flat[k][off : off + n])
+                completion_ids.append(ids[off : off + n])
+                logprobs.append(lps[off : off + n])
+                for mid, flat in scored.items():
+                    scores.setdefault(mid, []).append(flat[off : off + n])
                 off += n
             prompt_ids.extend(p for p in ticket.chunks[c][1] for _ in range(ticket.num_generations))
         return RolloutResult(
