@@ -10,7 +10,9 @@ import json
 
 import pytest
 
-from mrl_plugins.weight_sync.bench import cli, qwen_shapes
+from mrl_plugins.weight_sync.bench import cli, qwen_shapes, small_shapes
+
+from tests.marks import require_trl
 
 pytestmark = pytest.mark.slow
 
@@ -20,6 +22,16 @@ def test_qwen_shape_list_matches_the_0_5b_model():
     assert len(shapes) == 290 and shapes[0][1] == (151936, 896)
     nbytes = sum(2 * __import__("math").prod(s) for _, s, _ in shapes)
     assert 980e6 < nbytes < 995e6
+
+
+@require_trl
+def test_small_case_is_the_small_preset_model():
+    from mrl_plugins.models import build_model
+
+    model, _ = build_model("small")
+    shapes, label = small_shapes()
+    assert label.startswith("mrl_plugins.models small")
+    assert shapes == [(n, tuple(p.shape), p.dtype) for n, p in model.named_parameters()]
 
 
 def test_bench_cli_quick_writes_json(tmp_path, capsys):

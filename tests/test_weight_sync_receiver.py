@@ -12,6 +12,7 @@ import torch
 
 from mrl_plugins.errors import StageTimeoutError
 from mrl_plugins.hookspecs import StageContext, hookimpl, spec
+from mrl_plugins.metrics import StageMetrics
 from mrl_plugins.weight_sync import (
     DirectorySender,
     DoubleBufferedReceiver,
@@ -288,13 +289,30 @@ def test_plugin_hooks_route_to_resources(shm):
     model = make_model()
     s = shm()
     recv = DoubleBufferedReceiver(model, s.receiver_handle().attach())
-    metrics: dict[str, float] = {}
+    metrics = StageMetrics()
     ctx = StageContext(config=None, metrics=metrics, resources={SENDER_KEY: {"policy": s}, RECEIVER_KEY: recv})
-    rep = pm.hook.mrl_weight_sync_publish(ctx=ctx, model_id="policy", version=2, named_tensors=filled(model, 2.0))
-    assert rep.version == 2 and rep.nbytes == recv.param_bytes
-    assert pm.hook.mrl_weight_sync_receive(ctx=ctx, model_id="policy", timeout=2.0) == 2
-    sw = pm.hook.mrl_weight_sync_switch(ctx=ctx, model_id="policy")
-    assert sw.to_version == 2 and metrics["mrl/weights/switches"] == 1 and values(model) == {2.0}
+    for v in (2, 3, 4):  # three switches inside one log window
+        rep = pm.hook.mrl_weight_sync_publish(ctx=ctx, model_id="policy", version=v, named_tensors=filled(model, v))
+        assert rep.version == v and rep.nbytes == recv.param_bytes
+        assert pm.hook.mrl_weight_sync_receive(ctx=ctx, model_id="policy", timeout=2.0) == v
+        sw = pm.hook.mrl_weight_sync_switch(ctx=ctx, model_id="policy")
+        assert sw.to_version == v and values(model) == {float(v)}
+    logged = metrics.flush()
+    # counters: what happened in the window (not running totals added up again); gauges: the last value
+    assert logged["mrl/weights/switches"] == 3 and logged["mrl/weights/received_bytes"] == 3 * recv.param_bytes
+    assert logged["mrl/weights/active_version"] == 4 and logged["mrl/weights/ignored_versions"] == 0
+    assert 0 < logged["mrl/weights/receive_seconds"] < 30 and logged["mrl/weights/publish_seconds"] > 0
+    s.publish(5, filled(model, 5.0))
+    pm.hook.mrl_weight_sync_receive(ctx=ctx, model_id="policy", timeout=2.0)
+    pm.hook.mrl_weight_sync_switch(ctx=ctx, model_id="policy")
+    assert metrics.flush()["mrl/weights/switches"] == 1  # the next window starts from zero
+    plain: dict[str, float] = {}  # a plain mapping accumulates the same way
+    ctx.metrics = plain
+    for v in (6, 7):
+        s.publish(v, filled(model, v))
+        pm.hook.mrl_weight_sync_receive(ctx=ctx, model_id="policy", timeout=2.0)
+        pm.hook.mrl_weight_sync_switch(ctx=ctx, model_id="policy")
+    assert plain["mrl/weights/switches"] == 2 and plain["mrl/weights/active_version"] == 7
     with pytest.raises(Exception, match="no sender for model_id='reference'"):
         pm.hook.mrl_weight_sync_publish(ctx=ctx, model_id="reference", version=1, named_tensors=[])
     pm.hook.mrl_shutdown(ctx=ctx, reason="normal")

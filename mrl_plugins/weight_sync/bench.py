@@ -1,8 +1,8 @@
 """``mrl bench weights``: weight-sync bandwidth against the per-parameter baseline and memcpy.
 
 Cases, each on a Qwen2.5-0.5B-like shape list (290 bf16 tensors, 988 MB; ``--quick``: a ~120 MB
-list) and on the ``small`` preset model (``mrl_plugins.models.build_model("small")`` when it exists,
-else a Qwen2-like shape list: hidden 256, 4 layers, vocab 16000, fp32, ~28 MB):
+list) and on the ``small`` preset model (``mrl_plugins.models.build_model("small")``, ~11 MB fp32; without
+transformers installed a Qwen2-like shape list stands in: hidden 256, 4 layers, vocab 16000, fp32, ~28 MB):
 
 (a) ``per_param``: one synchronous gloo broadcast per parameter between two processes (baseline);
 (b) ``bucketed``: the ``broadcast`` transport with its defaults (every chunk's xxh3 checksum
@@ -76,18 +76,24 @@ def qwen_shapes(
 
 
 def small_shapes() -> tuple[Shapes, str]:
-    """The ``small`` preset's parameter shapes and where they came from."""
+    """The ``small`` preset's parameter shapes and where they came from.
+
+    The preset needs transformers (the ``trl`` extra); without it a Qwen2-like shape list stands in
+    and its label says so.
+    """
     try:
-        from mrl_plugins.models import build_model  # type: ignore[import-not-found]
+        import transformers  # noqa: F401
     except ImportError:
-        build_model = None
-    if build_model is not None:
-        try:
-            m = build_model("small")
-            return [(n, tuple(p.shape), p.dtype) for n, p in m.named_parameters()], "mrl_plugins.models small"
-        except Exception:  # noqa: BLE001 - fall back to the built-in shape list
-            pass
-    return qwen_shapes(16000, 256, 704, 4, 64, torch.float32), "qwen2-like hidden 256, 4 layers, vocab 16000, fp32"
+        return qwen_shapes(16000, 256, 704, 4, 64, torch.float32), "qwen2-like hidden 256, 4 layers, vocab 16000, fp32"
+    from mrl_plugins.models import PRESETS, build_model
+
+    model, tok = build_model("small")
+    p = PRESETS["small"]
+    label = (
+        f"mrl_plugins.models small: qwen2 hidden {p.hidden_size}, {p.num_hidden_layers} layers, vocab {len(tok)}, "
+        f"{next(model.parameters()).dtype}"
+    )
+    return [(n, tuple(t.shape), t.dtype) for n, t in model.named_parameters()], label
 
 
 def make_tensors(shapes: Shapes) -> list[tuple[str, torch.Tensor]]:

@@ -9,13 +9,21 @@ Resources it uses in ``ctx.resources`` (built by the adapter/lead from the selec
 * ``"weight_sync.poller"`` (optional): a :class:`~mrl_plugins.weight_sync.receiver.VersionPoller` or a
   dict of them; stopped at shutdown.
 
-After each switch the receiver's ``mrl/weights/<key>`` metrics are merged into ``ctx.metrics`` when it
-is a mutable mapping (or has ``update``).
+Metrics (into ``ctx.metrics``: a :class:`~mrl_plugins.metrics.StageMetrics`, whose counters sum between
+TRL log steps and whose gauges keep the last value, or a plain mutable mapping):
+
+* each publish: counter ``mrl/weights/publish_seconds`` (the transport's own time);
+* each switch: counters ``mrl/weights/received_bytes``, ``mrl/weights/receive_seconds`` (fetch into
+  staging + switch) and ``mrl/weights/switches``; gauges ``mrl/weights/active_version``,
+  ``mrl/weights/switch_ms``, ``mrl/weights/fetch_gbps`` and ``mrl/weights/ignored_versions``.
+
+The published bytes and version (``mrl/weights/bytes``, ``mrl/weights/version``) are counted by the
+caller of the publish hook (the TRL runtime), whichever plugin serves it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, MutableMapping
 from typing import Any
 
 import torch
@@ -80,7 +88,7 @@ class WeightSyncPlugin:
         self, ctx: StageContext, model_id: str, version: int, named_tensors: Iterable[tuple[str, torch.Tensor]]
     ) -> PublishReport | None:
         report = _pick(ctx, SENDER_KEY, model_id).publish(version, named_tensors)
-        _emit(ctx, {"mrl/weights/publish_bytes": float(report.nbytes), "mrl/weights/publish_seconds": report.seconds})
+        _emit(ctx, {"mrl/weights/publish_seconds": report.seconds})
         return report
 
     @hookimpl
@@ -90,9 +98,23 @@ class WeightSyncPlugin:
     @hookimpl
     def mrl_weight_sync_switch(self, ctx: StageContext, model_id: str) -> SwitchReport | None:
         receiver = _pick(ctx, RECEIVER_KEY, model_id)
-        report = receiver.switch()
+        report = receiver.switch(getattr(getattr(ctx.config, "weight_sync", None), "timeout_s", None))
         if report is not None:
-            _emit(ctx, receiver.metrics())
+            stats = receiver.stats()
+            _emit(
+                ctx,
+                {
+                    "mrl/weights/received_bytes": float(report.nbytes),
+                    "mrl/weights/receive_seconds": report.seconds,
+                    "mrl/weights/switches": 1.0,
+                },
+                {
+                    "mrl/weights/active_version": float(report.to_version),
+                    "mrl/weights/switch_ms": stats["switch_ms"],
+                    "mrl/weights/fetch_gbps": stats["fetch_gbps"],
+                    "mrl/weights/ignored_versions": stats["ignored_versions"],
+                },
+            )
         return report
 
     @hookimpl
@@ -106,13 +128,21 @@ class WeightSyncPlugin:
                 _close_all(obj, "close")
 
 
-def _emit(ctx: StageContext, values: dict[str, float]) -> None:
+def _emit(ctx: StageContext, counters: dict[str, float], gauges: dict[str, float] | None = None) -> None:
+    """Counters add to what the log window holds already; gauges replace it."""
     m = ctx.metrics
     if m is None:
         return
-    update = getattr(m, "update", None)
-    if update is not None:
-        update(values)
+    add, gauge = getattr(m, "add", None), getattr(m, "gauge", None)
+    if callable(add) and callable(gauge):
+        for k, v in counters.items():
+            add(k, v)
+        for k, v in (gauges or {}).items():
+            gauge(k, v)
+    elif isinstance(m, MutableMapping):
+        for k, v in counters.items():
+            m[k] = m.get(k, 0.0) + v
+        m.update(gauges or {})
 
 
 __all__ = ["POLLER_KEY", "RECEIVER_KEY", "SENDER_KEY", "WeightSyncPlugin"]

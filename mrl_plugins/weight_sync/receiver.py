@@ -285,7 +285,8 @@ class DoubleBufferedReceiver:
         }
 
     def metrics(self) -> dict[str, float]:
-        """:meth:`stats` under ``mrl/weights/<key>`` names (for TRL's logs)."""
+        """:meth:`stats` under ``mrl/weights/<key>`` names: run totals, not per-log-step values (the plugin's
+        switch hook logs per-switch counters and gauges)."""
         return {f"mrl/weights/{k}": v for k, v in self.stats().items()}
 
     def close(self) -> None:
