@@ -117,6 +117,62 @@ def test_in_process_engine_generates_with_synced_weights(tmp_path):
     assert _history(trainer, "mrl/weights/version")[-1] == 2
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("workers", [0, 1])
+def test_peft_policy_generates_with_the_merged_trained_weights(tmp_path, workers, monkeypatch):
+    """A LoRA policy: the inference copy is the merged base model and every version lands by name.
+
+    workers 0: an in-process copy (fp32, exact); workers 1: a worker process with TRL's logprobs
+    through fp16 frames (the comm codec), generation taking turns with training.
+    """
+    import peft
+    import torch
+    import trl
+
+    import mrl_plugins
+    from mrl_plugins.models import build_dataset, build_model, count_reward, preset
+    from mrl_plugins.run import _trl_args
+    from mrl_plugins.weight_sync import sources
+
+    model, tok = build_model("tiny")
+    base = {n: p.detach().clone() for n, p in model.named_parameters()}
+    args = _trl_args(_cfg(tmp_path, "grpo", 3), str(tmp_path))
+    trainer = trl.GRPOTrainer(
+        model=model,
+        processing_class=tok,
+        reward_funcs=count_reward,
+        args=trl.GRPOConfig(**args),
+        train_dataset=build_dataset(64, words=preset("tiny").prompt_words),
+        peft_config=peft.LoraConfig(r=4, lora_alpha=16, target_modules=["q_proj", "v_proj"]),
+    )
+    published: list[dict] = []
+    source = sources.iter_trainer_weights
+
+    def recording(*a, **kw):  # what each sync published, as merged by the source
+        out = {n: t.clone() for n, t in source(*a, **kw)}
+        published.append(out)
+        return iter(out.items())
+
+    monkeypatch.setattr(sources, "iter_trainer_weights", recording)
+    mrl_plugins.enable(trainer, {"rollout": {"workers": workers, "local_warmup": False, "pipeline": "sync"}})
+    served = trainer._mrl_state.ctx.resources["weight_sync.receiver"].model if workers == 0 else None
+    trainer.train()
+    assert len(published) == 3
+    last = published[-1]
+    assert any(not torch.equal(last[n], base[n]) for n in last if "q_proj" in n)  # the adapters trained
+    if served is not None:  # the inference copy holds the last version's merged weights, under base names
+        got = dict(served.named_parameters())
+        assert set(got) == set(last) and all(torch.equal(got[n], last[n]) for n in last)
+    diffs = _history(trainer, "sampling/sampling_logp_difference/max")
+    assert len(diffs) == 3 and max(diffs) < (1e-4 if workers == 0 else 5e-3)
+    assert _history(trainer, "mrl/weights/version")[-1] == 2
+    if workers == 0:
+        assert _history(trainer, "mrl/weights/switches") == [1, 1, 1]
+        assert _history(trainer, "mrl/weights/active_version") == [0, 1, 2]
+    else:
+        assert _history(trainer, "mrl/rollout/staleness") == [0, 0, 0]
+
+
 def _count_forwards_and_inputs(trainer):
     """Wrap TRL's logprob forward (count calls) and compute_loss (keep its inputs)."""
     calls, seen = [], []

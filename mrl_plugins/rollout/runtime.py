@@ -17,7 +17,6 @@ older than ``max_staleness`` versions are dropped and regenerated, or kept and c
 
 from __future__ import annotations
 
-import copy
 import logging
 import time
 from collections import deque
@@ -135,9 +134,9 @@ class LocalEngineRuntime:
         import torch
 
         self.pm, self.ctx = pm, ctx
-        self.model = copy.deepcopy(_unwrap(model)).eval()
-        for p in self.model.parameters():
-            p.requires_grad_(False)
+        from mrl_plugins.weight_sync.sources import inference_copy
+
+        self.model = inference_copy(_unwrap(model))  # PEFT: the merged base model, named as published
         self.engine = engine_factory(self.model, None, params=sampling, device=str(_device_of(model)), seed=seed)
         cfg = ctx.config
         if pm.is_upstream("weight_sync"):

@@ -19,6 +19,7 @@
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Iterator
 from contextlib import nullcontext
 from typing import Any
@@ -67,6 +68,21 @@ def is_zero3(model: torch.nn.Module) -> bool:
 
 def is_peft(model: Any) -> bool:
     return hasattr(model, "peft_config") and hasattr(model, "merge_adapter") and hasattr(model, "unmerge_adapter")
+
+
+def inference_copy(model: Any) -> Any:
+    """A deep copy of ``model`` to generate with, in eval mode and without gradients.
+
+    PEFT: the copy is the merged base model (``merge_and_unload``), whose parameter names are the ones
+    ``iter_trainer_weights(mode="merge")`` publishes, so every later version lands by name.
+    """
+    out = copy.deepcopy(model)
+    if is_peft(out):
+        out = out.merge_and_unload()
+    out.eval()
+    for p in out.parameters():
+        p.requires_grad_(False)
+    return out
 
 
 def peft_base_name(name: str, prefix: str = "lora_") -> str | None:
@@ -165,4 +181,12 @@ def _gather_all(model: torch.nn.Module) -> Any:
     return deepspeed.zero.GatheredParameters(list(model.parameters()), modifier_rank=None)
 
 
-__all__ = ["is_peft", "is_zero3", "iter_trainer_weights", "peft_base_name", "should_publish", "unwrap"]
+__all__ = [
+    "inference_copy",
+    "is_peft",
+    "is_zero3",
+    "iter_trainer_weights",
+    "peft_base_name",
+    "should_publish",
+    "unwrap",
+]
