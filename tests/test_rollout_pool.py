@@ -261,3 +261,22 @@ def test_a_dead_worker_of_a_broadcast_pool_is_a_clear_error_not_a_restart():
             pool.collect(pool.submit(PROMPTS, 1), timeout=30)
     finally:
         pool.close(timeout=2)
+
+
+@pytest.mark.parametrize("interval", [0.05, 30.0])
+def test_idle_workers_poll_for_new_versions_every_poll_interval(interval):
+    """weight_sync.poll_interval_s paces an idle worker's polls; a request naming a version is served with it."""
+    pool, model, *_ = make_pool({"weight_sync": {"poll_interval_s": interval}})
+    try:
+        pool.publish(0, list(model.named_parameters()))
+        pool.collect(pool.submit(PROMPTS, 1, min_version=0))  # the worker is up and serves version 0
+        _fill(model, 3)
+        pool.publish(1, list(model.named_parameters()))  # no request names version 1
+        deadline = time.monotonic() + 3.0
+        while pool.worker_versions() != [1] and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert pool.worker_versions() == ([1] if interval < 1 else [0])
+        res = pool.collect(pool.submit(PROMPTS, 1, min_version=1))
+        assert res.weight_version == 1 and pool.worker_versions() == [1]
+    finally:
+        pool.close()

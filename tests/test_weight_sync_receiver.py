@@ -16,6 +16,7 @@ from mrl_plugins.metrics import StageMetrics
 from mrl_plugins.weight_sync import (
     DirectorySender,
     DoubleBufferedReceiver,
+    PollInterval,
     ShmSender,
     VersionPoller,
     WeightSyncConfig,
@@ -162,9 +163,15 @@ def test_older_and_repeated_versions_are_ignored(tmp_path, caplog):
     caplog.set_level(logging.INFO, logger="mrl_plugins.weight_sync")
     stale.publish(3, filled(model, 3.0))
     assert recv.poll(2) is None and recv.stage(4) is None and recv.stage(5) is None
+    assert recv.poll(2) is None and recv.stage(5) is None  # each ignored version is logged once
     assert recv.version == 5 and values(model) == {5.0}
-    assert recv.stats()["ignored_versions"] == 2
-    assert any("ignored model_id=policy version 3 (active 5)" in r.getMessage() for r in caplog.records)
+    assert recv.stats()["ignored_versions"] == 3
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("ignored")]
+    assert lines == [
+        "ignored model_id=policy version 3 (older than active 5)",
+        "ignored model_id=policy version 4 (older than active 5)",
+        "ignored model_id=policy version 5 (repeats active 5)",
+    ]
 
 
 def test_name_map_and_tied_weights(shm):
@@ -224,8 +231,9 @@ def test_poller_stages_on_change_and_on_notify(shm):
     finally:
         poller.stop(5)
     auto = VersionPoller(recv)
-    assert auto.interval_s == 1.0
-    auto._seen = [0.0, 4.0, 8.0]
+    assert auto.interval_s == 0.5
+    for t in (0.0, 4.0, 8.0):
+        auto.clock.arrived(t)
     assert auto.interval_s == pytest.approx(1.5)  # 3/8 of the 4 s update interval
     fast = VersionPoller(recv, interval_s=0.01, on_new=lambda v: recv.switch(5)).start()
     try:
@@ -345,3 +353,46 @@ def test_eager_poll_streams_a_version_being_written(shm):
     finally:
         th.join(10)
     assert recv.switch().to_version == 1 and values(model) == {9.0}
+
+
+def test_a_version_staged_by_another_thread_meanwhile_is_not_fetched_twice(shm):
+    """A poller thread and the serving thread both see version 1: the one that waited for the fetch lock must
+    not fetch it again (with a collective transport the second fetch would wait for a publish that never comes)."""
+    model = make_model()
+    s = shm()
+    rx = s.receiver_handle().attach()
+    fetches: list[int] = []
+    real = rx.fetch_into
+
+    def slow_fetch(version, dest, timeout=None):
+        fetches.append(version)
+        time.sleep(0.3)
+        return real(version, dest, timeout)
+
+    rx.fetch_into = slow_fetch
+    recv = DoubleBufferedReceiver(model, rx)
+    s.publish(1, filled(model, 1.0))
+    got: list = []
+    threads = [threading.Thread(target=lambda: got.append(recv.poll(5))) for _ in range(2)]
+    for t in threads:
+        t.start()
+        time.sleep(0.05)  # the second poll starts while the first one fetches
+    for t in threads:
+        t.join(10)
+    assert fetches == [1] and sorted(got, key=str) == [1, None] and recv.staged_version == 1
+    assert recv.switch(5).to_version == 1 and values(model) == {1.0}
+
+
+def test_poll_interval_follows_the_measured_update_interval():
+    assert PollInterval(2.0).seconds == 2.0  # fixed
+    clock = PollInterval()
+    assert clock.seconds == 0.5  # until two versions were seen
+    for i in range(20):
+        clock.arrived(i * 0.001)
+    assert clock.seconds == 0.01  # 3/8 of 1 ms, clamped
+    for i in range(9):  # only the last 8 gaps count
+        clock.arrived(100 + i * 8.0)
+    assert clock.seconds == pytest.approx(3.0)
+    for i in range(9):
+        clock.arrived(1000 + i * 1000.0)
+    assert clock.seconds == 60.0

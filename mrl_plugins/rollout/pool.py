@@ -135,12 +135,21 @@ def worker_main(
         if ready is not None:
             ready.set()  # models built, weights and experience paths attached
         timeout = spec.config.rollout.timeout_s
+        from mrl_plugins.weight_sync.receiver import PollInterval
+
+        # between requests the worker polls for new versions every weight_sync.poll_interval_s (auto: 3/8 of the
+        # measured gap between versions); a request names the version it needs (min_version) and is served with it
+        clock = PollInterval(spec.config.weight_sync.poll_interval_s)
+        last_poll = time.monotonic()
 
         def pull(model_ids: Any = receivers) -> None:
             for mid in model_ids:
                 version = _pull_weights(pm, ctx, mid, timeout)
-                if version is not None and events is not None:
-                    events.put(("switched", spec.index, mid, version))
+                if version is not None:
+                    if mid == "policy":
+                        clock.arrived()
+                    if events is not None:
+                        events.put(("switched", spec.index, mid, version))
 
         def await_version(mid: str, version: int, deadline: float) -> None:
             pull((mid,))
@@ -157,9 +166,11 @@ def worker_main(
             if parent_pid is not None and os.getppid() != parent_pid:
                 return  # trainer died: exit instead of lingering (remote workers: its store is gone)
             try:
-                req = requests.get(timeout=0.5)
+                req = requests.get(timeout=min(0.5, clock.seconds))  # the trainer's liveness is checked at least 2/s
             except queue.Empty:
-                pull()
+                if time.monotonic() - last_poll >= clock.seconds:
+                    pull()
+                    last_poll = time.monotonic()
                 continue
             if req is REQ_STOP:
                 return
@@ -524,6 +535,11 @@ class WorkerPool:
         return self.pm.weight_sync_publish(
             ctx=self.ctx, model_id=model_id, version=version, named_tensors=named_tensors
         )
+
+    def worker_versions(self, model_id: str = "policy") -> list[int]:
+        """The version of ``model_id`` each worker last reported switching to (-1: none yet)."""
+        self._drain_events()
+        return [self._versions.get((w, model_id), -1) for w in range(self.n)]
 
     def _drain_events(self) -> None:
         self._check_moves()

@@ -15,7 +15,7 @@ Heavy optional libraries (deepspeed, peft) are imported lazily.
 from .broadcast import BroadcastSender, PerParamSender
 from .config import WeightSyncConfig
 from .directory import DirectorySender
-from .receiver import DoubleBufferedReceiver, VersionPoller
+from .receiver import DoubleBufferedReceiver, PollInterval, VersionPoller
 from .shards import WeightSyncError
 from .shm import ShmSender
 from .sources import iter_trainer_weights, should_publish
@@ -32,6 +32,7 @@ __all__ = [
     "BroadcastSender",
     "DirectorySender",
     "DoubleBufferedReceiver",
+    "PollInterval",
     "PerParamSender",
     "ShmSender",
     "VersionPoller",

@@ -110,9 +110,9 @@ class WeightSyncPlugin:
                 },
                 {
                     "mrl/weights/active_version": float(report.to_version),
-                    "mrl/weights/switch_ms": stats["switch_ms"],
-                    "mrl/weights/fetch_gbps": stats["fetch_gbps"],
-                    "mrl/weights/ignored_versions": stats["ignored_versions"],
+                    "mrl/weights/switch_ms": stats.get("switch_ms", 0.0),
+                    "mrl/weights/fetch_gbps": stats.get("fetch_gbps", 0.0),
+                    "mrl/weights/ignored_versions": stats.get("ignored_versions", 0.0),
                 },
             )
         return report

@@ -16,7 +16,8 @@ Transports: with ``shm``/``directory`` a receiver fetches whenever it likes; wit
 ``per_param`` the sender's ``publish`` blocks until every receiver joins the collective, so the
 inference side must poll (or be notified) while the trainer publishes.
 
-Versions are monotonic per ``model_id``: an older version than the active one is ignored and logged;
+Versions are monotonic per ``model_id``: a version older than (or equal to) the active or staged one is
+ignored and logged once;
 a version that failed verification leaves ``staging`` invalid and the active version untouched.
 """
 
@@ -167,20 +168,33 @@ class DoubleBufferedReceiver:
             w = writing()
             if w is not None and (v is None or w > v):
                 v = w
-        if v is None:
-            return None
+        if v is None or v in (self.version, self._staged):
+            return None  # nothing new
         return self.stage(v, timeout)
+
+    def _not_newer(self, version: int, log: bool = True) -> bool:
+        """True when ``version`` is not newer than the active or staged one (logged once per version)."""
+        held = self.version if self._staged is None else max(self.version, self._staged)
+        if version > held:
+            return False
+        if log and version not in self._ignored:
+            self._ignored.add(version)
+            what = "older than" if version < held else "repeats"
+            staged = "" if self._staged is None else f", staged {self._staged}"
+            self.log.info(
+                "ignored model_id=%s version %d (%s active %d%s)", self.model_id, version, what, self.version, staged
+            )
+        return True
 
     def stage(self, version: int, timeout: float | None = None) -> int | None:
         """Fetch ``version`` into staging (e.g. on a control-channel notice); older/repeated ones are ignored."""
-        if version <= self.version or (self._staged is not None and version <= self._staged):
-            if version < self.version and version not in self._ignored:
-                self._ignored.add(version)
-                self.log.info("ignored model_id=%s version %d (active %d)", self.model_id, version, self.version)
+        if self._not_newer(version):
             return None
         if not self._fetch_lock.acquire(timeout=-1 if timeout is None else timeout):
             raise StageTimeoutError(f"model_id={self.model_id}: another fetch into staging is still running")
         try:
+            if self._not_newer(version, log=False):  # another thread staged it (or a newer one) meanwhile
+                return None
             self._staged = None
             dest = _MappedDest(self._staging_views(), self.name_map)
             t0 = time.perf_counter()
@@ -332,11 +346,37 @@ class DirectLoader:
         return {"version": self.version}
 
 
+class PollInterval:
+    """Seconds between version polls: ``fixed``, or automatic.
+
+    Automatic is 3/8 of the mean gap between the last 8 new versions (the middle of the
+    quarter-to-half-of-the-update-interval rule), ``initial`` until two versions were seen, clamped to
+    [``lo``, ``hi``].
+    """
+
+    def __init__(self, fixed: float | None = None, *, initial: float = 0.5, lo: float = 0.01, hi: float = 60.0):
+        self.fixed, self.initial, self.lo, self.hi = fixed, initial, lo, hi
+        self._seen: list[float] = []
+
+    def arrived(self, when: float | None = None) -> None:
+        """A new version arrived (``time.monotonic()`` by default)."""
+        self._seen = [*self._seen[-8:], time.monotonic() if when is None else when]
+
+    @property
+    def seconds(self) -> float:
+        if self.fixed is not None:
+            return self.fixed
+        if len(self._seen) < 2:
+            return self.initial
+        gaps = [b - a for a, b in zip(self._seen, self._seen[1:])]
+        return min(self.hi, max(self.lo, 0.375 * sum(gaps) / len(gaps)))
+
+
 class VersionPoller:
     """Background thread: poll the transport and stage new versions, or stage at once on :meth:`notify`.
 
-    ``interval_s=None`` is automatic: 3/8 of the measured interval between new versions (the middle
-    of the quarter-to-half rule), 1 s until two versions were seen, clamped to [0.01 s, 60 s].
+    ``interval_s=None`` is automatic (:class:`PollInterval`: 3/8 of the measured interval between new
+    versions, 0.5 s until two versions were seen, clamped to [0.01 s, 60 s]).
     ``on_new(version)`` runs in the poller thread after a version was staged (e.g. to switch).
     """
 
@@ -348,21 +388,16 @@ class VersionPoller:
         *,
         timeout: float | None = None,
     ) -> None:
-        self.receiver, self.fixed, self.on_new, self.timeout = receiver, interval_s, on_new, timeout
+        self.receiver, self.on_new, self.timeout = receiver, on_new, timeout
+        self.clock = PollInterval(interval_s)
         self._wake = threading.Event()
         self._stop = threading.Event()
-        self._seen: list[float] = []
         self.errors: list[BaseException] = []
         self._thread = threading.Thread(target=self._run, name=f"mrl-weight-poller-{receiver.model_id}", daemon=True)
 
     @property
     def interval_s(self) -> float:
-        if self.fixed is not None:
-            return self.fixed
-        if len(self._seen) < 2:
-            return 1.0
-        gaps = [b - a for a, b in zip(self._seen, self._seen[1:])][-8:]
-        return min(60.0, max(0.01, 0.375 * sum(gaps) / len(gaps)))
+        return self.clock.seconds
 
     def start(self) -> VersionPoller:
         self._thread.start()
@@ -385,7 +420,7 @@ class VersionPoller:
                 LOG.warning("weight poll for model_id=%s failed: %s", self.receiver.model_id, exc)
                 continue
             if v is not None:
-                self._seen.append(time.monotonic())
+                self.clock.arrived()
                 if self.on_new is not None:
                     try:
                         self.on_new(v)
@@ -403,4 +438,4 @@ class VersionPoller:
                 raise StageTimeoutError(f"weight poller of model_id={self.receiver.model_id} did not stop")
 
 
-__all__ = ["DoubleBufferedReceiver", "VersionPoller"]
+__all__ = ["DoubleBufferedReceiver", "PollInterval", "VersionPoller"]
