@@ -121,6 +121,111 @@ def _stalling_sender(kind, q, stall_after) -> None:
     sender.publish(2, stalled())
 
 
+def _stalling_receiver(handle, names, q) -> None:
+    """Take version 0, then join the broadcast of version 1 and stall at the first tensor it delivers."""
+    torch.set_num_threads(1)
+    rx = handle.attach()
+    rx.fetch_into(0, {n: torch.empty(1024, 1024) for n in names}, 60)
+    q.put("v0")
+
+    def dest(name, row0, view):
+        q.put("stalled")
+        time.sleep(600)
+
+    rx.fetch_into(1, dest, 600)
+
+
+@pytest.mark.parametrize("fate", ["killed", "stuck"])
+def test_receiver_gone_mid_transfer_fails_the_sender_within_its_timeout(fate):
+    """A receiver that dies (or stops reading) inside a broadcast: publish raises instead of waiting forever."""
+    timeout = 4.0
+    cfg = WeightSyncConfig(transport="broadcast", timeout_s=60, bucket_bytes=64 << 10, chunk_bytes=16 << 10)
+    sender = BroadcastSender(cfg, group_bytes=256 << 10)
+    sender.window_bytes = 256 << 10  # a small window: the sender waits on the receiver early
+    named = [(f"w{i}", torch.full((1024, 1024), float(i))) for i in range(8)]  # 32 MB, far beyond socket buffers
+    q = CTX.Queue()
+    child = CTX.Process(target=_stalling_receiver, args=(sender.receiver_handle(), [n for n, _ in named], q))
+    child.daemon = True
+    child.start()
+    try:
+        import threading
+
+        sender.publish(0, named)  # the group is formed and the receiver is up
+        assert q.get(timeout=60) == "v0"
+        sender.timeout = timeout
+        killed: list[float] = []
+
+        def kill_when_stalled() -> None:
+            if q.get(timeout=60) == "stalled" and fate == "killed":
+                os.kill(child.pid, signal.SIGKILL)
+                killed.append(time.monotonic())
+
+        watcher = threading.Thread(target=kill_when_stalled, daemon=True)
+        watcher.start()
+        t0 = time.monotonic()
+        with pytest.raises(StageTimeoutError, match=r"weight transfer: peer dead or not answering within 4\.0s"):
+            sender.publish(1, named)
+        failed = time.monotonic()
+        watcher.join(5)
+        if fate == "stuck":  # the receiver is alive but reads nothing: the sender gives up after its timeout
+            assert timeout - 0.5 < failed - t0 < timeout + 3
+        else:  # the closed connection ends the wait well before the timeout
+            assert killed and failed - killed[0] < timeout
+    finally:
+        if child.is_alive():
+            child.kill()
+        child.join(5)
+        sender.close()
+        q.close()
+        q.join_thread()
+
+
+def _stalling_shm_reader(handle, q) -> None:
+    """Read version 1 and stall inside the copy of its first shard (holding the slot's reader lock)."""
+    rx = handle.attach()
+
+    def dest(name, row0, view):
+        q.put("stalled")
+        time.sleep(600)
+
+    rx.fetch_into(1, dest, 600)
+
+
+@pytest.mark.parametrize("fate", ["killed", "stuck"])
+def test_shm_reader_gone_mid_read(fate):
+    """The writer reuses a slot only when no reader holds it: a stuck reader makes that publish time out
+    (clear error, the other slot's version stays published); a killed reader's lock goes with it."""
+    timeout = 3.0
+    sender = ShmSender(WeightSyncConfig(timeout_s=timeout, chunk_bytes=4096), model_id="policy", run_id="gone")
+    model = model_for_test()
+    q = CTX.Queue()
+    child = CTX.Process(target=_stalling_shm_reader, args=(sender.receiver_handle(), q), daemon=True)
+    try:
+        sender.publish(1, model.named_parameters())
+        child.start()
+        assert q.get(timeout=60) == "stalled"
+        sender.publish(2, model.named_parameters())  # the other slot: free
+        if fate == "killed":
+            os.kill(child.pid, signal.SIGKILL)
+            child.join(10)
+            assert sender.publish(3, model.named_parameters()).version == 3  # version 1's slot is free again
+        else:
+            t0 = time.monotonic()
+            with pytest.raises(StageTimeoutError, match=r"lock on shm slot .* \(a reader holds it\)"):
+                sender.publish(3, model.named_parameters())
+            assert timeout - 0.5 < time.monotonic() - t0 < timeout + 3
+            rx = sender.receiver_handle().attach()
+            assert rx.latest_version() == 2  # nothing half-published
+            rx.close()
+    finally:
+        if child.is_alive():
+            child.kill()
+        child.join(5)
+        sender.close()
+        q.close()
+        q.join_thread()
+
+
 @pytest.mark.parametrize("kind", ["shm", "broadcast"])
 def test_sender_killed_mid_transfer_gives_timeout(kind):
     q = CTX.Queue()

@@ -146,6 +146,41 @@ def test_missing_and_corrupted_directory_shard(tmp_path):
     assert issubclass(WeightSyncError, MrlError)
 
 
+def test_directory_read_is_retried_and_a_transient_corruption_recovers(tmp_path, caplog):
+    """A shared filesystem may show a shard before all of its bytes arrived: the first read fails its checksum,
+    the file is whole by the retry, and the version arrives intact; without retries the same is a clear error."""
+    ts = all_dtypes()
+    for retries in (1, 0):
+        root = tmp_path / f"r{retries}"
+        cfg = WeightSyncConfig(transport="directory", directory=str(root), chunk_bytes=1024, max_retries=retries)
+        s = DirectorySender(cfg, model_id="policy", run_id="t")
+        s.publish(1, ts.items())
+        rx = s.receiver_handle().attach()
+        f = sorted((root / "t" / "policy" / "weight_v1").iterdir())[1]
+        whole = f.read_bytes()
+        f.write_bytes(whole[:-1] + bytes([whole[-1] ^ 1]))  # not yet fully arrived
+        passes = []
+        real = rx._blobs
+
+        def blobs(m, real=real, f=f, whole=whole, passes=passes):
+            passes.append(1)
+            if len(passes) > 1:
+                f.write_bytes(whole)  # by the retry the filesystem caught up
+            yield from real(m)
+
+        rx._blobs = blobs
+        dest = fresh_dest(ts)
+        if retries:
+            with caplog.at_level("WARNING", logger="mrl_plugins.weight_sync"):
+                assert rx.fetch_into(1, dest, 5) == sum(t.nbytes for t in ts.values())
+            assert len(passes) == 2 and all(bit_equal(dest[n], t) for n, t in ts.items())
+            assert "read 1 of 2 failed" in caplog.text and "checksum" in caplog.text
+        else:
+            with pytest.raises(WeightSyncError, match="checksum"):
+                rx.fetch_into(1, dest, 5)
+            assert len(passes) == 1
+
+
 def test_wrong_destination_is_a_clear_error(shm_sender):
     s = shm_sender()
     rx = s.receiver_handle().attach()

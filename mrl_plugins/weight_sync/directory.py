@@ -16,6 +16,7 @@ new manifest is in place. Works on local disk and shared filesystems (pools that
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import time
@@ -32,6 +33,8 @@ from mrl_plugins.hookspecs import PublishReport
 from .config import WeightSyncConfig
 from .shards import Dest, ShardWriter, WeightSyncError, read_shards
 from .shm import _safe
+
+LOG = logging.getLogger("mrl_plugins.weight_sync")
 
 MANIFEST = "manifest.json"
 
@@ -252,6 +255,12 @@ class DirectoryReceiver:
                             f"model_id={self.h.model_id} version {version}: missing shard {exc.filename}"
                         ) from None
                     raise
+                # a shared filesystem may show a file before all of it arrived: read again a little later
+                LOG.warning(
+                    "model_id=%s version %d: read %d of %d failed (%s); retrying",
+                    self.h.model_id, version, attempts, self.h.max_retries + 1, exc,
+                )  # fmt: skip
+                time.sleep(max(0.0, min(0.05 * attempts, deadline - time.monotonic())))
 
     def _blobs(self, m: dict) -> Iterable[torch.Tensor]:
         folder = os.path.join(self.h.root, f"weight_v{m['version']}")
