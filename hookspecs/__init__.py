@@ -1,7 +1,7 @@
 """The mrl-plugins hook contract (installed as ``mrl_plugins.hookspecs``)."""
 
 from mrl_plugins.hookspecs import spec
-from mrl_plugins.hookspecs.spec import PROJECT_NAME, STAGE_HOOKS, hookimpl, hookspec
+from mrl_plugins.hookspecs.spec import ADJUSTMENT_HOOKS, PROJECT_NAME, STAGE_HOOKS, hookimpl, hookspec
 from mrl_plugins.hookspecs.types import (
     REGISTRATION_HOOKS,
     STAGES,
@@ -16,6 +16,7 @@ from mrl_plugins.hookspecs.types import (
 )
 
 __all__ = [
+    "ADJUSTMENT_HOOKS",
     "PROJECT_NAME",
     "REGISTRATION_HOOKS",
     "STAGES",

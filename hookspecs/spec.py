@@ -10,7 +10,10 @@ positional calls); implementations declare the parameters they need by name, as 
   (:mod:`mrl_plugins.hookspecs.types`), collected by the manager and picked by name from config;
 * stage operations -- ``firstresult`` hooks that the manager routes to the plugin selected for
   that stage (``plugins: {rollout: mrl}``): only the selected provider's implementation runs, plus
-  any hook wrappers (metrics, tracing) registered by other plugins.
+  any hook wrappers (metrics, tracing) registered by other plugins;
+* adjustments -- ``firstresult`` hooks any plugin may answer, whichever plugin runs the stage
+  (:func:`mrl_weight_sync_map_name`); ``None`` passes to the next plugin, and with no answer the
+  default applies.
 """
 
 from __future__ import annotations
@@ -238,6 +241,30 @@ def mrl_weight_sync_switch(ctx: StageContext, model_id: str) -> SwitchReport | N
     """
 
 
+@hookspec(firstresult=True)
+def mrl_weight_sync_map_name(model_id: str, name: str) -> str | None:
+    """Map a published parameter name to the receiving model's parameter name.
+
+    :param model_id: the served model the tensor belongs to (``"policy"``, ``"ref"``, ...).
+    :param name: the name the trainer published (the trainer model's parameter name; PEFT: the base
+        model's name).
+    :return: the receiving model's parameter name, or ``None`` to leave it to other plugins (with no
+        answer at all the name is used as it is).
+
+    Called once per published name and model by every receiver the plugins build (rollout workers and
+    the in-process inference copy; the answer is cached), in the process that receives. Rollout
+    workers build their own plugin manager, so a plugin must be installed (entry point) to be asked
+    there. A name that maps to no parameter of the receiving model is an error naming it; no version
+    is switched half-received.
+
+    Example::
+
+        @hookimpl
+        def mrl_weight_sync_map_name(model_id, name):
+            return name.replace("self_attn.qkv", "attn.c_attn") if model_id == "policy" else None
+    """
+
+
 # --------------------------------------------------------------------------- communication
 
 
@@ -328,7 +355,11 @@ STAGE_HOOKS: dict[str, tuple[str, ...]] = {
     "comm": ("mrl_comm_encode", "mrl_comm_decode", "mrl_comm_send", "mrl_comm_receive"),
 }
 
+#: hooks any plugin may answer (not routed to the selected provider)
+ADJUSTMENT_HOOKS = ("mrl_weight_sync_map_name",)
+
 __all__ = [
+    "ADJUSTMENT_HOOKS",
     "PROJECT_NAME",
     "STAGE_HOOKS",
     "hookimpl",

@@ -331,6 +331,22 @@ class MrlPluginManager:
     def weight_sync_switch(self, *, ctx: Any, model_id: str):
         return self._caller("weight_sync", "mrl_weight_sync_switch")(ctx=ctx, model_id=model_id)
 
+    def weight_sync_name_map(self, model_id: str) -> Callable[[str], str] | None:
+        """``name -> receiving name`` from :func:`~mrl_plugins.hookspecs.spec.mrl_weight_sync_map_name` (answers
+        cached), or ``None`` when no plugin implements that hook."""
+        hook = self.pm.hook.mrl_weight_sync_map_name
+        if not any(not _is_wrapper(impl) for impl in hook.get_hookimpls()):
+            return None
+        cache: dict[str, str] = {}
+
+        def name_map(name: str) -> str:
+            if name not in cache:
+                mapped = hook(model_id=model_id, name=name)
+                cache[name] = name if mapped is None else str(mapped)
+            return cache[name]
+
+        return name_map
+
     def comm_encode(self, *, ctx: Any, batch: Any, meta: Any):
         return self._caller("comm", "mrl_comm_encode")(ctx=ctx, batch=batch, meta=meta)
 

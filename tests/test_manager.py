@@ -565,12 +565,14 @@ def _hookspecs() -> dict:
 
 
 def test_hookspec_names_and_kinds():
-    from mrl_plugins.hookspecs import PROJECT_NAME, REGISTRATION_HOOKS, STAGE_HOOKS
+    from mrl_plugins.hookspecs import ADJUSTMENT_HOOKS, PROJECT_NAME, REGISTRATION_HOOKS, STAGE_HOOKS
 
     specs = _hookspecs()
     lifecycle = {"mrl_configure", "mrl_shutdown"}
     stage_ops = {h for hooks in STAGE_HOOKS.values() for h in hooks}
-    assert set(specs) == lifecycle | stage_ops | set(REGISTRATION_HOOKS)
+    assert set(specs) == lifecycle | stage_ops | set(REGISTRATION_HOOKS) | set(ADJUSTMENT_HOOKS)
+    for hook in ADJUSTMENT_HOOKS:
+        assert getattr(specs[hook], f"{PROJECT_NAME}_spec")["firstresult"] is True, hook
     for stage, hooks in STAGE_HOOKS.items():
         for hook in hooks:
             assert hook.startswith(f"mrl_{stage}_")
@@ -594,6 +596,30 @@ def test_hookspecs_are_documented():
             assert ":return:" in doc, f"{name}: return value not documented"
         example_args = doc.split(f"def {name}(", 1)[1].split(")", 1)[0]
         assert [a.strip() for a in example_args.split(",") if a.strip()] == list(sig.parameters), name
+
+
+def test_name_map_hook_is_asked_by_every_plugin_in_order_and_cached(fresh_pm):
+    from mrl_plugins.hookspecs import hookimpl
+
+    assert fresh_pm(UPSTREAM).weight_sync_name_map("policy") is None  # nobody implements it: no per-name calls
+    asked: list[tuple[str, str]] = []
+
+    class RefOnly:
+        @hookimpl
+        def mrl_weight_sync_map_name(self, model_id, name):
+            asked.append((model_id, name))
+            return f"ref.{name}" if model_id == "ref" else None
+
+    class Policy:
+        @hookimpl
+        def mrl_weight_sync_map_name(self, model_id, name):
+            return name.removeprefix("trainer.") if model_id == "policy" else None
+
+    mgr = fresh_pm(UPSTREAM, plugins=[("policy_names", Policy()), ("ref_names", RefOnly())])
+    policy, ref = mgr.weight_sync_name_map("policy"), mgr.weight_sync_name_map("ref")
+    assert policy("trainer.a.weight") == "a.weight" and policy("b") == "b"
+    assert ref("w") == "ref.w" and ref("w") == "ref.w"
+    assert asked.count(("ref", "w")) == 1  # answers are cached per name
 
 
 def test_disable_argument_as_string(fresh_pm):

@@ -280,3 +280,41 @@ def test_idle_workers_poll_for_new_versions_every_poll_interval(interval):
         assert res.weight_version == 1 and pool.worker_versions() == [1]
     finally:
         pool.close()
+
+
+RENAMER = """
+from mrl_plugins.hookspecs import hookimpl
+
+
+class Renamer:
+    @hookimpl
+    def mrl_weight_sync_map_name(self, model_id, name):
+        return name.removeprefix("trainer.") if model_id == "policy" else None
+
+
+plugin = Renamer()
+"""
+
+
+@pytest.mark.parametrize("installed", [True, False])
+def test_workers_map_published_names_through_the_name_map_hook(install_dist, installed):
+    """The trainer publishes names its workers' models do not have; an installed plugin's
+    mrl_weight_sync_map_name maps them in the worker processes, without one it is a clear error."""
+    from mrl_plugins.errors import MrlError
+
+    if installed:
+        install_dist("renamer", {"renamer": "renamer_plug:plugin"}, {"renamer_plug": RENAMER})
+    pool, model, tok, sampling, *_ = make_pool({"rollout": {"timeout_s": 30}})
+    try:
+        _fill(model, 7)
+        published = [(f"trainer.{n}", p) for n, p in model.named_parameters()]
+        pool.publish(1, published)
+        if installed:
+            res = pool.collect(pool.submit(PROMPTS, 2, min_version=1))
+            assert res.weight_version == 1
+            assert res.completion_ids == _local_logprobs(model, tok, sampling, PROMPTS)[0]  # the published weights
+        else:
+            with pytest.raises(MrlError, match=r"received tensor 'trainer\.model\.embed_tokens\.weight' has no dest"):
+                pool.collect(pool.submit(PROMPTS, 2, min_version=1))
+    finally:
+        pool.close()

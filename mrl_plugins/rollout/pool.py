@@ -125,7 +125,11 @@ def worker_main(
                 from mrl_plugins.weight_sync.receiver import DoubleBufferedReceiver
 
                 receivers[mid] = DoubleBufferedReceiver(
-                    model, receiver_end, model_id=mid, staging=spec.config.weight_sync.staging
+                    model,
+                    receiver_end,
+                    model_id=mid,
+                    staging=spec.config.weight_sync.staging,
+                    name_map=pm.weight_sync_name_map(mid),
                 )
             engines[mid] = spec.engine_factory(
                 model, None, params=spec.sampling, device=spec.device, seed=spec.seed + spec.index

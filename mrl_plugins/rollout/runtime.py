@@ -150,7 +150,10 @@ class LocalEngineRuntime:
             )
             ctx.resources["weight_sync.sender"] = sender
             self.receiver = DoubleBufferedReceiver(
-                self.model, sender.receiver_handle().attach(), staging=cfg.weight_sync.staging
+                self.model,
+                sender.receiver_handle().attach(),
+                staging=cfg.weight_sync.staging,
+                name_map=pm.weight_sync_name_map("policy"),
             )
             ctx.resources["weight_sync.receiver"] = self.receiver
         self._torch = torch

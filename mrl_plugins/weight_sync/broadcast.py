@@ -589,7 +589,9 @@ class BroadcastReceiver:
             return None
         t = dest.get(name)
         if t is None:
-            bad.append(f"received tensor {name!r} has no destination (check name_map)")
+            bad.append(
+                f"received tensor {name!r} has no destination (check name_map or the mrl_weight_sync_map_name hook)"
+            )
         elif t.dtype != dtype or list(t.shape) != shape:
             bad.append(f"{name}: received {dtype}{tuple(shape)}, destination is {t.dtype}{tuple(t.shape)}")
             t = None

@@ -204,7 +204,7 @@ class DoubleBufferedReceiver:
             if missing:
                 raise WeightSyncError(
                     f"model_id={self.model_id} version {version}: {len(missing)} parameter(s) not received, e.g. "
-                    f"{missing[:3]} (check name_map)"
+                    f"{missing[:3]} (check name_map or the mrl_weight_sync_map_name hook)"
                 )
             self._staged = version
             self._bytes += nbytes

@@ -279,7 +279,9 @@ def copy_entry(dest: Dest, entry: Entry, view: torch.Tensor) -> None:
         return
     target = dest.get(entry.name)
     if target is None:
-        raise WeightSyncError(f"received tensor {entry.name!r} has no destination (check name_map)")
+        raise WeightSyncError(
+            f"received tensor {entry.name!r} has no destination (check name_map or the mrl_weight_sync_map_name hook)"
+        )
     if entry.rows_total is not None:
         if target.dim() == 0 or target.shape[0] != entry.rows_total:
             raise WeightSyncError(f"{entry.name}: destination shape {tuple(target.shape)} vs {entry.rows_total} rows")
