@@ -396,3 +396,52 @@ def test_poll_interval_follows_the_measured_update_interval():
     for i in range(9):
         clock.arrived(1000 + i * 1000.0)
     assert clock.seconds == 60.0
+
+
+def test_slow_directory_reader_never_mixes_versions_and_skips_removed_ones(tmp_path, caplog):
+    """A writer publishing as fast as it can (keeping only the newest version on disk) against a reader
+    polling: every staged version is whole and uniform; a version removed while it was read is given up
+    for the newer one (never an error, never a switch to a mix)."""
+    model = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(6)])
+    cfg = WeightSyncConfig(transport="directory", directory=str(tmp_path), timeout_s=10, chunk_bytes=4096,
+                           keep_versions=1, max_retries=0)  # fmt: skip
+    sender = DirectorySender(cfg, model_id="policy", run_id="race")
+    sender.publish(0, filled(model, 0.0))
+    rx = sender.receiver_handle().attach()
+    real = rx.fetch_into
+
+    def slow_fetch(version, dest, timeout=None):  # a slow shared filesystem: the writer gets ahead
+        time.sleep(0.02)
+        return real(version, dest, timeout)
+
+    rx.fetch_into = slow_fetch
+    recv = DoubleBufferedReceiver(model, rx)
+    caplog.set_level(logging.INFO, logger="mrl_plugins.weight_sync")
+    stop = threading.Event()
+
+    def write() -> None:
+        for v in range(1, 200):
+            if stop.is_set():
+                return
+            sender.publish(v, filled(model, float(v)))
+            time.sleep((v % 3) * 0.02)  # uneven pace: some versions are lost to the reader, some are read
+
+    writer = threading.Thread(target=write)
+    writer.start()
+    seen: list[int] = []
+    try:
+        deadline = time.monotonic() + 60
+        while writer.is_alive() and time.monotonic() < deadline:
+            v = recv.poll(10)
+            if v is not None:
+                recv.switch(5)
+                assert values(model) == {float(v)}, f"version {v} mixed"
+                seen.append(v)
+    finally:
+        stop.set()
+        writer.join(30)
+    assert len(seen) >= 3 and seen == sorted(seen)
+    assert "was replaced by" in caplog.text  # the reader did lose versions to the writer and went on
+    if recv.poll(10) is not None:
+        recv.switch(5)
+    assert recv.version == 199 and values(model) == {199.0}

@@ -16,7 +16,7 @@ from .broadcast import BroadcastSender, PerParamSender
 from .config import WeightSyncConfig
 from .directory import DirectorySender
 from .receiver import DoubleBufferedReceiver, PollInterval, VersionPoller
-from .shards import WeightSyncError
+from .shards import VersionGoneError, WeightSyncError
 from .shm import ShmSender
 from .sources import iter_trainer_weights, should_publish
 
@@ -37,6 +37,7 @@ __all__ = [
     "ShmSender",
     "VersionPoller",
     "WeightSyncConfig",
+    "VersionGoneError",
     "WeightSyncError",
     "iter_trainer_weights",
     "should_publish",

@@ -31,7 +31,7 @@ from mrl_plugins.errors import StageTimeoutError
 from mrl_plugins.hookspecs import PublishReport
 
 from .config import WeightSyncConfig
-from .shards import Dest, ShardWriter, WeightSyncError, read_shards
+from .shards import Dest, ShardWriter, VersionGoneError, WeightSyncError, read_shards
 from .shm import _safe
 
 LOG = logging.getLogger("mrl_plugins.weight_sync")
@@ -231,11 +231,9 @@ class DirectoryReceiver:
                     )
                 time.sleep(0.01)
                 continue
-            if m["version"] != version:
-                folder = os.path.join(self.h.root, f"weight_v{version}")
-                raise WeightSyncError(
+            if m["version"] != version:  # newer: this reader came too late for ``version``
+                raise VersionGoneError(
                     f"model_id={self.h.model_id}: asked for version {version}, manifest is at {m['version']}"
-                    + ("" if os.path.isdir(folder) else " and the older version was removed")
                 )
             try:
                 return read_shards(
@@ -248,6 +246,12 @@ class DirectoryReceiver:
                     verify=self.h.verify,
                 )
             except (WeightSyncError, FileNotFoundError) as exc:
+                now = self.manifest()
+                if isinstance(exc, FileNotFoundError) and now is not None and now["version"] > version:
+                    raise VersionGoneError(
+                        f"model_id={self.h.model_id}: version {version} was replaced by {now['version']} and removed "
+                        "while it was read"
+                    ) from None
                 attempts += 1
                 if attempts > self.h.max_retries:
                     if isinstance(exc, FileNotFoundError):

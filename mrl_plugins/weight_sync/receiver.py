@@ -35,7 +35,7 @@ import torch
 from mrl_plugins.errors import ConfigError, StageTimeoutError, choices
 from mrl_plugins.hookspecs import SwitchReport
 
-from .shards import WeightSyncError, align
+from .shards import VersionGoneError, WeightSyncError, align
 
 LOG = logging.getLogger("mrl_plugins.weight_sync")
 
@@ -160,17 +160,29 @@ class DoubleBufferedReceiver:
 
         ``eager=True`` also takes a version that is still being written when the transport can stream
         it (shm: ``writing_version()``), so the copy overlaps the publish; the call then blocks until
-        that version is complete (at most ``timeout`` s).
+        that version is complete (at most ``timeout`` s). A version replaced by a newer one while it
+        was fetched (a slow reader; :class:`VersionGoneError`) is given up for the newer one.
         """
-        v = self.tr.latest_version()
-        writing = getattr(self.tr, "writing_version", None) if eager else None
-        if writing is not None:
-            w = writing()
-            if w is not None and (v is None or w > v):
-                v = w
-        if v is None or v in (self.version, self._staged):
-            return None  # nothing new
-        return self.stage(v, timeout)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            v = self.tr.latest_version()
+            writing = getattr(self.tr, "writing_version", None) if eager else None
+            if writing is not None:
+                w = writing()
+                if w is not None and (v is None or w > v):
+                    v = w
+            if v is None or v in (self.version, self._staged):
+                return None  # nothing new
+            left = None if deadline is None else deadline - time.monotonic()
+            try:
+                return self.stage(v, left)
+            except VersionGoneError:
+                newer = self.tr.latest_version()
+                if newer is None or newer <= v or (left is not None and deadline - time.monotonic() <= 0):
+                    raise
+                self.log.info(
+                    "model_id=%s version %d was replaced by %d while it was fetched", self.model_id, v, newer
+                )
 
     def _not_newer(self, version: int, log: bool = True) -> bool:
         """True when ``version`` is not newer than the active or staged one (logged once per version)."""

@@ -64,6 +64,10 @@ class WeightSyncError(MrlError):
     """A weight version could not be published or received whole (bad shard, missing tensor, ...)."""
 
 
+class VersionGoneError(WeightSyncError):
+    """The asked-for version was replaced by a newer one before it could be read (a slow reader)."""
+
+
 def align(n: int, a: int = ALIGN) -> int:
     """Round ``n`` up to a multiple of ``a``."""
     return (n + a - 1) // a * a
@@ -392,6 +396,7 @@ def read_shards(
 __all__ = [
     "ALIGN",
     "CHECKSUM_ALGOS",
+    "VersionGoneError",
     "Dest",
     "Entry",
     "ShardMeta",

@@ -48,7 +48,16 @@ from mrl_plugins.errors import StageTimeoutError
 from mrl_plugins.hookspecs import PublishReport
 
 from .config import WeightSyncConfig
-from .shards import Dest, ShardWriter, WeightSyncError, align, check_meta, copy_entry, parse_shard
+from .shards import (
+    Dest,
+    ShardWriter,
+    VersionGoneError,
+    WeightSyncError,
+    align,
+    check_meta,
+    copy_entry,
+    parse_shard,
+)
 
 SHM_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
 PREFIX = "mrlws"
@@ -422,7 +431,7 @@ class ShmReceiver:
             if latest is not None and latest >= version:
                 seg = next((x for x in self.slots if x.read("<Q", 16)[0] == version + 1), None)
                 if seg is None:
-                    raise WeightSyncError(
+                    raise VersionGoneError(
                         f"model_id={self.h.model_id}: version {version} is no longer in shared memory "
                         f"(latest {latest})"
                     )
