@@ -121,18 +121,33 @@ def _stalling_sender(kind, q, stall_after) -> None:
     sender.publish(2, stalled())
 
 
+def _reap(child, sender, q) -> None:
+    """Kill ``child`` if it still runs, close ``sender`` and the queue."""
+    if child.is_alive():
+        child.kill()
+    child.join(5)
+    sender.close()
+    q.close()
+    q.join_thread()
+
+
+def _fetch_and_stall(rx, version, q) -> None:
+    """``fetch_into(version)`` into a destination that stalls (until killed) at the first tensor it gets."""
+
+    def dest(name, row0, view):
+        q.put("stalled")
+        time.sleep(600)
+
+    rx.fetch_into(version, dest, 600)
+
+
 def _stalling_receiver(handle, names, q) -> None:
     """Take version 0, then join the broadcast of version 1 and stall at the first tensor it delivers."""
     torch.set_num_threads(1)
     rx = handle.attach()
     rx.fetch_into(0, {n: torch.empty(1024, 1024) for n in names}, 60)
     q.put("v0")
-
-    def dest(name, row0, view):
-        q.put("stalled")
-        time.sleep(600)
-
-    rx.fetch_into(1, dest, 600)
+    _fetch_and_stall(rx, 1, q)
 
 
 @pytest.mark.parametrize("fate", ["killed", "stuck"])
@@ -172,23 +187,12 @@ def test_receiver_gone_mid_transfer_fails_the_sender_within_its_timeout(fate):
         else:  # the closed connection ends the wait well before the timeout
             assert killed and failed - killed[0] < timeout
     finally:
-        if child.is_alive():
-            child.kill()
-        child.join(5)
-        sender.close()
-        q.close()
-        q.join_thread()
+        _reap(child, sender, q)
 
 
 def _stalling_shm_reader(handle, q) -> None:
     """Read version 1 and stall inside the copy of its first shard (holding the slot's reader lock)."""
-    rx = handle.attach()
-
-    def dest(name, row0, view):
-        q.put("stalled")
-        time.sleep(600)
-
-    rx.fetch_into(1, dest, 600)
+    _fetch_and_stall(handle.attach(), 1, q)
 
 
 @pytest.mark.parametrize("fate", ["killed", "stuck"])
@@ -218,12 +222,7 @@ def test_shm_reader_gone_mid_read(fate):
             assert rx.latest_version() == 2  # nothing half-published
             rx.close()
     finally:
-        if child.is_alive():
-            child.kill()
-        child.join(5)
-        sender.close()
-        q.close()
-        q.join_thread()
+        _reap(child, sender, q)
 
 
 @pytest.mark.parametrize("kind", ["shm", "broadcast"])
