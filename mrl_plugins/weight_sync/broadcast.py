@@ -155,7 +155,7 @@ class _Group:
                 opts.timeout = _td(timeout)
                 work = self.pg.broadcast([t], opts)
             if not async_op:
-                work.wait()
+                work.wait(_td(timeout))
                 return None
             return work
         except RuntimeError as exc:
@@ -174,10 +174,7 @@ class _Group:
 
     def wait(self, work: Any, timeout: float) -> None:
         try:
-            if self.group is None:
-                work.wait(_td(timeout))
-            else:
-                work.wait()
+            work.wait(_td(timeout))  # a handed-in group's backend may also enforce its own timeout
         except RuntimeError as exc:
             raise _peer_error(exc, "weight transfer", timeout) from None
 
