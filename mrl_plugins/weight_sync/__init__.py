@@ -28,16 +28,16 @@ TRANSPORTS = {
 }
 
 __all__ = [
-    "TRANSPORTS",
     "BroadcastSender",
     "DirectorySender",
     "DoubleBufferedReceiver",
-    "PollInterval",
     "PerParamSender",
+    "PollInterval",
     "ShmSender",
+    "TRANSPORTS",
+    "VersionGoneError",
     "VersionPoller",
     "WeightSyncConfig",
-    "VersionGoneError",
     "WeightSyncError",
     "iter_trainer_weights",
     "should_publish",
