@@ -3,7 +3,8 @@ weight-sync stage and returns experience through the comm stage.
 
 Trainer side: :class:`WorkerPool` submits requests (prompt ids, small: a plain queue), collects the
 answers as comm frames, detects dead workers (exit code, or no answer within ``rollout.timeout_s``)
-and restarts them when ``rollout.restart_workers`` allows. Worker side: :func:`worker_main`.
+and restarts them when ``rollout.restart_workers`` allows. Worker side:
+:func:`~mrl_plugins.rollout.worker.worker_main`.
 
 Several models: a pool can serve the policy plus further models (a reference, candidate policies:
 ``extra_models``), each with its own weight stream (``model_id``) and an inference copy in every
@@ -26,7 +27,6 @@ import multiprocessing as mp
 import os
 import queue
 import time
-import traceback
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
@@ -37,9 +37,10 @@ from mrl_plugins.comm.base import ChannelClosedError
 from mrl_plugins.errors import MrlError, StageTimeoutError
 from mrl_plugins.hookspecs import RolloutResult, StageContext
 
+from .worker import REQ_STOP, ServedModel, WorkerSpec, worker_main
+
 log = logging.getLogger("mrl_plugins.rollout")
 
-REQ_STOP = None
 REMOTE_COMM = ("torch_distributed",)  # experience paths that reach other hosts
 REMOTE_WEIGHTS = ("directory",)  # weight paths verified to reach other hosts (broadcast: not yet)
 ONE_RECEIVER_WEIGHTS = ("broadcast", "per_param")  # their dedicated group has one receiving rank
@@ -47,182 +48,6 @@ ONE_RECEIVER_WEIGHTS = ("broadcast", "per_param")  # their dedicated group has o
 
 class WorkerDiedError(MrlError):
     """A rollout worker process exited or stopped answering."""
-
-
-@dataclass
-class ServedModel:
-    """One model a worker serves (picklable): its architecture and the handle of its weight stream."""
-
-    model_config: dict
-    model_class: str
-    weight_handle: Any
-
-
-@dataclass
-class WorkerSpec:
-    """Everything a spawned worker needs (picklable)."""
-
-    index: int
-    config: Any  # MrlConfig
-    models: dict[str, ServedModel]  # model_id -> what to build
-    sampling: Any  # SamplingParams
-    engine_factory: Any
-    comm_handle: Any
-    cores: list[int] | None
-    threads: int
-    env: dict = field(default_factory=dict)
-    device: str = "cpu"
-    seed: int = 0
-    direct_weights: bool = False  # upstream weight sync: load into live params, no staging
-    log_level: int = logging.WARNING  # the trainer's level for "mrl_plugins" (version-switch lines at INFO)
-
-
-def _build_model(spec: ServedModel) -> Any:
-    import transformers
-
-    cls = getattr(transformers, spec.model_class, None) or transformers.AutoModelForCausalLM
-    config_cls = transformers.AutoConfig.for_model(spec.model_config["model_type"]).__class__
-    config = config_cls.from_dict(spec.model_config)
-    model = cls(config) if cls is not transformers.AutoModelForCausalLM else cls.from_config(config)
-    return model.eval()
-
-
-def worker_main(
-    spec: WorkerSpec, requests: Any, errors: Any, parent_pid: int | None, ready: Any = None, events: Any = None
-) -> None:
-    """Entry point of a rollout worker process."""
-    os.environ.update(spec.env)
-    pkg_log = logging.getLogger("mrl_plugins")
-    if spec.log_level <= logging.INFO and not pkg_log.handlers:
-        handler = logging.StreamHandler()
-        handler.setFormatter(logging.Formatter(f"[mrl worker {spec.index}] %(message)s"))
-        pkg_log.addHandler(handler)
-        pkg_log.setLevel(spec.log_level)
-    try:
-        import torch
-
-        from mrl_plugins.manager import get_plugin_manager
-
-        if spec.cores:
-            os.sched_setaffinity(0, spec.cores)
-        if spec.device == "auto":  # a remote worker: this host's accelerator
-            from mrl_plugins.device import get_device
-
-            spec.device = str(get_device("auto").torch_device)
-        torch.set_num_threads(spec.threads)
-        pm = get_plugin_manager(spec.config)
-        ctx = StageContext(config=spec.config)
-        receivers: dict[str, Any] = {}
-        engines: dict[str, Any] = {}
-        for mid, served in spec.models.items():
-            model = _build_model(served)
-            receiver_end = served.weight_handle.attach()
-            if spec.direct_weights:
-                from mrl_plugins.weight_sync.receiver import DirectLoader
-
-                receivers[mid] = DirectLoader(model, receiver_end, mid)
-            else:
-                from mrl_plugins.weight_sync.receiver import DoubleBufferedReceiver
-
-                receivers[mid] = DoubleBufferedReceiver(
-                    model,
-                    receiver_end,
-                    model_id=mid,
-                    staging=spec.config.weight_sync.staging,
-                    name_map=pm.weight_sync_name_map(mid),
-                )
-            engines[mid] = spec.engine_factory(
-                model, None, params=spec.sampling, device=spec.device, seed=spec.seed + spec.index
-            )
-        ctx.resources["weight_sync.receiver"] = receivers
-        ctx.resources["comm.producer"] = spec.comm_handle.attach()
-        if ready is not None:
-            ready.set()  # models built, weights and experience paths attached
-        timeout = spec.config.rollout.timeout_s
-        from mrl_plugins.weight_sync.receiver import PollInterval
-
-        # between requests the worker polls for new versions every weight_sync.poll_interval_s (auto: 3/8 of the
-        # measured gap between versions); a request names the version it needs (min_version) and is served with it
-        clock = PollInterval(spec.config.weight_sync.poll_interval_s)
-        last_poll = time.monotonic()
-
-        def pull(model_ids: Any = receivers) -> None:
-            for mid in model_ids:
-                version = _pull_weights(pm, ctx, mid, timeout)
-                if version is not None:
-                    if mid == "policy":
-                        clock.arrived()
-                    if events is not None:
-                        events.put(("switched", spec.index, mid, version))
-
-        def await_version(mid: str, version: int, deadline: float) -> None:
-            pull((mid,))
-            while receivers[mid].version < version:
-                if time.monotonic() > deadline:
-                    raise StageTimeoutError(
-                        f"worker {spec.index}: weight version {version} of {mid!r} not received within "
-                        f"{timeout:.0f} s (have {receivers[mid].version})"
-                    )
-                time.sleep(0.002)
-                pull((mid,))
-
-        while True:
-            if parent_pid is not None and os.getppid() != parent_pid:
-                return  # trainer died: exit instead of lingering (remote workers: its store is gone)
-            try:
-                req = requests.get(timeout=min(0.5, clock.seconds))  # the trainer's liveness is checked at least 2/s
-            except queue.Empty:
-                if time.monotonic() - last_poll >= clock.seconds:
-                    pull()
-                    last_poll = time.monotonic()
-                continue
-            if req is REQ_STOP:
-                return
-            req_id, chunk, prompts, num_generations, model_id, min_version, score_with = req
-            for mid in (model_id, *score_with):
-                if mid not in engines:
-                    raise MrlError(f"worker {spec.index}: model_id {mid!r} is not served; valid: {sorted(engines)}")
-            receiver, engine = receivers[model_id], engines[model_id]
-            deadline = time.monotonic() + timeout
-            await_version(model_id, min_version, deadline)
-            t0 = time.perf_counter()
-            with receiver.active():
-                version = receiver.version
-                out = engine.generate(prompts, num_generations)
-            gen_s = time.perf_counter() - t0
-            lengths = torch.tensor([len(c) for c in out.completion_ids], dtype=torch.int64)
-            flat_ids = torch.tensor(list(itertools.chain.from_iterable(out.completion_ids)), dtype=torch.int64)
-            flat_lp = torch.tensor(list(itertools.chain.from_iterable(out.logprobs)), dtype=torch.float32)
-            batch = {"completion_ids": flat_ids, "lengths": lengths, "logprobs": flat_lp}
-            for mid in score_with:  # the completions' logprobs under another served model (e.g. the reference)
-                await_version(mid, 0, deadline)
-                with receivers[mid].active():
-                    scores = engines[mid].score(out.prompt_ids, out.completion_ids)
-                batch[f"score_{mid}"] = torch.tensor(list(itertools.chain.from_iterable(scores)), dtype=torch.float32)
-            meta = {
-                "model_id": model_id,
-                "version": int(version),
-                "seq": int(req_id),
-                "chunk": int(chunk),
-                "worker": spec.index,
-                "gen_us": int(gen_s * 1e6),
-            }
-            pm.comm_send(ctx=ctx, batch=batch, meta=meta, timeout=timeout)
-    except BaseException as exc:  # noqa: BLE001 - report to the trainer, then exit non-zero
-        try:
-            errors.put((spec.index, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"), timeout=2)
-        except Exception:  # noqa: BLE001
-            pass
-        raise SystemExit(3) from None
-
-
-def _pull_weights(pm: Any, ctx: StageContext, model_id: str, timeout: float) -> int | None:
-    """Fetch and switch to a newer version of ``model_id`` if one is published; returns it (or None)."""
-    staged = pm.weight_sync_receive(ctx=ctx, model_id=model_id, timeout=timeout)
-    if staged is None:
-        return None
-    report = pm.weight_sync_switch(ctx=ctx, model_id=model_id)  # the receiver logs one line per switch
-    return int(report.to_version) if report is not None else int(staged)
 
 
 @dataclass

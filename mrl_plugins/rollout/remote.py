@@ -2,7 +2,7 @@
 
 The trainer (``rollout.remote_workers: N``, ``rollout.rendezvous: HOST:PORT``) owns a ``torch.distributed``
 ``TCPStore`` on that address and publishes there, per remote worker ``i``, the pickled
-:class:`~mrl_plugins.rollout.pool.WorkerSpec` (config, model architectures, engine, and the handles of
+:class:`~mrl_plugins.rollout.worker.WorkerSpec` (config, model architectures, engine, and the handles of
 the experience and weight paths). On the other host::
 
     mrl worker --connect HOST:PORT --index i [--device auto] [--cores 0,1] [--threads 4]
@@ -158,7 +158,7 @@ def serve(address: str, index: int, *, device: str | None = None, cores: list[in
     """Run remote worker ``index`` of the pool at ``address`` until the trainer stops it (``mrl worker``)."""
     import torch.distributed as dist
 
-    from .pool import worker_main
+    from .worker import worker_main
 
     host, port = parse_address(address, "mrl worker --connect")
     store = dist.TCPStore(host, port, None, False, timeout=_td(timeout), wait_for_workers=False)
