@@ -230,12 +230,29 @@ def test_served_model_without_priority_is_refused_before_any_process_starts():
     [{"weight_sync": {"transport": "broadcast"}}, {"plugins": {"weight_sync": "upstream"}}],
     ids=["broadcast", "upstream-per-param"],
 )
-def test_one_receiver_weight_transports_are_refused_for_several_workers(cfg):
+def test_collective_weight_transports_reach_every_worker_of_a_pool(cfg):
+    """A dedicated group of the trainer and one rank per worker: each version reaches both workers, and the
+    answers (split over both) come from the published weights; moving a worker is refused (it could not rejoin)."""
     from mrl_plugins.errors import ConfigError
+    from mrl_plugins.rollout.engine import TransformersEngine
 
     two = [{"cores": [1], "threads": 1}, {"cores": [1], "threads": 1}]
-    with pytest.raises(ConfigError, match=r"one receiving rank; a pool of 2 workers needs 'shm' \(one host\)"):
-        make_pool(cfg, placements=two)
+    pool, model, tok, sampling, *_ = make_pool({**cfg, "weight_sync": {**cfg.get("weight_sync", {}), "timeout_s": 60}},
+                                               placements=two)  # fmt: skip
+    try:
+        for version in (1, 2):
+            _fill(model, version)
+            pool.publish(version, list(model.named_parameters()))
+            res = pool.collect(pool.submit(PROMPTS, 2, min_version=version))
+            assert res.weight_version == version and len(res.completion_ids) == 2 * len(PROMPTS)
+            expected = TransformersEngine(model, tok, params=sampling).score(res.prompt_ids, res.completion_ids)
+            for got, want in zip(res.logprobs, expected):  # the sampled tokens' logprobs under the published weights
+                assert got == pytest.approx(want, rel=2e-3, abs=1e-4)  # fp16 frames
+            assert pool.worker_versions() == [version, version]
+        with pytest.raises(ConfigError, match="could not rejoin"):
+            pool.move_worker(1, {"cores": [0], "threads": 1})
+    finally:
+        pool.close()
 
 
 def test_broadcast_weights_reach_a_single_worker():

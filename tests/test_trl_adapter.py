@@ -71,6 +71,15 @@ def test_bad_config_leaves_trainer_untouched(tmp_path):
             ConfigError,
             "inference copy",
         ),
+        (
+            {
+                "mode": "hybrid",
+                "rollout": {"workers": 2, "rebalance": True},
+                "weight_sync": {"transport": "broadcast"},
+            },
+            ConfigError,
+            "cannot rejoin",
+        ),
     ]
     for config, exc, word in bad:
         with pytest.raises(exc, match=word):

@@ -43,7 +43,9 @@ log = logging.getLogger("mrl_plugins.rollout")
 
 REMOTE_COMM = ("torch_distributed",)  # experience paths that reach other hosts
 REMOTE_WEIGHTS = ("directory",)  # weight paths verified to reach other hosts (broadcast: not yet)
-ONE_RECEIVER_WEIGHTS = ("broadcast", "per_param")  # their dedicated group has one receiving rank
+#: weight transports through a dedicated collective group: the trainer (rank 0) and one rank per worker (i + 1),
+#: formed at the first transfer; a new process cannot rejoin it (no restarts, no moves)
+COLLECTIVE_WEIGHTS = ("broadcast", "per_param")
 
 
 class WorkerDiedError(MrlError):
@@ -137,17 +139,19 @@ class WorkerPool:
                 f"{ws_name!r}"
             )
         self._ws_name = ws_name
-        if ws_name in ONE_RECEIVER_WEIGHTS and self.n > 1:
+        collective = ws_name in COLLECTIVE_WEIGHTS
+        if collective and cfg.rollout.rebalance:
             raise ConfigError(
-                f"weight_sync.transport {ws_name!r} (the 'upstream' weight sync is 'per_param') sends each version "
-                f"through a collective with one receiving rank; a pool of {self.n} workers needs 'shm' (one host) or "
-                f"'directory' (across hosts), or rollout.workers: 1"
+                f"rollout.rebalance moves (restarts) workers; weight_sync.transport {ws_name!r} (the 'upstream' "
+                "weight sync is 'per_param') keeps the group formed at the first transfer, which a restarted worker "
+                "cannot rejoin: use 'shm' or 'directory', or rollout.rebalance: false"
             )
         comm_factory = pm.backend("mrl_comm_register_transports", comm_name).factory
         ws_factory = pm.backend("mrl_weight_sync_register_transports", ws_name).factory
         self.consumer = comm_factory(cfg.comm, n_producers=self.n, run_id=self.run_id)
         ctx.resources["comm.consumer"] = self.consumer
-        self.senders = {m: ws_factory(cfg.weight_sync, model_id=m, run_id=self.run_id) for m in self.models}
+        group = {"world_size": self.n + 1} if collective else {}  # the trainer plus one rank per worker
+        self.senders = {m: ws_factory(cfg.weight_sync, model_id=m, run_id=self.run_id, **group) for m in self.models}
         self.sender = self.senders["policy"]
         ctx.resources["weight_sync.sender"] = self.sender if len(self.senders) == 1 else self.senders
         served = {
@@ -253,7 +257,7 @@ class WorkerPool:
                 raise WorkerDiedError(f"{why} (remote workers are not restarted: start `mrl worker` again)")
         for i, proc in enumerate(self._procs):
             if proc is not None and not proc.is_alive():
-                if self._ws_name in ONE_RECEIVER_WEIGHTS:
+                if self._ws_name in COLLECTIVE_WEIGHTS:
                     raise WorkerDiedError(
                         f"rollout worker {i} (pid {proc.pid}) died with exit code {proc.exitcode}; it is not "
                         f"restarted: weight_sync.transport {self._ws_name!r} keeps the group formed at its first "
@@ -299,6 +303,11 @@ class WorkerPool:
             raise ConfigError(f"move_worker: worker {i} runs on another host; restart its `mrl worker` instead")
         if i in self._draining or self.n - len(self._draining) < 2:
             raise ConfigError("move_worker: needs another active worker to serve while this one moves")
+        if self._ws_name in COLLECTIVE_WEIGHTS:
+            raise ConfigError(
+                f"move_worker: weight_sync.transport {self._ws_name!r} keeps the group formed at the first transfer, "
+                "which the moved (restarted) worker could not rejoin; use 'shm' or 'directory'"
+            )
         timeout = self.cfg.rollout.start_timeout_s if timeout is None else timeout
         deadline = time.monotonic() + timeout
         self._draining.add(i)

@@ -54,6 +54,13 @@ class WorkerSpec:
     log_level: int = logging.WARNING  # the trainer's level for "mrl_plugins" (version-switch lines at INFO)
 
 
+def _attach_weights(handle: Any, index: int) -> Any:
+    """The receiving end of a weight stream; in a collective group (broadcast, per_param) worker i is rank i + 1."""
+    from mrl_plugins.weight_sync.broadcast import BroadcastHandle
+
+    return handle.attach(rank=index + 1) if isinstance(handle, BroadcastHandle) else handle.attach()
+
+
 def _build_model(spec: ServedModel) -> Any:
     import transformers
 
@@ -93,7 +100,7 @@ def worker_main(
         engines: dict[str, Any] = {}
         for mid, served in spec.models.items():
             model = _build_model(served)
-            receiver_end = served.weight_handle.attach()
+            receiver_end = _attach_weights(served.weight_handle, spec.index)
             if spec.direct_weights:
                 from mrl_plugins.weight_sync.receiver import DirectLoader
 
