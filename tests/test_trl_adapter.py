@@ -182,6 +182,26 @@ def test_peft_policy_generates_with_the_merged_trained_weights(tmp_path, workers
         assert _history(trainer, "mrl/rollout/staleness") == [0, 0, 0]
 
 
+@pytest.mark.slow
+def test_two_workers_take_every_version_through_a_broadcast_group(tmp_path):
+    """weight_sync.transport: broadcast with rollout.workers: 2 -- the trainer and both workers form one group;
+    generation taking turns with training uses the weights of the step it serves (fp16 frames)."""
+    import mrl_plugins
+
+    trainer = _trainer(tmp_path, steps=4)
+    mrl_plugins.enable(
+        trainer,
+        {
+            "rollout": {"workers": 2, "local_warmup": False, "pipeline": "sync"},
+            "weight_sync": {"transport": "broadcast", "timeout_s": 60},
+        },
+    )
+    trainer.train()
+    diffs = _history(trainer, "sampling/sampling_logp_difference/max")
+    assert len(diffs) == 4 and max(diffs) < 5e-3
+    assert _history(trainer, "mrl/rollout/staleness") == [0, 0, 0, 0]
+
+
 def _count_forwards_and_inputs(trainer):
     """Wrap TRL's logprob forward (count calls) and compute_loss (keep its inputs)."""
     calls, seen = [], []
