@@ -282,19 +282,38 @@ def test_a_dead_worker_of_a_broadcast_pool_is_a_clear_error_not_a_restart():
 
 @pytest.mark.parametrize("interval", [0.05, 30.0])
 def test_idle_workers_poll_for_new_versions_every_poll_interval(interval):
-    """weight_sync.poll_interval_s paces an idle worker's polls; a request naming a version is served with it."""
-    pool, model, *_ = make_pool({"weight_sync": {"poll_interval_s": interval}})
+    """weight_sync.poll_interval_s paces an idle worker's polls (a version published past the pool, so that no
+    notice reaches the worker); a request naming a version is served with it."""
+    pool, model, _tok, _sampling, pm, ctx = make_pool({"weight_sync": {"poll_interval_s": interval}})
     try:
         pool.publish(0, list(model.named_parameters()))
         pool.collect(pool.submit(PROMPTS, 1, min_version=0))  # the worker is up and serves version 0
         _fill(model, 3)
-        pool.publish(1, list(model.named_parameters()))  # no request names version 1
+        pm.weight_sync_publish(ctx=ctx, model_id="policy", version=1, named_tensors=list(model.named_parameters()))
         deadline = time.monotonic() + 3.0
         while pool.worker_versions() != [1] and time.monotonic() < deadline:
             time.sleep(0.02)
         assert pool.worker_versions() == ([1] if interval < 1 else [0])
         res = pool.collect(pool.submit(PROMPTS, 1, min_version=1))
         assert res.weight_version == 1 and pool.worker_versions() == [1]
+    finally:
+        pool.close()
+
+
+def test_a_publish_notifies_idle_workers():
+    """pool.publish sends every worker a notice: an idle worker takes the version without waiting for its next
+    poll (here 30 s) or for a request."""
+    pool, model, *_ = make_pool({"weight_sync": {"poll_interval_s": 30.0}})
+    try:
+        pool.publish(0, list(model.named_parameters()))
+        pool.collect(pool.submit(PROMPTS, 1, min_version=0))
+        for version in (1, 2):
+            _fill(model, version)
+            pool.publish(version, list(model.named_parameters()))
+            deadline = time.monotonic() + 10.0
+            while pool.worker_versions() != [version] and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert pool.worker_versions() == [version]
     finally:
         pool.close()
 

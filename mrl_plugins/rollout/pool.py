@@ -37,7 +37,7 @@ from mrl_plugins.comm.base import ChannelClosedError
 from mrl_plugins.errors import MrlError, StageTimeoutError
 from mrl_plugins.hookspecs import RolloutResult, StageContext
 
-from .worker import REQ_STOP, ServedModel, WorkerSpec, worker_main
+from .worker import REQ_STOP, REQ_WEIGHTS, ServedModel, WorkerSpec, worker_main
 
 log = logging.getLogger("mrl_plugins.rollout")
 
@@ -363,16 +363,26 @@ class WorkerPool:
             from mrl_plugins.errors import ConfigError, choices
 
             raise ConfigError(f"publish: model_id {model_id!r} is not served; valid: {choices(self.models)}")
-        if model_id in self.score_with:  # scoring only: no generation intake to throttle
-            return self.pm.weight_sync_publish(
-                ctx=self.ctx, model_id=model_id, version=version, named_tensors=named_tensors
-            )
-        if model_id not in self._switching:
-            self.scheduler.begin_switch(model_id)
-        self._switching[model_id] = (int(version), time.monotonic() + self.cfg.weight_sync.timeout_s)
-        return self.pm.weight_sync_publish(
+        if model_id not in self.score_with:  # scoring only: no generation intake to throttle
+            if model_id not in self._switching:
+                self.scheduler.begin_switch(model_id)
+            self._switching[model_id] = (int(version), time.monotonic() + self.cfg.weight_sync.timeout_s)
+        # every worker gets a notice: idle ones fetch at once instead of at their next poll. A collective transport
+        # needs them to join while the publish runs (notice first); the others read a finished version (after)
+        collective = self._ws_name in COLLECTIVE_WEIGHTS
+        if collective:
+            self._notify(model_id, version)
+        report = self.pm.weight_sync_publish(
             ctx=self.ctx, model_id=model_id, version=version, named_tensors=named_tensors
         )
+        if not collective:
+            self._notify(model_id, version)
+        return report
+
+    def _notify(self, model_id: str, version: int) -> None:
+        for w in range(self.n):
+            if w not in self._draining:
+                self._requests[w].put((REQ_WEIGHTS, model_id, int(version)))
 
     def worker_versions(self, model_id: str = "policy") -> list[int]:
         """The version of ``model_id`` each worker last reported switching to (-1: none yet)."""

@@ -24,6 +24,8 @@ from mrl_plugins.errors import MrlError, StageTimeoutError
 from mrl_plugins.hookspecs import StageContext
 
 REQ_STOP = None  # the pool puts this in a worker's request queue to stop it
+REQ_WEIGHTS = "weights"  # (REQ_WEIGHTS, model_id, version): a new version is (being) published, take it now
+NOTICE_GRACE_S = 5.0  # how long a notice makes an idle worker try for its version before it polls as usual
 
 
 @dataclass
@@ -125,8 +127,9 @@ def worker_main(
         timeout = spec.config.rollout.timeout_s
         from mrl_plugins.weight_sync.receiver import PollInterval
 
-        # between requests the worker polls for new versions every weight_sync.poll_interval_s (auto: 3/8 of the
-        # measured gap between versions); a request names the version it needs (min_version) and is served with it
+        # the pool sends a notice with every publish; besides, between requests the worker polls for new versions
+        # every weight_sync.poll_interval_s (auto: 3/8 of the measured gap between versions); a request names the
+        # version it needs (min_version) and is served with it
         clock = PollInterval(spec.config.weight_sync.poll_interval_s)
         last_poll = time.monotonic()
 
@@ -139,10 +142,12 @@ def worker_main(
                     if events is not None:
                         events.put(("switched", spec.index, mid, version))
 
-        def await_version(mid: str, version: int, deadline: float) -> None:
+        def await_version(mid: str, version: int, deadline: float, *, strict: bool = True) -> None:
             pull((mid,))
             while receivers[mid].version < version:
                 if time.monotonic() > deadline:
+                    if not strict:
+                        return
                     raise StageTimeoutError(
                         f"worker {spec.index}: weight version {version} of {mid!r} not received within "
                         f"{timeout:.0f} s (have {receivers[mid].version})"
@@ -162,6 +167,12 @@ def worker_main(
                 continue
             if req is REQ_STOP:
                 return
+            if req[0] == REQ_WEIGHTS:  # a publish notice: fetch now instead of at the next poll
+                _, mid, version = req
+                if mid in receivers:
+                    await_version(mid, version, time.monotonic() + min(timeout, NOTICE_GRACE_S), strict=False)
+                    last_poll = time.monotonic()
+                continue
             req_id, chunk, prompts, num_generations, model_id, min_version, score_with = req
             for mid in (model_id, *score_with):
                 if mid not in engines:
@@ -209,4 +220,4 @@ def _pull_weights(pm: Any, ctx: StageContext, model_id: str, timeout: float) -> 
     return int(report.to_version) if report is not None else int(staged)
 
 
-__all__ = ["REQ_STOP", "ServedModel", "WorkerSpec", "worker_main"]
+__all__ = ["REQ_STOP", "REQ_WEIGHTS", "ServedModel", "WorkerSpec", "worker_main"]
