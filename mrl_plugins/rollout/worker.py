@@ -4,7 +4,8 @@ A worker builds its models from their configs, attaches to each model's weight s
 receiver, names mapped through ``mrl_weight_sync_map_name``) and to the experience path, then serves
 requests from its queue: it switches to the version a request needs (``min_version``), generates,
 optionally scores the completions with further models, and sends the answer through the comm stage.
-Between requests it polls for new versions every ``weight_sync.poll_interval_s``. It exits when the
+A publish notice (``REQ_WEIGHTS``) makes it fetch the new version at once; between requests it also
+polls every ``weight_sync.poll_interval_s``. It exits when the
 trainer process is gone; an error is reported to the trainer before the process exits non-zero.
 The trainer side is :class:`~mrl_plugins.rollout.pool.WorkerPool`.
 """
