@@ -251,11 +251,11 @@ def mrl_weight_sync_map_name(model_id: str, name: str) -> str | None:
     :return: the receiving model's parameter name, or ``None`` to leave it to other plugins (with no
         answer at all the name is used as it is).
 
-    Called once per published name and model by every receiver the plugins build (rollout workers and
-    the in-process inference copy; the answer is cached), in the process that receives. Rollout
-    workers build their own plugin manager, so a plugin must be installed (entry point) to be asked
-    there. A name that maps to no parameter of the receiving model is an error naming it; no version
-    is switched half-received.
+    Called once per published name and model (the answer is cached) by the double-buffered receivers of
+    the ``mrl`` weight-sync stage: rollout workers and the in-process inference copy, in the process that
+    receives (``weight_sync: upstream`` loads by name, as TRL does). Rollout workers build their own
+    plugin manager, so a plugin must be installed (entry point) to be asked there. A name that maps to
+    no parameter of the receiving model is an error naming it; no version is switched half-received.
 
     Example::
 

@@ -185,7 +185,11 @@ def test_peft_policy_generates_with_the_merged_trained_weights(tmp_path, workers
 @pytest.mark.slow
 def test_two_workers_take_every_version_through_a_broadcast_group(tmp_path):
     """weight_sync.transport: broadcast with rollout.workers: 2 -- the trainer and both workers form one group;
-    generation taking turns with training uses the weights of the step it serves (fp16 frames)."""
+    generation taking turns with training uses the weights of the step it serves (fp16 frames). The workers'
+    idle polling is off (30 s): every sync reaches them through the pool's publish notice, or the trainer's
+    publish would wait for them past its 20 s timeout."""
+    import time
+
     import mrl_plugins
 
     trainer = _trainer(tmp_path, steps=4)
@@ -193,10 +197,12 @@ def test_two_workers_take_every_version_through_a_broadcast_group(tmp_path):
         trainer,
         {
             "rollout": {"workers": 2, "local_warmup": False, "pipeline": "sync"},
-            "weight_sync": {"transport": "broadcast", "timeout_s": 60},
+            "weight_sync": {"transport": "broadcast", "timeout_s": 20, "poll_interval_s": 30},
         },
     )
+    t0 = time.monotonic()
     trainer.train()
+    assert time.monotonic() - t0 < 60  # no publish waited for a poll
     diffs = _history(trainer, "sampling/sampling_logp_difference/max")
     assert len(diffs) == 4 and max(diffs) < 5e-3
     assert _history(trainer, "mrl/rollout/staleness") == [0, 0, 0, 0]

@@ -79,7 +79,7 @@ def test_stage_then_switch_and_version_log(shm, staging, caplog):
     assert out.shape == (2, 8)
     st = recv.stats()
     assert st["switches"] == 1 and st["bytes"] == recv.param_bytes and st["ignored_versions"] == 0
-    assert set(recv.metrics()) >= {"mrl/weights/bytes", "mrl/weights/switches", "mrl/weights/ignored_versions"}
+    assert set(recv.stats()) >= {"bytes", "switches", "ignored_versions", "switch_ms", "fetch_gbps"}
 
 
 @pytest.mark.parametrize("staging", ["device", "host"])
@@ -445,3 +445,39 @@ def test_slow_directory_reader_never_mixes_versions_and_skips_removed_ones(tmp_p
     if recv.poll(10) is not None:
         recv.switch(5)
     assert recv.version == 199 and values(model) == {199.0}
+
+
+def test_a_reader_that_always_loses_to_the_writer_gives_up_with_a_clear_error(tmp_path):
+    """poll() moves on to newer versions at most GONE_RETRIES times in a row, then raises (no livelock)."""
+    from mrl_plugins.weight_sync import VersionGoneError
+    from mrl_plugins.weight_sync.receiver import GONE_RETRIES
+
+    model = make_model()
+    cfg = WeightSyncConfig(transport="directory", directory=str(tmp_path), timeout_s=10, keep_versions=1,
+                           max_retries=0)  # fmt: skip
+    sender = DirectorySender(cfg, model_id="policy", run_id="lose")
+    sender.publish(0, filled(model, 0.0))
+    rx = sender.receiver_handle().attach()
+    real, fetches = rx.fetch_into, []
+
+    def too_slow(version, dest, timeout=None):
+        fetches.append(version)
+        v = sender._latest + 1  # the writer always gets there first
+        sender.publish(v, filled(model, float(v)))
+        return real(version, dest, timeout)
+
+    rx.fetch_into = too_slow
+    recv = DoubleBufferedReceiver(model, rx)
+    with pytest.raises(VersionGoneError, match="manifest is at"):
+        recv.poll(None)
+    assert len(fetches) == GONE_RETRIES + 1 and recv.version == -1 and recv.staged_version is None
+    rx.fetch_into = real
+    assert recv.poll(5) == sender._latest and recv.switch(5)  # a reader that keeps up takes the newest
+
+
+def test_poll_with_no_time_left_does_not_misbehave(shm):
+    model = make_model()
+    s = shm()
+    recv = DoubleBufferedReceiver(model, s.receiver_handle().attach())
+    s.publish(1, filled(model, 1.0))
+    assert recv.poll(0) == 1 and recv.switch(5).to_version == 1

@@ -90,6 +90,8 @@ class MrlGeneration:
         self.version = -1
         self.metrics = ctx.metrics
         self.last_result: RolloutResult | None = None  # the latest generation (its ``scores`` feed ref_logps)
+        # ``publisher(version, named_tensors)``: a worker pool's publish (notices, switch bookkeeping); None: the hook
+        self.publisher: Any = None
 
     # ---------------------------------------------------------------- TRL interface
     def sync_weights(self) -> None:
@@ -105,7 +107,10 @@ class MrlGeneration:
         accelerator = getattr(self.trainer, "accelerator", None)
         t0 = time.perf_counter()
         tensors = iter_trainer_weights(self.trainer.model_wrapped, accelerator)
-        rep = self.pm.weight_sync_publish(ctx=self.ctx, model_id="policy", version=version, named_tensors=tensors)
+        if self.publisher is not None:
+            rep = self.publisher(version, tensors)
+        else:
+            rep = self.pm.weight_sync_publish(ctx=self.ctx, model_id="policy", version=version, named_tensors=tensors)
         self.version = version
         self.metrics.add("time/weight_sync_s", time.perf_counter() - t0)
         if rep is not None:
@@ -186,6 +191,7 @@ class PoolRuntime:
         """``local_engine()`` (optional) builds an engine on the trainer's own model: it answers while the
         workers are still starting (spawning and importing takes seconds), instead of the trainer idling."""
         self.pm, self.ctx, self.gen, self.pool = pm, ctx, gen, pool
+        gen.publisher = pool.publish  # every sync goes through the pool: its workers get a notice
         self.cfg = ctx.config.rollout
         self._pending: dict[tuple, int] = {}
         self._deferred: tuple[list[list[int]], int, str, int] | None = None

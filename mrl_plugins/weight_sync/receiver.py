@@ -38,6 +38,7 @@ from mrl_plugins.hookspecs import SwitchReport
 from .shards import VersionGoneError, WeightSyncError, align
 
 LOG = logging.getLogger("mrl_plugins.weight_sync")
+GONE_RETRIES = 8  # versions a poll may lose to a faster writer in a row before it gives up (VersionGoneError)
 
 
 class _MappedDest(Mapping):
@@ -161,10 +162,11 @@ class DoubleBufferedReceiver:
         ``eager=True`` also takes a version that is still being written when the transport can stream
         it (shm: ``writing_version()``), so the copy overlaps the publish; the call then blocks until
         that version is complete (at most ``timeout`` s). A version replaced by a newer one while it
-        was fetched (a slow reader; :class:`VersionGoneError`) is given up for the newer one.
+        was fetched (a slow reader; :class:`VersionGoneError`) is given up for the newer one, up to
+        ``GONE_RETRIES`` times in a row.
         """
         deadline = None if timeout is None else time.monotonic() + timeout
-        while True:
+        for lost in range(GONE_RETRIES + 1):
             v = self.tr.latest_version()
             writing = getattr(self.tr, "writing_version", None) if eager else None
             if writing is not None:
@@ -173,16 +175,18 @@ class DoubleBufferedReceiver:
                     v = w
             if v is None or v in (self.version, self._staged):
                 return None  # nothing new
-            left = None if deadline is None else deadline - time.monotonic()
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
             try:
                 return self.stage(v, left)
             except VersionGoneError:
                 newer = self.tr.latest_version()
-                if newer is None or newer <= v or (left is not None and deadline - time.monotonic() <= 0):
+                out_of_time = deadline is not None and deadline - time.monotonic() <= 0
+                if newer is None or newer <= v or out_of_time or lost == GONE_RETRIES:
                     raise
                 self.log.info(
                     "model_id=%s version %d was replaced by %d while it was fetched", self.model_id, v, newer
                 )
+        return None  # not reached: the last lost version raises
 
     def _not_newer(self, version: int, log: bool = True) -> bool:
         """True when ``version`` is not newer than the active or staged one (logged once per version)."""
@@ -202,7 +206,7 @@ class DoubleBufferedReceiver:
         """Fetch ``version`` into staging (e.g. on a control-channel notice); older/repeated ones are ignored."""
         if self._not_newer(version):
             return None
-        if not self._fetch_lock.acquire(timeout=-1 if timeout is None else timeout):
+        if not self._fetch_lock.acquire(timeout=-1 if timeout is None else max(0.0, timeout)):
             raise StageTimeoutError(f"model_id={self.model_id}: another fetch into staging is still running")
         try:
             if self._not_newer(version, log=False):  # another thread staged it (or a newer one) meanwhile
@@ -309,11 +313,6 @@ class DoubleBufferedReceiver:
             "switch_ms": self._last_switch_ms,
             "fetch_gbps": (self._last_fetch[0] / self._last_fetch[1] / 1e9) if self._last_fetch[1] else 0.0,
         }
-
-    def metrics(self) -> dict[str, float]:
-        """:meth:`stats` under ``mrl/weights/<key>`` names: run totals, not per-log-step values (the plugin's
-        switch hook logs per-switch counters and gauges)."""
-        return {f"mrl/weights/{k}": v for k, v in self.stats().items()}
 
     def close(self) -> None:
         close = getattr(self.tr, "close", None)
