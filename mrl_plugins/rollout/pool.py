@@ -48,6 +48,14 @@ REMOTE_WEIGHTS = ("directory",)  # weight paths verified to reach other hosts (b
 COLLECTIVE_WEIGHTS = ("broadcast", "per_param")
 
 
+def _no_rejoin(ws_name: str) -> str:
+    """Why a collective weight transport cannot take a restarted worker (one wording for every refusal)."""
+    return (
+        f"weight_sync.transport {ws_name!r} (the 'upstream' weight sync is 'per_param') keeps the group formed at "
+        "its first transfer, which a new process cannot rejoin; use 'shm' or 'directory'"
+    )
+
+
 class WorkerDiedError(MrlError):
     """A rollout worker process exited or stopped answering."""
 
@@ -142,9 +150,7 @@ class WorkerPool:
         collective = ws_name in COLLECTIVE_WEIGHTS
         if collective and cfg.rollout.rebalance:
             raise ConfigError(
-                f"rollout.rebalance moves (restarts) workers; weight_sync.transport {ws_name!r} (the 'upstream' "
-                "weight sync is 'per_param') keeps the group formed at the first transfer, which a restarted worker "
-                "cannot rejoin: use 'shm' or 'directory', or rollout.rebalance: false"
+                f"rollout.rebalance moves (restarts) workers: {_no_rejoin(ws_name)}, or rebalance: false"
             )
         comm_factory = pm.backend("mrl_comm_register_transports", comm_name).factory
         ws_factory = pm.backend("mrl_weight_sync_register_transports", ws_name).factory
@@ -260,8 +266,7 @@ class WorkerPool:
                 if self._ws_name in COLLECTIVE_WEIGHTS:
                     raise WorkerDiedError(
                         f"rollout worker {i} (pid {proc.pid}) died with exit code {proc.exitcode}; it is not "
-                        f"restarted: weight_sync.transport {self._ws_name!r} keeps the group formed at its first "
-                        f"transfer, which a new process cannot rejoin (use 'shm' or 'directory' to restart workers)"
+                        f"restarted: {_no_rejoin(self._ws_name)}"
                     )
                 if self._restarts < self.cfg.rollout.restart_workers:
                     self._restarts += 1
@@ -304,10 +309,7 @@ class WorkerPool:
         if i in self._draining or self.n - len(self._draining) < 2:
             raise ConfigError("move_worker: needs another active worker to serve while this one moves")
         if self._ws_name in COLLECTIVE_WEIGHTS:
-            raise ConfigError(
-                f"move_worker: weight_sync.transport {self._ws_name!r} keeps the group formed at the first transfer, "
-                "which the moved (restarted) worker could not rejoin; use 'shm' or 'directory'"
-            )
+            raise ConfigError(f"move_worker restarts the worker: {_no_rejoin(self._ws_name)}")
         timeout = self.cfg.rollout.start_timeout_s if timeout is None else timeout
         deadline = time.monotonic() + timeout
         self._draining.add(i)
