@@ -2,7 +2,13 @@
 
 Two presets: ``tiny`` (unit tests, a GRPO step well under 0.1 s) and ``small`` (comparison runs,
 about 0.5-2 s per GRPO step on 2 CPU cores). ``build_model(path)`` loads a local Hugging Face
-checkpoint folder instead.
+checkpoint folder instead; :func:`save_preset` writes a preset as one (it reloads with
+``AutoModelForCausalLM``/``AutoTokenizer`` and decodes, hence scores, the same).
+
+The preset models are Llama-architecture decoders (no bias). Not Qwen2: ``AutoTokenizer`` maps the model
+type ``qwen2`` to ``Qwen2Tokenizer`` whatever tokenizer a folder holds, which rebuilds the vocabulary as a
+byte-level BPE and decodes ``a b a c`` as ``abac`` (every reward 0); for ``llama`` folders it loads the
+saved word-level tokenizer as it is.
 
 The task: prompts are short random word sequences; the reward counts the target token ``a`` in the
 completion (its share of the completion's words). A random policy scores about 1/16; the tiny
@@ -11,6 +17,7 @@ preset learns it within about 60 GRPO steps.
 
 from __future__ import annotations
 
+import json
 import os
 import random
 from dataclasses import dataclass
@@ -38,7 +45,7 @@ class Preset:
 
 PRESETS: dict[str, Preset] = {
     "tiny": Preset(
-        64, 128, 2, 4, 2, max_completion_length=8, num_generations=4, per_device_train_batch_size=8, prompt_words=4
+        64, 128, 2, 2, 1, max_completion_length=8, num_generations=4, per_device_train_batch_size=8, prompt_words=4
     ),
     "small": Preset(
         256, 704, 4, 8, 2, max_completion_length=48, num_generations=8, per_device_train_batch_size=16, prompt_words=6
@@ -84,11 +91,11 @@ def build_model(spec: str = "tiny", *, seed: int = 0) -> tuple[Any, Any]:
             f"valid presets: {choices(PRESETS)}"
         )
     import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM
 
     p = PRESETS[spec]
     tokenizer = build_tokenizer()
-    config = Qwen2Config(
+    config = LlamaConfig(
         vocab_size=len(tokenizer),
         hidden_size=p.hidden_size,
         intermediate_size=p.intermediate_size,
@@ -100,14 +107,90 @@ def build_model(spec: str = "tiny", *, seed: int = 0) -> tuple[Any, Any]:
         eos_token_id=tokenizer.eos_token_id,
         bos_token_id=None,
         tie_word_embeddings=True,
+        attention_bias=False,
+        mlp_bias=False,
     )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = Qwen2ForCausalLM(config)
+        model = LlamaForCausalLM(config)
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.generation_config.bos_token_id = None
     return model, tokenizer
+
+
+#: file in a :func:`save_preset` folder naming what it holds (weights, config and vocabulary digest)
+FINGERPRINT_FILE = "mrl_preset.json"
+
+
+def _fingerprint(model: Any, tokenizer: Any) -> str:
+    import hashlib
+
+    h = hashlib.sha256()
+    h.update(type(model).__name__.encode())
+    h.update(json.dumps(model.config.to_diff_dict(), sort_keys=True, default=str).encode())
+    h.update(json.dumps(tokenizer.get_vocab(), sort_keys=True).encode())
+    for name, tensor in sorted(model.state_dict().items()):
+        h.update(f"{name}:{tuple(tensor.shape)}:{tensor.dtype}".encode())
+        h.update(tensor.detach().cpu().contiguous().view(-1).view(dtype=_u8()).numpy().tobytes())
+    return h.hexdigest()
+
+
+def _u8() -> Any:
+    import torch
+
+    return torch.uint8
+
+
+def _holds(folder: str, digest: str) -> bool:
+    try:
+        with open(os.path.join(folder, FINGERPRINT_FILE), encoding="utf-8") as f:
+            return json.load(f).get("sha256") == digest and _is_local_checkpoint(folder)
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def save_preset(model: Any, tokenizer: Any, folder: str | os.PathLike[str]) -> str:
+    """Write ``model`` and ``tokenizer`` to ``folder`` as a checkpoint and name the model after it.
+
+    A folder that already holds this very model (same weights, config and vocabulary: :data:`FINGERPRINT_FILE`)
+    is reused; anything else there (an older preset, another seed's weights) is replaced, atomically, so a
+    reference model built from the folder is always the policy's start. Both ``model.config._name_or_path`` and
+    ``model.name_or_path`` become the folder: TRL reads the latter (vLLM's model path, the reference model),
+    transformers the former. The folder reloads with ``AutoModelForCausalLM.from_pretrained`` /
+    ``AutoTokenizer.from_pretrained`` (or ``build_model(folder)``) to the same weights and the same tokenization.
+    Returns the folder as a string.
+    """
+    import shutil
+    import tempfile
+
+    folder = os.path.abspath(os.fspath(folder))
+    digest = _fingerprint(model, tokenizer)
+    if not _holds(folder, digest):
+        parent = os.path.dirname(folder)
+        os.makedirs(parent, exist_ok=True)
+        tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(folder)}.", dir=parent)
+        try:
+            model.save_pretrained(tmp)
+            tokenizer.save_pretrained(tmp)
+            with open(os.path.join(tmp, FINGERPRINT_FILE), "w", encoding="utf-8") as f:
+                json.dump({"sha256": digest}, f)
+            old = None
+            if os.path.lexists(folder):
+                old = tempfile.mkdtemp(prefix=f".{os.path.basename(folder)}.old.", dir=parent)
+                os.rename(folder, os.path.join(old, "x"))
+            try:
+                os.rename(tmp, folder)
+            except OSError:
+                if not _holds(folder, digest):  # another process put something else there meanwhile
+                    raise
+            if old is not None:
+                shutil.rmtree(old, ignore_errors=True)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    model.config._name_or_path = folder
+    model.name_or_path = folder
+    return folder
 
 
 def preset(spec: str) -> Preset:
@@ -137,6 +220,7 @@ def count_reward(completions: list[str], **kwargs: Any) -> list[float]:
 
 
 __all__ = [
+    "FINGERPRINT_FILE",
     "PRESETS",
     "TARGET",
     "WORDS",
@@ -146,4 +230,5 @@ __all__ = [
     "build_tokenizer",
     "count_reward",
     "preset",
+    "save_preset",
 ]

