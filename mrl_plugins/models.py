@@ -126,20 +126,17 @@ FINGERPRINT_FILE = "mrl_preset.json"
 def _fingerprint(model: Any, tokenizer: Any) -> str:
     import hashlib
 
+    import torch
+
+    config = {k: v for k, v in model.config.to_dict().items() if not k.startswith("_") and k != "transformers_version"}
     h = hashlib.sha256()
     h.update(type(model).__name__.encode())
-    h.update(json.dumps(model.config.to_diff_dict(), sort_keys=True, default=str).encode())
+    h.update(json.dumps(config, sort_keys=True, default=str).encode())
     h.update(json.dumps(tokenizer.get_vocab(), sort_keys=True).encode())
     for name, tensor in sorted(model.state_dict().items()):
         h.update(f"{name}:{tuple(tensor.shape)}:{tensor.dtype}".encode())
-        h.update(tensor.detach().cpu().contiguous().view(-1).view(dtype=_u8()).numpy().tobytes())
+        h.update(tensor.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
-
-
-def _u8() -> Any:
-    import torch
-
-    return torch.uint8
 
 
 def _holds(folder: str, digest: str) -> bool:

@@ -66,16 +66,13 @@ def _trl_args(cfg: MrlConfig, output_dir: str) -> dict[str, Any]:
 def build_trainer(cfg: MrlConfig, *, enable_plugins: bool = True, output_dir: str | None = None) -> Any:
     """The configured TRL trainer on the embedded model/task, enabled with ``cfg`` unless told otherwise."""
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
-    from mrl_plugins.models import PRESETS, build_dataset, build_model, count_reward, preset
+    from mrl_plugins.models import PRESETS, build_dataset, build_model, count_reward, preset, save_preset
 
     model, tokenizer = build_model(cfg.train.model, seed=cfg.train.seed)
     if cfg.train.model in PRESETS:
-        # TRL builds a reference model (KL term) from config.name_or_path: give the preset a local folder
+        # TRL builds a reference model (KL term) and vLLM its engine from model.name_or_path: give the preset a folder
         ref_dir = os.path.join(output_dir or cfg.train.output_dir, f"preset-{cfg.train.model}-seed{cfg.train.seed}")
-        if not os.path.isfile(os.path.join(ref_dir, "config.json")):
-            model.save_pretrained(ref_dir)
-            tokenizer.save_pretrained(ref_dir)
-        model.config._name_or_path = ref_dir
+        save_preset(model, tokenizer, ref_dir)
     dataset = build_dataset(cfg.train.num_prompts, words=preset(cfg.train.model).prompt_words, seed=cfg.train.seed)
     args = _trl_args(cfg, output_dir or cfg.train.output_dir)
     import trl
