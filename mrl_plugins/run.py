@@ -63,6 +63,46 @@ def _trl_args(cfg: MrlConfig, output_dir: str) -> dict[str, Any]:
     return args
 
 
+def preflight(cfg: MrlConfig | Any, *, enable_plugins: bool = True) -> MrlConfig:
+    """Check everything a run needs before its model and trainer are built; returns the loaded config.
+
+    The config itself, the TRL version, ``train.model`` (a preset or a checkpoint folder), the device
+    (:class:`~mrl_plugins.errors.DeviceError` when absent), and with the plugins on the plugin and backend
+    names (the manager :func:`mrl_plugins.enable` builds), the stage combination and the rollout worker count
+    against the cores / devices (:meth:`RolloutConfig.check_placement`). Each raises one
+    :class:`~mrl_plugins.errors.MrlError` naming the problem and the valid choices.
+    """
+    from mrl_plugins.adapters.trl import _check_combination, check_trl_version
+    from mrl_plugins.device import get_device
+    from mrl_plugins.errors import ConfigError, choices
+    from mrl_plugins.models import PRESETS, _is_local_checkpoint
+
+    cfg = load_config(cfg)
+    check_trl_version()
+    if cfg.train.model not in PRESETS and not _is_local_checkpoint(cfg.train.model):
+        raise ConfigError(
+            f"train.model: {cfg.train.model!r} is neither a preset nor a local checkpoint folder (with config.json); "
+            f"valid presets: {choices(PRESETS)}"
+        )
+    device = get_device(cfg.device)
+    if not enable_plugins:
+        return cfg
+    from mrl_plugins.manager import get_plugin_manager
+
+    pm = get_plugin_manager(cfg)
+    _check_combination(pm, cfg)
+    if not pm.is_upstream("rollout"):
+        devices = 0
+        if device.type != "cpu":
+            from mrl_plugins.device import probe
+
+            devices = probe.cuda_device_count() if device.type == "cuda" else probe.npu_status().device_count
+        cfg.rollout.check_placement(
+            cfg.mode, device.type, sorted(os.sched_getaffinity(0)), devices=devices, device_index=device.index or 0
+        )
+    return cfg
+
+
 def build_trainer(cfg: MrlConfig, *, enable_plugins: bool = True, output_dir: str | None = None) -> Any:
     """The configured TRL trainer on the embedded model/task, enabled with ``cfg`` unless told otherwise."""
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
@@ -99,7 +139,7 @@ def run_training(cfg: MrlConfig | Any, *, name: str = "run", enable_plugins: boo
 
     from mrl_plugins.device.cpu import peak_rss_bytes
 
-    cfg = load_config(cfg)
+    cfg = preflight(cfg, enable_plugins=enable_plugins)  # before anything expensive is built
     threads = cfg.train.threads or len(os.sched_getaffinity(0))
     torch.set_num_threads(threads)
     t0 = time.perf_counter()
@@ -157,7 +197,10 @@ def main(argv: list[str] | None = None) -> int:
     import dataclasses
 
     parser = argparse.ArgumentParser(prog="mrl run")
-    parser.add_argument("config", nargs="?", default="colocate", help="YAML path or bundled name (default: colocate)")
+    parser.add_argument("config", nargs="?", help="same as --config (kept for `mrl run colocate`)")
+    parser.add_argument(
+        "--config", dest="config_opt", metavar="CONFIG", help="YAML path or bundled name (default: colocate)"
+    )
     parser.add_argument("--vanilla", action="store_true", help="plain TRL, mrl_plugins.enable not called")
     parser.add_argument("--steps", type=int, help="override train.steps")
     parser.add_argument("--model", help="override train.model (preset or checkpoint folder)")
@@ -168,6 +211,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", help="write the RunResult here")
     parser.add_argument("--quiet", action="store_true", help="no version-switch / worker log lines")
     ns = parser.parse_args(argv)
+    if ns.config and ns.config_opt and ns.config != ns.config_opt:
+        parser.error(f"two configs given: {ns.config!r} and --config {ns.config_opt!r}")
+    config = ns.config_opt or ns.config or "colocate"
     import logging
 
     from mrl_plugins.config import load_yaml
@@ -176,16 +222,16 @@ def main(argv: list[str] | None = None) -> int:
         logging.basicConfig(format="%(name)s: %(message)s")
         logging.getLogger("mrl_plugins").setLevel(logging.INFO)
 
-    data = load_yaml(ns.config)
+    data = load_yaml(config)
     train = dict(data.get("train") or {})
     for key in ("steps", "model", "trainer", "threads"):
         if getattr(ns, key) is not None:
             train[key] = getattr(ns, key)
     data["train"] = train
     if ns.plugins:
-        from mrl_plugins.adapters.trl import config_from_env
+        from mrl_plugins.cli.main import _parse_plugins
 
-        data["plugins"] = {**(data.get("plugins") or {}), **config_from_env(ns.plugins)["plugins"]}
+        data["plugins"] = {**(data.get("plugins") or {}), **_parse_plugins(ns.plugins)}
     result = run_training(data, name=ns.name, enable_plugins=not ns.vanilla)
     print(
         f"{result.name}: {result.steps} steps in {result.train_s:.1f} s ({result.steps_per_s:.2f} steps/s), "

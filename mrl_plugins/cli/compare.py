@@ -87,6 +87,20 @@ def run_one(
     return json.loads(json_path.read_text(encoding="utf-8"))
 
 
+def preflight_runs(data: dict[str, Any], names: list[str], *, steps: int | None, model: str | None) -> None:
+    """What each run's process will check before it builds its model (:func:`mrl_plugins.run.preflight`), done
+    here for every run first: a typo fails in seconds, not after the earlier runs."""
+    from mrl_plugins.run import preflight
+
+    train = dict(data.get("train") or {})
+    if steps:
+        train["steps"] = steps
+    if model:
+        train["model"] = model
+    for name in names:
+        preflight({**data, "train": train, "plugins": {**(data.get("plugins") or {}), **RUNS[name]}})
+
+
 def summarize(runs: dict[str, dict[str, Any]], tolerance: float) -> dict[str, Any]:
     base = runs["upstream"]
     summary: dict[str, Any] = {
@@ -173,8 +187,9 @@ def plots(runs: dict[str, dict[str, Any]], out: Path) -> list[str]:
 
 
 def cli(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="mrl compare", description=__doc__.split("\n\n")[0])
-    p.add_argument("--config", default="compare_small", help="mrl YAML (path or bundled name; default compare_small)")
+    p = argparse.ArgumentParser(prog="mrl compare", description=__doc__.split("\n\n")[0].replace("``", ""))
+    p.add_argument("config_pos", nargs="?", metavar="CONFIG", help="same as --config")
+    p.add_argument("--config", help="mrl YAML (path or bundled name; default compare_small)")
     p.add_argument("--out", default="mrl-compare", help="output folder for report.md/json and plots")
     p.add_argument("--json", help="also write report.json here")
     p.add_argument("--steps", type=int, help="override train.steps")
@@ -183,7 +198,10 @@ def cli(argv: list[str]) -> int:
     p.add_argument("--tolerance", type=float, default=0.10, help="max relative final-reward drop vs upstream")
     p.add_argument("--timeout", type=float, default=1800, help="seconds per run before it is killed")
     ns = p.parse_args(argv)
-    from mrl_plugins.config import load_config, load_yaml, resolve_config_path
+    if ns.config and ns.config_pos and ns.config != ns.config_pos:
+        p.error(f"two configs given: {ns.config_pos!r} and --config {ns.config!r}")
+    ns.config = ns.config or ns.config_pos or "compare_small"
+    from mrl_plugins.config import load_yaml, resolve_config_path
     from mrl_plugins.errors import ConfigError, choices
 
     names = [n.strip() for n in ns.runs.split(",") if n.strip()]
@@ -195,7 +213,7 @@ def cli(argv: list[str]) -> int:
     if not 0 <= ns.tolerance < 1:
         raise ConfigError(f"--tolerance: must be in [0, 1), got {ns.tolerance}")
     config = str(resolve_config_path(ns.config))
-    load_config(load_yaml(config))  # validate before starting anything
+    preflight_runs(load_yaml(config), names, steps=ns.steps, model=ns.model)  # every run checked before the first
     out = Path(ns.out)
     out.mkdir(parents=True, exist_ok=True)
     runs: dict[str, dict[str, Any]] = {}

@@ -14,6 +14,11 @@ BENCHES: dict[str, str] = {
     "weights": "mrl_plugins.weight_sync.bench",
     "rollout": "mrl_plugins.rollout.bench_grpo",
 }
+BENCH_HELP: dict[str, str] = {
+    "comm": "experience batches between two processes through three paths",
+    "weights": "weight-sync bandwidth against the per-parameter baseline and memcpy",
+    "rollout": "colocated inference latency with/without core binding; GRPO steps/s, async workers vs TRL",
+}
 
 
 def _add_selection(p: argparse.ArgumentParser) -> None:
@@ -39,6 +44,26 @@ def _parse_plugins(value: str) -> dict[str, str]:
     return plugins
 
 
+def plugin_names() -> list[str]:
+    """Every plugin name the manager may load: the built-ins and the ``mrl_plugins`` entry points (not loaded)."""
+    from importlib.metadata import entry_points
+
+    from mrl_plugins.manager import BUILTIN_PLUGINS, ENTRY_POINT_GROUP
+
+    return sorted({*BUILTIN_PLUGINS, *(ep.name for ep in entry_points(group=ENTRY_POINT_GROUP))})
+
+
+def check_disable(names: list[str], what: str = "--disable") -> None:
+    """Refuse a name that blocks no plugin: a plugin name, or a prefix such as ``mrl`` (blocks ``mrl.*``)."""
+    from mrl_plugins.errors import ConfigError, choices
+
+    known = plugin_names()
+    valid = {*known, *(n.rsplit(".", 1)[0] for n in known if "." in n)}
+    for name in names:
+        if name not in valid:
+            raise ConfigError(f"{what}: unknown plugin {name!r}; valid: {choices(valid)}")
+
+
 def _selection_config(ns: argparse.Namespace) -> dict:
     from mrl_plugins.adapters.trl import config_from_env
     from mrl_plugins.config import load_yaml
@@ -51,6 +76,7 @@ def _selection_config(ns: argparse.Namespace) -> dict:
     if ns.plugins:
         data["plugins"] = {**(data.get("plugins") or {}), **_parse_plugins(ns.plugins)}
     if ns.disable:
+        check_disable(ns.disable)
         data["disable"] = [*(data.get("disable") or []), *ns.disable]
     if ns.no_autoload:
         data["autoload"] = False
@@ -96,12 +122,36 @@ def cmd_trl(argv: list[str]) -> int:
         )
         return 2
     os.environ.setdefault("MRL_PLUGINS", "colocate")
+    if argv[0] not in ("-h", "--help") and not {"-h", "--help"} & set(argv[1:]):
+        from mrl_plugins.adapters.trl import config_from_env
+        from mrl_plugins.run import preflight
+
+        try:  # before TRL loads the model: a typo fails in seconds
+            preflight(config_from_env(os.environ["MRL_PLUGINS"]))
+        except MrlError as exc:
+            raise type(exc)(f"MRL_PLUGINS={os.environ['MRL_PLUGINS']}: {exc}") from None
     from mrl_plugins._autoenable import install
 
     install()  # this process too (TRL may run the script in-process)
     from trl.cli.main import main as trl_main
 
     return int(trl_main(argv) or 0)
+
+
+def bench_usage(argv: list[str]) -> int:
+    """``mrl bench [-h]``: the list of benchmarks (exit 0 when asked for, 2 for a missing or unknown one)."""
+    asked = bool(argv) and argv[0] in ("-h", "--help")
+    out = sys.stdout if asked else sys.stderr
+    names = ",".join(sorted(BENCHES))
+    print(f"usage: mrl bench {{{names}}} [options]  (mrl bench NAME --help: its options)", file=out)
+    if not asked:
+        why = f"unknown benchmark {argv[0]!r}" if argv else "which benchmark?"
+        print(f"mrl bench: error: {why}; valid: {', '.join(sorted(BENCHES))}", file=out)
+        return 2
+    print("\nbenchmarks:", file=out)
+    for name in sorted(BENCHES):
+        print(f"  {name:<9}{BENCH_HELP[name]}", file=out)
+    return 0
 
 
 def cmd_module(module: str) -> Callable[[list[str]], int]:
@@ -125,8 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("doctor", help="pre-run checks / post-run triage", add_help=False)
     sub.add_parser("plan", help="bandwidth budget per path", add_help=False)
     sub.add_parser("worker", help="run a rollout worker for a trainer on another host", add_help=False)
-    p_bench = sub.add_parser("bench", help="benchmarks: comm, weights, rollout", add_help=False)
-    p_bench.add_argument("which", nargs="?", choices=sorted(BENCHES))
+    sub.add_parser("bench", help="benchmarks: comm, weights, rollout", add_help=False)
     if not argv or argv[0] in ("-h", "--help"):
         parser.print_help()
         return 0
@@ -148,11 +197,12 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_module("mrl_plugins.rollout.remote")(rest)
         if command == "bench":
             if not rest or rest[0] not in BENCHES:
-                print(
-                    f"usage: mrl bench {{{','.join(sorted(BENCHES))}}} [--json PATH] [--reps N] [--quick]",
-                    file=sys.stderr,
-                )
-                return 2
+                return bench_usage(rest)
+            if {"-h", "--help"} & set(rest[1:]):
+                from mrl_plugins.cli.bench_args import PARSERS
+
+                if rest[0] in PARSERS:  # that benchmark's module imports torch: answer without it
+                    PARSERS[rest[0]]().parse_args(rest[1:])
             return cmd_module(BENCHES[rest[0]])(rest[1:])
         parser.parse_args(argv)  # prints the usage error for an unknown command
         return 2

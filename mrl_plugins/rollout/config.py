@@ -88,6 +88,14 @@ class RolloutConfig:
         default=True,
         metadata={"help": "generate with the trainer's own model while the workers are still starting"},
     )
+    oversubscribe: bool = field(
+        default=False,
+        metadata={
+            "help": "allow more dedicated rollout workers than the CPU cores free for them (workers then share "
+            "cores and every step slows down); off: such a config is refused before the model is built. "
+            "NPU/CUDA workers of mode disaggregated/hybrid need one device each either way"
+        },
+    )
     restart_workers: int = field(
         default=0, metadata={"help": "restarts allowed for dead workers (0: a dead worker is an error)"}
     )
@@ -154,6 +162,52 @@ class RolloutConfig:
             )
         if not self.model_priorities or not all(isinstance(v, int) for v in self.model_priorities.values()):
             raise ConfigError("rollout.model_priorities: a mapping model_id -> int priority is required")
+
+    def check_placement(
+        self,
+        mode: str,
+        device_type: str,
+        cores: list[int],
+        *,
+        devices: int = 0,
+        device_index: int = 0,
+    ) -> None:
+        """Refuse more local workers than this host can give their own core (CPU) or device (NPU/CUDA).
+
+        ``cores``: the cores the trainer process may use (``os.sched_getaffinity(0)``); ``devices``: the visible
+        devices of ``device_type``. Counts as the TRL adapter places workers: on CPU the trainer keeps one core
+        (``rollout.trainer_cores``) and the workers split the rest (``rollout.engine_cores``), hybrid's colocated
+        workers share the trainer's cores; on NPU/CUDA dedicated workers (disaggregated; hybrid's not colocated
+        ones) take the devices after the trainer's, colocated ones share its device.
+        """
+        dedicated = self.workers - (self.colocated_workers if mode == "hybrid" else 0)
+        if device_type == "cpu":
+            if self.oversubscribe or dedicated <= 0:
+                return
+            if self.engine_cores is not None:
+                free, where = len(self.engine_cores), f"rollout.engine_cores lists {len(self.engine_cores)}"
+            elif len(cores) > 1:
+                kept = len(self.trainer_cores or cores[:1])
+                free = max(1, len(cores) - kept)
+                where = f"this process may use {len(cores)} core(s) {sorted(cores)}, the trainer keeps {kept}"
+            else:
+                free, where = 1, f"this process may use 1 core {sorted(cores)}"
+            if dedicated > free:
+                raise ConfigError(
+                    f"rollout.workers: {dedicated} rollout worker(s) but only {free} CPU core(s) free for them "
+                    f"({where}); lower rollout.workers to {free}, or set rollout.oversubscribe: true to let workers "
+                    "share cores (every step slows down)"
+                )
+            return
+        if mode == "colocate" or dedicated <= 0:
+            return
+        need = device_index + 1 + dedicated
+        if need > devices:
+            raise ConfigError(
+                f"rollout.workers: {dedicated} dedicated worker(s) in mode {mode} need {device_type} devices "
+                f"{device_index + 1}..{need - 1} (one each, after the trainer's {device_index}) but only {devices} "
+                f"{device_type} device(s) are visible; lower rollout.workers or use mode: colocate"
+            )
 
     @classmethod
     def from_dict(cls, data: dict) -> RolloutConfig:
