@@ -194,3 +194,21 @@ def test_mrl_plugins_env_selects(capsys, monkeypatch):
     assert code == 0 and _rows(out)["upstream"]["active"] == "rollout, weight_sync, comm"
     code, out, _ = _in_process(capsys, "--config", "colocate")  # --config wins over the variable
     assert code == 0 and _rows(out)["upstream"]["active"] == "-"
+
+
+def test_console_script_disable_unknown_name_exit_2():
+    proc = _run_mrl("plugins", "--disable", "mrl.bogus")
+    assert proc.returncode == 2 and proc.stdout == ""
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert "--disable: unknown plugin 'mrl.bogus'" in lines[0]
+    for valid in ("'mrl'", "'mrl.comm'", "'mrl.rollout'", "'mrl.weight_sync'", "'upstream'"):
+        assert valid in lines[0]
+
+
+def test_disable_prefix_and_entry_point_names_accepted(capsys, install_dist):
+    code, out, _ = _in_process(capsys, "--disable", "mrl", "--config", "upstream")  # a prefix blocks mrl.*
+    assert code == 0 and _rows(out)["mrl"]["active"] == "blocked" and "mrl.comm" not in _rows(out)
+    install_dist("okdist", {"okplug": "ok_mod:plugin"}, {"ok_mod": "plugin = object()\n"})
+    code, out, _ = _in_process(capsys, "--disable", "okplug")  # known from its entry point, never loaded
+    assert code == 0 and _rows(out)["okplug"]["active"] == "blocked" and "ok_mod" not in sys.modules

@@ -492,3 +492,77 @@ def test_report_bad_input_exits_2(tmp_path, capsys):
 def test_check_rejects_unknown_status():
     with pytest.raises(ValueError, match="'fail', 'ok' or 'warn'"):
         Check("maybe", "x", "y")
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# bundled config names and supported versions (real `mrl doctor` processes)
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def _doctor_proc(*args: str, pythonpath: str | None = None) -> subprocess.CompletedProcess:
+    import os
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MRL_")}
+    if pythonpath:
+        env["PYTHONPATH"] = pythonpath
+    return subprocess.run(
+        [sys.executable, "-m", "mrl_plugins.cli.main", "doctor", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+        cwd="/tmp",
+    )
+
+
+def test_doctor_config_takes_bundled_names():
+    proc = _doctor_proc("--config", "colocate")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "Errno" not in proc.stderr
+    # colocate.yaml: 1 trainer + 1 worker, each 1 thread
+    assert re.search(r"^ok +threads: 1\+1 = 2 threads over 2 process", proc.stdout, re.M), proc.stdout
+    proc = _doctor_proc("--config", "nosuch")
+    assert proc.returncode == 2 and "bundled configs: 'colocate'" in proc.stderr
+
+
+def test_doctor_reports_supported_versions():
+    from importlib.metadata import version
+
+    proc = _doctor_proc()
+    line = next(line for line in proc.stdout.splitlines() if "supported versions" in line)
+    assert line.startswith("ok ") and f"trl {version('trl')} (trl<1.17.0,>=1.16.0)" in line
+    assert f"transformers {version('transformers')} (transformers>=" in line and f"torch {version('torch')}" in line
+
+
+def _fake_dist(root, name: str, ver: str) -> None:
+    info = root / f"{name}-{ver}.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {ver}\n")
+
+
+@pytest.mark.parametrize(
+    "name,ver,expected",
+    [
+        ("trl", "1.15.2", "TRL 1.15.2 is not supported by this mrl-plugins release; supported: trl<1.17.0,>=1.16.0"),
+        ("trl", "1.17.0", "TRL 1.17.0 is not supported"),
+        ("transformers", "4.57.0", "transformers 4.57.0 is outside the supported range transformers>=5.0"),
+    ],
+)
+def test_doctor_fails_an_unsupported_version(tmp_path, name, ver, expected):
+    """A distribution of another version ahead on sys.path is what importlib.metadata (and pip) report."""
+    _fake_dist(tmp_path, name, ver)
+    proc = _doctor_proc("--threads", "1", pythonpath=str(tmp_path))
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    line = next(line for line in proc.stdout.splitlines() if "supported versions" in line)
+    assert line.startswith("fail ") and expected in line, line
+
+
+def test_version_problems_missing_and_local_versions():
+    from mrl_plugins.cli.doctor_versions import version_problems
+
+    have = {"trl": None, "transformers": "5.1.0", "torch": "2.13.0+cpu", "accelerate": "1.10.0"}
+    ok, missing, bad = version_problems(have.get, {"transformers": ">=5.0", "torch": ">=2.4", "accelerate": ">=1.10"})
+    assert missing == ["trl not installed (supported: trl<1.17.0,>=1.16.0)"] and not bad
+    assert "torch 2.13.0+cpu (torch>=2.4)" in ok  # a local build tag (+cpu, +cu121) is the same release
+    ok, missing, bad = version_problems({**have, "torch": "2.3.1+cu121"}.get, {"torch": ">=2.4"})
+    assert bad == ["torch 2.3.1+cu121 is outside the supported range torch>=2.4"]

@@ -507,10 +507,24 @@ def check_threads(threads: Sequence[int], cores: int, source: str = "") -> Check
     return Check("ok", "threads", f"{terms} = {total} threads over {len(threads)} process(es){src} <= {cores} cores")
 
 
+def check_supported_versions() -> Check:
+    """TRL (the adapter's range: ``enable()`` refuses others), transformers, torch, accelerate (declared ranges)."""
+    from mrl_plugins.cli.doctor_versions import version_problems
+
+    ok, missing, bad = version_problems()
+    also = f"; ok: {', '.join(ok)}" if ok else ""
+    if bad:
+        return Check("fail", "supported versions", "; ".join(bad + missing) + also)
+    if missing:
+        hint = " (pip install 'mrl-plugins[trl]' for mrl run / enable())"
+        return Check("warn", "supported versions", "; ".join(missing) + hint + also)
+    return Check("ok", "supported versions", ", ".join(ok))
+
+
 def run_checks(inputs: DoctorInputs) -> list[Check]:
     """All pre-run checks, in order."""
     env = inputs.env
-    checks = [check_torch_npu_hazard(env)]
+    checks = [check_supported_versions(), check_torch_npu_hazard(env)]
     backend, device_type = check_backend(inputs.device, env)
     checks += backend
     assignments = inputs.visible
@@ -544,7 +558,9 @@ def read_config(path: str | os.PathLike[str]) -> dict[str, Any]:
     """The YAML config as a dict (``yaml.safe_load``); ConfigError when unreadable or not a mapping."""
     import yaml
 
-    p = Path(path)
+    from mrl_plugins.config import resolve_config_path
+
+    p = resolve_config_path(path)  # a path, or a bundled name such as colocate
     try:
         data = yaml.safe_load(p.read_text(encoding="utf-8"))
     except OSError as exc:
@@ -629,7 +645,11 @@ def _parser() -> argparse.ArgumentParser:
         description="Pre-run checks of the device setup (ok/warn/fail; exit 1 on fail), or with --report the "
         "post-run triage of a report.json.",
     )
-    p.add_argument("--config", help="an mrl YAML config (mode, device, rollout.workers/engine_threads, ports:)")
+    p.add_argument(
+        "--config",
+        help="an mrl YAML config, path or bundled name such as colocate (mode, device, rollout.workers/"
+        "engine_threads, ports:)",
+    )
     p.add_argument("--device", help="device spec: auto, cpu, cuda[:N], npu[:N] (default: config's, else auto)")
     p.add_argument("--mode", choices=MODES, help="deployment mode (default: config's)")
     p.add_argument("--processes", type=int, help="processes that will use devices (default: from config, else 1)")

@@ -100,7 +100,7 @@ def run_grpo_part(*, steps: int, model: str, reps: int, out: Path) -> dict[str, 
 
 
 def cli(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="mrl bench rollout", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="mrl bench rollout", description=__doc__.split("\n\n")[0].replace("``", ""))
     p.add_argument("--json", help="write the results here")
     p.add_argument("--reps", type=int, default=5, help="latency repetitions for part (a)")
     p.add_argument("--grpo-reps", type=int, default=2, help="GRPO runs per setting for part (b)")
