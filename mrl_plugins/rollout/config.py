@@ -19,6 +19,14 @@ class RolloutConfig:
     engine: str = field(
         default="transformers", metadata={"help": "generation engine: 'transformers' or 'vllm' (or a plugin's)"}
     )
+    engine_options: dict = field(
+        default_factory=dict,
+        metadata={
+            "help": "engine 'vllm' only: extra vllm.LLM keyword arguments (e.g. gpu_memory_utilization, "
+            "max_model_len, enforce_eager); the engine sets load_format, dtype (the trainer model's), "
+            "logprobs_mode and tensor_parallel_size 1 itself"
+        },
+    )
     workers: int = field(
         default=1, metadata={"help": "rollout worker processes; 0 = engine inside the trainer process (no overlap)"}
     )
@@ -126,6 +134,21 @@ class RolloutConfig:
     def validate(self) -> None:
         if not self.engine:
             raise ConfigError("rollout.engine: must name an engine")
+        if not isinstance(self.engine_options, dict):
+            raise ConfigError(f"rollout.engine_options: must be a mapping, got {type(self.engine_options).__name__}")
+        if self.engine_options and self.engine != "vllm":
+            raise ConfigError(
+                f"rollout.engine_options: only engine 'vllm' takes options, got engine {self.engine!r} with "
+                f"{sorted(self.engine_options)}"
+            )
+        fixed = sorted({"model", "load_format", "logprobs_mode", "tensor_parallel_size"} & set(self.engine_options))
+        if fixed:
+            raise ConfigError(f"rollout.engine_options: {fixed} are set by the engine itself; remove them")
+        if self.engine == "vllm" and self.ref_logps == "engine":
+            raise ConfigError(
+                "rollout.ref_logps 'engine' scores with the 'transformers' engine in the workers; with "
+                "rollout.engine 'vllm' use ref_logps: trainer"
+            )
         if self.pipeline not in PIPELINES:
             raise ConfigError(f"rollout.pipeline: {self.pipeline!r} invalid; valid: {choices(PIPELINES)}")
         if self.stale_policy not in STALE_POLICIES:
