@@ -63,6 +63,10 @@ class CommConfig:
     heartbeat_timeout_s: float = field(
         default=5.0, metadata={"help": "a peer whose heartbeat is older than this is reported dead (PeerDeadError)"}
     )
+    start_timeout_s: float = field(
+        default=60.0,
+        metadata={"help": "how long a peer that has not stamped its first heartbeat yet counts as starting, not dead"},
+    )
     prefetch: int = field(
         default=1, metadata={"help": "batches received ahead by a background thread (0 = no prefetch)"}
     )
@@ -94,7 +98,13 @@ class CommConfig:
             raise ConfigError(
                 f"comm.full_policy: unknown policy {self.full_policy!r}; valid: {choices(FULL_POLICIES)}"
             )
-        for key in ("send_timeout_s", "receive_timeout_s", "heartbeat_interval_s", "heartbeat_timeout_s"):
+        for key in (
+            "send_timeout_s",
+            "receive_timeout_s",
+            "heartbeat_interval_s",
+            "heartbeat_timeout_s",
+            "start_timeout_s",
+        ):
             val = getattr(self, key)
             if isinstance(val, bool) or not isinstance(val, (int, float)) or not val > 0:
                 raise ConfigError(f"comm.{key} must be a number > 0, got {val!r}")

@@ -8,7 +8,8 @@ written straight into the slot (codec casts included) and read back as zero-copy
 Segment layout::
 
     0      global block: magic, layout version, n_producers, ring_slots, slot_bytes,
-           consumer pid, consumer heartbeat (monotonic s), consumer-closed flag
+           consumer pid, consumer heartbeat (monotonic s; 0 = not started yet), consumer-closed flag,
+           +48 creation token (16 random bytes, also in every producer handle)
     4096   one 256-byte control block per producer:
            +0 head (frames published, producer-written), +8 pid, +16 heartbeat, +24 state
            (0 free, 1 attached, 2 closed), +128 tail (frames released, consumer-written)
@@ -18,8 +19,13 @@ Segment layout::
 Liveness: both ends stamp a heartbeat every ``heartbeat_interval_s`` from a daemon thread; a
 receive that finds a producer's heartbeat older than ``heartbeat_timeout_s`` (or its pid gone)
 raises :class:`PeerDeadError` once that producer's published frames are drained; a producer waiting
-for space does the same for the consumer. A frame that fails its checksum is dropped, counted
-(``corrupt``) and reported as :class:`FrameError`; the ring stays usable.
+for space does the same for the consumer. A heartbeat of 0 means "not started yet", not "dead": that
+peer is given ``start_timeout_s`` (counted from when it was first seen) while its pid is alive.
+Identity: the consumer writes a random creation token into the header and into every handle; a
+producer attaching to a file at the handle's path that carries another token (the ring was replaced,
+or the path reused) gets a :class:`PeerDeadError` saying so, instead of watching someone else's
+heartbeat. A frame that fails its checksum is dropped, counted (``corrupt``) and reported as
+:class:`FrameError`; the ring stays usable.
 
 Ordering: a producer writes the frame, then its length, then bumps ``head``; the consumer bumps
 ``tail`` only after release. x86 keeps these stores in order; on weakly ordered CPUs (Arm hosts)
@@ -29,6 +35,7 @@ a frame read too early fails its crc32c, is re-read once after 1 ms, and is neve
 from __future__ import annotations
 
 import os
+import secrets
 import struct
 import time
 from collections.abc import Mapping
@@ -44,8 +51,9 @@ from .segment import Segment, kick, make_fifo, new_path, open_fifo, remove_stale
 from .segment import unlink as unlink_path
 
 _MAGIC = b"MRLR"
-_LAYOUT = 1
-_GLOBAL = struct.Struct("<4sIIIQQdI")  # magic, layout, n_prod, slots, slot_bytes, cons pid, cons hb, closed
+_LAYOUT = 2
+# magic, layout, n_prod, slots, slot_bytes, cons pid, cons hb, closed, (pad), creation token
+_GLOBAL = struct.Struct("<4sIIIQQdI4x16s")
 _CB_BASE, _CB_SIZE = 4096, 256
 _SLOT_HDR = 64
 _U64 = struct.Struct("<Q")
@@ -54,6 +62,7 @@ _U32 = struct.Struct("<I")
 _FREE, _ATTACHED, _CLOSED = 0, 1, 2
 _CONS_HB_OFF = 4 + 4 + 4 + 4 + 8 + 8
 _CLOSED_OFF = _CONS_HB_OFF + 8
+_NOT_STARTED = 0.0  # heartbeat value before the first beat
 
 
 def _layout(n_producers: int, slots: int, slot_bytes: int) -> tuple[int, int]:
@@ -75,9 +84,11 @@ class ShmConsumer:
         remove_stale()
         self._data, size = _layout(n_producers, self.slots, self.slot_bytes)
         self.seg = Segment.create(new_path(run_id), size)
+        self.token = secrets.token_bytes(16)
+        # heartbeat 0 ("not started"): the heartbeat thread below stamps the first beat
         _GLOBAL.pack_into(
             self.seg.buf, 0, _MAGIC, _LAYOUT, n_producers, self.slots, self.slot_bytes, os.getpid(),
-            time.monotonic(), 0,
+            _NOT_STARTED, 0, self.token,
         )  # fmt: skip
         # wake-ups: producers write a byte to "<seg>.d" after publishing a frame; the consumer writes one
         # to "<seg>.s<i>" after releasing a slot of producer i. Waiters block in select() on them, so no
@@ -90,6 +101,7 @@ class ShmConsumer:
         self._done: list[set[int]] = [set() for _ in range(n_producers)]
         self._reported: set[int] = set()
         self._dead_pid: dict[int, int] = {}  # producer slot -> pid reported dead (a new pid may re-attach)
+        self._first_seen: dict[int, tuple[int, float]] = {}  # producer slot -> (pid, when seen without a beat)
         self._rr = 0
         self._next_check = 0.0
         self._stats = dict.fromkeys(
@@ -111,7 +123,7 @@ class ShmConsumer:
         """Picklable handle for producer ``i`` (0 <= i < n_producers)."""
         if not 0 <= i < self.n:
             raise MrlError(f"producer index {i} out of range 0..{self.n - 1}")
-        return ShmProducerHandle(self.seg.path, i, self.config.to_dict())
+        return ShmProducerHandle(self.seg.path, i, self.config.to_dict(), self.token)
 
     def _cb(self, i: int) -> int:
         return _CB_BASE + _CB_SIZE * i
@@ -162,17 +174,23 @@ class ShmConsumer:
             if state != _ATTACHED:
                 continue
             pid = _U64.unpack_from(buf, cb + 8)[0]
-            age = now - _F64.unpack_from(buf, cb + 16)[0]
-            if age > self.config.heartbeat_timeout_s or not pid_alive(pid):
+            hb = _F64.unpack_from(buf, cb + 16)[0]
+            if hb == _NOT_STARTED:
+                seen_pid, since = self._first_seen.setdefault(i, (pid, now))
+                if seen_pid != pid:
+                    self._first_seen[i] = (pid, now)
+                    since = now
+                why = _not_started(pid, now - since, self.config)
+            else:
+                self._first_seen.pop(i, None)
+                why = _stale(pid, now - hb, self.config)
+            if why:
                 if _U64.unpack_from(buf, cb)[0] > self._read[i]:
                     continue  # deliver what it published first
                 self._reported.add(i)
                 self._dead_pid[i] = pid
                 self._stats["dead_peers"] += 1
-                raise PeerDeadError(
-                    f"shm producer {i} (pid {pid}) is dead: last heartbeat {age:.2f} s ago "
-                    f"(comm.heartbeat_timeout_s={self.config.heartbeat_timeout_s})"
-                )
+                raise PeerDeadError(f"shm producer {i} (pid {pid}) is dead: {why}")
         if closed == self.n and all(_U64.unpack_from(buf, self._cb(i))[0] <= self._read[i] for i in range(self.n)):
             raise ChannelClosedError(f"all {self.n} shm producers closed (or were reported dead) and were drained")
 
@@ -264,16 +282,17 @@ def _nbytes(v: Any) -> int:
 
 
 class ShmProducerHandle:
-    """Picklable reference to one producer slot of a consumer's ring."""
+    """Picklable reference to one producer slot of a consumer's ring (``token``: the ring's creation token)."""
 
-    def __init__(self, path: str, index: int, config: dict[str, Any]) -> None:
+    def __init__(self, path: str, index: int, config: dict[str, Any], token: bytes) -> None:
         self.path = path
         self.index = index
         self.config = config
+        self.token = token
 
     def attach(self) -> ShmProducer:
         """Map the ring and claim this producer slot."""
-        return ShmProducer(self.path, self.index, CommConfig.from_dict(self.config))
+        return ShmProducer(self.path, self.index, CommConfig.from_dict(self.config), self.token)
 
     def __repr__(self) -> str:
         return f"ShmProducerHandle({self.path!r}, {self.index})"
@@ -282,15 +301,24 @@ class ShmProducerHandle:
 class ShmProducer:
     """The sending end (rollout worker)."""
 
-    def __init__(self, path: str, index: int, config: CommConfig) -> None:
+    def __init__(self, path: str, index: int, config: CommConfig, token: bytes) -> None:
         try:
             self.seg = Segment.attach(path)
         except FileNotFoundError:
             raise PeerDeadError(f"shm ring {path} does not exist (consumer gone or closed)") from None
-        magic, layout, n, slots, slot_bytes, cpid, _hb, _closed = _GLOBAL.unpack_from(self.seg.buf, 0)
+        if self.seg.size < _GLOBAL.size:
+            self.seg.close()
+            raise MrlError(f"{path} is not an mrl ring ({self.seg.size} bytes, smaller than its header)")
+        magic, layout, n, slots, slot_bytes, cpid, _hb, _closed, found = _GLOBAL.unpack_from(self.seg.buf, 0)
         if magic != _MAGIC or layout != _LAYOUT or not 0 <= index < n:
             self.seg.close()
             raise MrlError(f"{path} is not an mrl ring of layout {_LAYOUT} with producer {index}")
+        if found != token:
+            self.seg.close()
+            raise PeerDeadError(
+                f"shm ring {path} is not the ring this handle was made for (creation token differs: the consumer "
+                f"that made the handle is gone and pid {cpid} made this one)"
+            )
         self.config = config
         self.index = index
         self.slots, self.slot_bytes, self.consumer_pid = slots, slot_bytes, cpid
@@ -313,6 +341,7 @@ class ShmProducer:
             self.seg.close()
             raise PeerDeadError(f"shm ring {path}: wake-up FIFOs are gone (consumer closed)") from None
         self._head = _U64.unpack_from(buf, self._cb)[0]
+        self._attached_at = time.monotonic()
         _U64.pack_into(buf, self._cb + 8, os.getpid())
         _F64.pack_into(buf, self._cb + 16, time.monotonic())
         _U32.pack_into(buf, self._cb + 24, _ATTACHED)
@@ -327,10 +356,13 @@ class ShmProducer:
         buf = self.seg.buf
         if _U32.unpack_from(buf, _CLOSED_OFF)[0]:
             return "the consumer closed the ring"
-        age = time.monotonic() - _F64.unpack_from(buf, _CONS_HB_OFF)[0]
-        if age > self.config.heartbeat_timeout_s or not pid_alive(self.consumer_pid):
-            return f"consumer pid {self.consumer_pid} is dead (last heartbeat {age:.2f} s ago)"
-        return None
+        now = time.monotonic()
+        hb = _F64.unpack_from(buf, _CONS_HB_OFF)[0]
+        if hb == _NOT_STARTED:
+            why = _not_started(self.consumer_pid, now - self._attached_at, self.config)
+        else:
+            why = _stale(self.consumer_pid, now - hb, self.config)
+        return f"consumer pid {self.consumer_pid} is dead: {why}" if why else None
 
     def send(self, batch: Mapping[str, Any], meta: Mapping[str, Any], timeout: float | None = None) -> int:
         """Encode ``batch`` into the next slot; returns the frame bytes (0 if dropped by ``drop_newest``)."""
@@ -416,6 +448,26 @@ class ShmProducer:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _stale(pid: int, age: float, config: CommConfig) -> str | None:
+    """Why a peer that has beaten counts as dead (``None``: alive)."""
+    if not pid_alive(pid):
+        return f"last heartbeat {age:.2f} s ago, its process is gone"
+    if age > config.heartbeat_timeout_s:
+        return f"last heartbeat {age:.2f} s ago (comm.heartbeat_timeout_s={config.heartbeat_timeout_s})"
+    return None
+
+
+def _not_started(pid: int, waited: float, config: CommConfig) -> str | None:
+    """Why a peer that has not beaten yet (heartbeat 0) counts as dead (``None``: still starting)."""
+    if not pid_alive(pid):
+        return "its process is gone (it never started heartbeating)"
+    if waited > config.start_timeout_s:
+        return (
+            f"no heartbeat yet, {waited:.2f} s after it was first seen (comm.start_timeout_s={config.start_timeout_s})"
+        )
+    return None
 
 
 def shm_factory(config: CommConfig, *, n_producers: int, run_id: str) -> ShmConsumer:
