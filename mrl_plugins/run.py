@@ -12,6 +12,30 @@ from typing import Any
 from mrl_plugins.config import MrlConfig, load_config
 
 
+@dataclass(frozen=True)
+class TimeKey:
+    """One key of :attr:`RunResult.time_split`: what it holds and the triage part it counts as."""
+
+    part: str  # mrl doctor --report's part: generate | weight_sync | transfer | train | wait, or "flag"
+    help: str
+
+
+#: :attr:`RunResult.time_split`, the one definition of its keys: ``run_training`` writes exactly these, ``mrl compare``
+#: copies them into ``report.json`` and ``mrl doctor --report`` (:mod:`mrl_plugins.cli.triage`) reads them.
+TIME_SPLIT: dict[str, TimeKey] = {
+    "generate": TimeKey(
+        "generate",
+        "s generating: the trainer's own generate() time, or with rollout workers their busy time (overlaps train)",
+    ),
+    "weight_sync": TimeKey("weight_sync", "s the trainer spent publishing weights to the inference copy"),
+    "transfer_wait": TimeKey("wait", "s the trainer was blocked waiting for the workers' experience (idle)"),
+    "train": TimeKey("train", "s of the training loop outside generate() and weight publishing"),
+    "generate_overlapped": TimeKey(
+        "flag", "1.0 when generate ran in rollout workers, in parallel with train (2 busy lanes); 0.0 otherwise"
+    ),
+}
+
+
 @dataclass
 class RunResult:
     """What one training run measured (``report.json`` entry of ``mrl compare``)."""
@@ -30,7 +54,7 @@ class RunResult:
     kl: list[float] = field(default_factory=list)
     losses: list[float] = field(default_factory=list)
     step_times: list[float] = field(default_factory=list)
-    time_split: dict[str, float] = field(default_factory=dict)
+    time_split: dict[str, float] = field(default_factory=dict)  # keys: TIME_SPLIT
     mrl_metrics: dict[str, float] = field(default_factory=dict)
     threads: int = 0
 

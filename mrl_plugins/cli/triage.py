@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from mrl_plugins.errors import ConfigError, choices
+from mrl_plugins.run import TIME_SPLIT
 
 #: Transports that talk over the network (need rendezvous ports), per config section.
 NETWORK_TRANSPORTS: dict[str, tuple[str, ...]] = {
@@ -23,9 +24,12 @@ NETWORK_TRANSPORTS: dict[str, tuple[str, ...]] = {
 }
 
 TIME_PARTS = ("generate", "weight_sync", "transfer", "train", "wait")
-#: Other spellings accepted in ``time_split`` (``mrl_plugins.run`` writes ``transfer_wait``: the trainer waiting
-#: for experience, i.e. idle while rollouts are produced or in flight).
-TIME_ALIASES = {"transfer_wait": "wait"}
+#: Keys of ``mrl_plugins.run``'s ``time_split`` (what ``mrl compare`` writes) that name a part differently, from
+#: its one definition :data:`mrl_plugins.run.TIME_SPLIT` (``transfer_wait``: the trainer waiting for experience,
+#: i.e. idle while rollouts are produced or in flight, is read as ``wait``).
+TIME_ALIASES = {k: v.part for k, v in TIME_SPLIT.items() if v.part in TIME_PARTS and k != v.part}
+#: Flags (not seconds) in ``time_split``: ``generate_overlapped`` = 1 means generate and train ran on parallel lanes.
+TIME_FLAGS = tuple(k for k, v in TIME_SPLIT.items() if v.part == "flag")
 #: Flat-metrics keys read for each number (first present wins).
 METRIC_KEYS: dict[str, tuple[str, ...]] = {
     "generate": ("mrl/time/generate_s", "mrl/rollout/generate_s"),
@@ -79,7 +83,8 @@ def load_report(path: str | os.PathLike[str]) -> list[tuple[str, dict[str, Any]]
     as a run's ``metrics`` / ``mrl_metrics`` object when it has no ``time_split``.
 
     Run schema (seconds): ``time_split: {generate, weight_sync, transfer, train, wait}`` (``generate``, ``train``
-    required, the rest default 0; ``transfer_wait`` is read as ``wait``), ``wall_s`` (> 0); optional ``train_s``
+    required, the rest default 0; ``mrl_plugins.run``'s keys (:data:`mrl_plugins.run.TIME_SPLIT`) are read too:
+    ``transfer_wait`` as ``wait``, the flag ``generate_overlapped``), ``wall_s`` (> 0); optional ``train_s``
     (wall time of the training loop alone, used instead of ``wall_s`` when present), ``steps_per_s``, ``tokens_per_s``,
     ``utilization`` (0..1, measured device busy share), ``lanes`` (parallel compute lanes), ``comm_wait_s``
     (measured communication wait; default ``weight_sync + transfer``), ``target_steps_per_s`` /
@@ -146,7 +151,8 @@ def triage(
     * utilisation: the run's ``utilization`` when measured (device busy share), else the CPU busy share
       ``(generate + train) / (window x lanes)``; ``lanes`` (parallel compute lanes whose busy time is in the split:
       1 when rollout and training take turns, 2 when both times are recorded and overlap) is the argument, else
-      the run's ``lanes``, else the smallest whole number consistent with the times, ``ceil(busy / window)``.
+      the run's ``lanes``, else the smallest whole number consistent with the times, ``ceil(busy / window)``, and
+      at least 2 when the split's flag ``generate_overlapped`` is set (rollout workers generate while it trains).
     * communication wait share: ``comm_wait_s`` (else ``weight_sync + transfer``) / window; ``wait`` (idle,
       waiting for experience) is reported as the idle share and counts against utilisation, not communication.
     * verdicts, in order: comm wait > 30% -> communication (compress first, then overlap); utilisation < 50% ->
@@ -159,6 +165,7 @@ def triage(
     if not isinstance(split, Mapping):
         raise ConfigError(f"{where}: needs 'time_split' {{generate, weight_sync, transfer, train, wait}} seconds")
     split = dict(split)
+    flags = {k: _num(split.pop(k), f"{where} time_split.{k}") for k in TIME_FLAGS if k in split}
     for alias, key in TIME_ALIASES.items():
         if alias in split:
             if key in split:
@@ -169,7 +176,8 @@ def triage(
             raise ConfigError(f"{where}: time_split lacks {key!r}; keys: {choices(TIME_PARTS)}")
     unknown = set(split) - set(TIME_PARTS)
     if unknown:
-        raise ConfigError(f"{where}: unknown time_split key(s) {sorted(unknown)}; valid: {choices(TIME_PARTS)}")
+        valid = choices([*TIME_PARTS, *TIME_ALIASES, *TIME_FLAGS])
+        raise ConfigError(f"{where}: unknown time_split key(s) {sorted(unknown)}; valid: {valid}")
     t = {k: _num(split.get(k, 0.0), f"{where} time_split.{k}") for k in TIME_PARTS}
     if "wall_s" not in run:
         raise ConfigError(f"{where}: needs 'wall_s' (wall-clock seconds of the run)")
@@ -184,7 +192,8 @@ def triage(
     else:
         if lanes is None:
             lanes = int(_num(run["lanes"], f"{where} lanes", positive=True)) if "lanes" in run else None
-        n = lanes if lanes is not None else max(1, math.ceil(busy / wall - 1e-9))
+        least = 2 if flags.get("generate_overlapped") else 1  # rollout workers generate while the trainer trains
+        n = lanes if lanes is not None else max(least, math.ceil(busy / wall - 1e-9))
         util = busy / (wall * n)
         if util > 1 + 1e-9:
             raise ConfigError(
