@@ -92,7 +92,8 @@ def preflight(cfg: MrlConfig | Any, *, enable_plugins: bool = True) -> MrlConfig
 
     The config itself, the TRL version, ``train.model`` (a preset or a checkpoint folder), the device
     (:class:`~mrl_plugins.errors.DeviceError` when absent), and with the plugins on the plugin and backend
-    names (the manager :func:`mrl_plugins.enable` builds), the stage combination and the rollout worker count
+    names (the manager :func:`mrl_plugins.enable` builds; names in ``disable`` / ``MRL_DISABLED_PLUGINS`` must
+    name a plugin), the stage combination and the rollout worker count
     against the cores / devices (:meth:`RolloutConfig.check_placement`). Each raises one
     :class:`~mrl_plugins.errors.MrlError` naming the problem and the valid choices.
     """
@@ -111,8 +112,13 @@ def preflight(cfg: MrlConfig | Any, *, enable_plugins: bool = True) -> MrlConfig
     device = get_device(cfg.device)
     if not enable_plugins:
         return cfg
+    from mrl_plugins.cli.main import check_disable
     from mrl_plugins.manager import get_plugin_manager
 
+    check_disable(cfg.disable, "disable")
+    check_disable(
+        [n.strip() for n in os.environ.get("MRL_DISABLED_PLUGINS", "").split(",") if n.strip()], "MRL_DISABLED_PLUGINS"
+    )
     pm = get_plugin_manager(cfg)
     _check_combination(pm, cfg)
     if not pm.is_upstream("rollout"):

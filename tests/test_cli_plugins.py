@@ -206,6 +206,12 @@ def test_console_script_disable_unknown_name_exit_2():
         assert valid in lines[0]
 
 
+def test_config_disable_unknown_name(capsys, tmp_path):
+    (tmp_path / "c.yaml").write_text("disable: [mrl.comms]\nplugins: {comm: upstream}\n")
+    code, out, err = _in_process(capsys, "--config", str(tmp_path / "c.yaml"))
+    assert code == 2 and out == "" and "disable: unknown plugin 'mrl.comms'" in err and "'mrl.comm'" in err
+
+
 def test_disable_prefix_and_entry_point_names_accepted(capsys, install_dist):
     code, out, _ = _in_process(capsys, "--disable", "mrl", "--config", "upstream")  # a prefix blocks mrl.*
     assert code == 0 and _rows(out)["mrl"]["active"] == "blocked" and "mrl.comm" not in _rows(out)

@@ -66,6 +66,7 @@ BAD = {
     "engine": ("rollout: {engine: transformerz}\n", ["rollout.engine: unknown", "'transformerz'", "'transformers'"]),
     "combination": ("plugins: {rollout: upstream, weight_sync: mrl, comm: upstream}\n", ["plugins.weight_sync"]),
     "model": ("train: {model: nope}\n", ["train.model: 'nope' is neither a preset", "'tiny'"]),
+    "disable": ("disable: [mrl.bogus]\n", ["disable: unknown plugin 'mrl.bogus'", "'mrl.comm'", "'upstream'"]),
     "workers": (
         f"rollout: {{workers: {FREE + 1}}}\n",
         [f"{FREE + 1} rollout worker(s) but only {FREE} CPU core(s)", f"may use {len(CORES)} core", "oversubscribe"],
@@ -96,6 +97,13 @@ def test_mrl_run_vanilla_checks_the_device_too(tmp_path):
         pytest.skip("needs a CPU-only machine")
     (tmp_path / "dev.yaml").write_text("device: npu\n")
     _assert_refused_early(*_mrl("run", "--config", "dev.yaml", "--vanilla", cwd=tmp_path), "device 'npu'")
+
+
+def test_mrl_run_env_disable_typo(tmp_path):
+    proc, imported, errors = _mrl(
+        "run", "--config", "colocate", "--model", "tiny", cwd=tmp_path, env_extra={"MRL_DISABLED_PLUGINS": "mrl.comms"}
+    )
+    _assert_refused_early(proc, imported, errors, "MRL_DISABLED_PLUGINS: unknown plugin 'mrl.comms'", "'mrl.comm'")
 
 
 def test_mrl_run_two_different_configs_is_a_usage_error(tmp_path):

@@ -73,6 +73,8 @@ def _selection_config(ns: argparse.Namespace) -> dict:
     if source:
         env_value = config_from_env(source)
         data = load_yaml(env_value) if isinstance(env_value, str) else (env_value or {})
+        if isinstance(data.get("disable"), list):  # other types: the config's own error, later
+            check_disable(data["disable"], "disable")
     if ns.plugins:
         data["plugins"] = {**(data.get("plugins") or {}), **_parse_plugins(ns.plugins)}
     if ns.disable:
