@@ -227,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
     import dataclasses
 
     parser = argparse.ArgumentParser(prog="mrl run")
-    parser.add_argument("config", nargs="?", help="same as --config (kept for `mrl run colocate`)")
+    parser.add_argument("config", nargs="?", metavar="CONFIG", help="same as --config (kept for `mrl run colocate`)")
     parser.add_argument(
         "--config", dest="config_opt", metavar="CONFIG", help="YAML path or bundled name (default: colocate)"
     )
