@@ -149,6 +149,17 @@ def test_eos_cut_and_temperature(engine):
 
 
 @require_vllm
+def test_copies_of_a_prompt_get_different_completions(engine):
+    """TRL repeats each prompt num_generations times: a shared seed would make the copies identical (zero GRPO
+    advantages, nothing learned)."""
+    eng, _model = engine
+    out = eng.generate([[3, 4, 5]] * 8, 1)
+    assert len({tuple(c) for c in out.completion_ids}) >= 4
+    again = eng.generate([[3, 4, 5]] * 8, 1)
+    assert again.completion_ids != out.completion_ids  # a new call, new seeds
+
+
+@require_vllm
 def test_engine_runs_in_this_process_with_no_child_process(engine):
     import psutil
 

@@ -127,7 +127,7 @@ class VLLMEngine:
     :param tokenizer: optional; fills ``params.eos_token_ids``/``pad_token_id`` when they are unset.
     :param device: ``cpu``, ``cuda[:N]`` or ``npu[:N]`` (the process's visible device; one device per engine).
     :param params: sampling settings.
-    :param seed: base seed; call ``k`` samples with ``seed + k``.
+    :param seed: base seed; every completion gets its own (``seed + call x batch + i``).
     :param llm_kwargs: extra ``vllm.LLM`` keyword arguments (``rollout.engine_options``), e.g.
         ``gpu_memory_utilization``, ``max_model_len``, ``enforce_eager``. ``dtype`` must equal the model's.
     """
@@ -250,13 +250,12 @@ class VLLMEngine:
         return nbytes
 
     # ------------------------------------------------------------------------------------------------ generate
-    def _sampling_params(self, n: int) -> Any:
+    def _sampling_params(self, seed: int | None) -> Any:
         import vllm
 
         p = self.params
-        seed = None if self.seed is None else int(self.seed) + self._calls
         return vllm.SamplingParams(
-            n=n,
+            n=1,
             temperature=p.temperature,
             top_p=p.top_p,
             top_k=p.top_k if p.top_k else -1,
@@ -270,23 +269,27 @@ class VLLMEngine:
         )
 
     def generate(self, prompts: list[list[int]], num_generations: int = 1) -> EngineOutput:
-        """Sample through vLLM; same output contract as the ``transformers`` engine's ``generate``."""
+        """Sample through vLLM; same output contract as the ``transformers`` engine's ``generate``.
+
+        One vLLM request per completion, each with its own seed (``seed + call x batch + i``): a seed shared by
+        the requests of a batch would give every copy of a prompt (TRL repeats each prompt ``num_generations``
+        times) the same completion, and GRPO's group advantages would all be zero."""
         _check_prompts(prompts, num_generations)
         start = time.perf_counter()
-        sp = self._sampling_params(num_generations)
+        flat = [[int(t) for t in p] for p in prompts for _ in range(num_generations)]
+        base = None if self.seed is None else int(self.seed) + self._calls * len(flat)
+        params = [self._sampling_params(None if base is None else base + i) for i in range(len(flat))]
         self._calls += 1
-        requests = [{"prompt_token_ids": [int(t) for t in p]} for p in prompts]
-        outputs = self.llm.generate(requests, sampling_params=sp, use_tqdm=False)
-        prompt_ids, completions, logprobs = [], [], []
-        for prompt, req_out in zip(prompts, outputs, strict=True):
-            for comp in sorted(req_out.outputs, key=lambda c: c.index):
-                toks = list(comp.token_ids)
-                lps = [float(step[tok].logprob) for step, tok in zip(comp.logprobs or [], toks, strict=False)]
-                n = cut_after_eos(toks, self.params.eos_token_ids)
-                prompt_ids.append(list(prompt))
-                completions.append(toks[:n])
-                logprobs.append(lps[:n])
-        return EngineOutput(prompt_ids, completions, logprobs, seconds=time.perf_counter() - start)
+        outputs = self.llm.generate([{"prompt_token_ids": p} for p in flat], sampling_params=params, use_tqdm=False)
+        completions, logprobs = [], []
+        for req_out in outputs:
+            (comp,) = req_out.outputs
+            toks = list(comp.token_ids)
+            lps = [float(step[tok].logprob) for step, tok in zip(comp.logprobs or [], toks, strict=False)]
+            n = cut_after_eos(toks, self.params.eos_token_ids)
+            completions.append(toks[:n])
+            logprobs.append(lps[:n])
+        return EngineOutput(flat, completions, logprobs, seconds=time.perf_counter() - start)
 
     def score(self, prompts: list[list[int]], completions: list[list[int]]) -> list[list[float]]:
         raise ConfigError(
