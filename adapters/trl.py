@@ -14,11 +14,12 @@ from __future__ import annotations
 import atexit
 import logging
 import os
-import signal
+import sys
 import weakref
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
+from mrl_plugins.adapters.trl_lifetime import LazyLocalRuntime, State, at_exit, wrap_train
 from mrl_plugins.errors import ConfigError, PluginError, UnsupportedVersionError, choices
 
 log = logging.getLogger("mrl_plugins.adapters.trl")
@@ -153,17 +154,42 @@ def enable(trainer: Any, config: Any = None) -> Any:
 
     check_trl_version()
     kind = trainer_kind(trainer)
-    if getattr(trainer, "_mrl_state", None) is not None:
-        raise PluginError("mrl_plugins.enable: this trainer is already enabled")
     if config is None and os.environ.get("MRL_PLUGINS"):
         config = config_from_env(os.environ["MRL_PLUGINS"])
     cfg = load_config(config)
     pm = get_plugin_manager(cfg)
     _check_combination(pm, cfg)
     device = get_device(cfg.device)
+    _check_rollout(trainer, cfg, pm, kind)
+    plan = None if pm.is_upstream("rollout") else _plan(trainer, pm, cfg, device)
+    if getattr(trainer, "_mrl_state", None) is not None:  # enabled before (a notebook cell run again): start over
+        disable(trainer)
     ctx = StageContext(config=cfg, host=trainer, metrics=StageMetrics())
-    state = _State(pm, ctx, kind)
+    state = State(pm, ctx, kind)
+    state.has_workers = plan is not None
+    for other in list(State.live):  # one live worker pool per process: the newest enabled trainer's
+        if other is not state:
+            other.release_pool()
+    try:
+        if not pm.is_upstream("rollout"):
+            _install_rollout(trainer, state, device, plan)
+        else:
+            _time_upstream_generation(trainer, state)
+        _install_metrics(trainer, state)
+        _install_shutdown(trainer, state)
+        state.patch(trainer, "_mrl_state", state)
+    except BaseException:
+        state.shutdown("error")
+        state.restore_patches()
+        raise
+    state.summary = summary_line(trainer, state, device, plan)
+    print(state.summary, file=sys.stderr, flush=True)
+    log.info("mrl-plugins enabled for %s: %s (mode %s)", type(trainer).__name__, pm.selected, cfg.mode)
+    return trainer
 
+
+def _check_rollout(trainer: Any, cfg: Any, pm: Any, kind: str) -> None:
+    """What the 'mrl' rollout refuses on this trainer, before anything is changed."""
     if not pm.is_upstream("rollout"):
         if getattr(trainer, "tools", None):
             raise ConfigError("plugins.rollout: 'mrl' does not run TRL tool calls; set plugins.rollout: upstream")
@@ -181,15 +207,6 @@ def enable(trainer: Any, config: Any = None) -> Any:
                 f"rollout.rebalance: moves workers between the pools of mode: hybrid with rollout.workers >= 2; "
                 f"got mode: {cfg.mode}, workers: {cfg.rollout.workers}"
             )
-        _install_rollout(trainer, state, device)
-    else:
-        _time_upstream_generation(trainer, state)
-
-    _install_metrics(trainer, state)
-    _install_shutdown(trainer, state)
-    trainer._mrl_state = state
-    log.info("mrl-plugins enabled for %s: %s (mode %s)", type(trainer).__name__, pm.selected, cfg.mode)
-    return trainer
 
 
 def config_from_env(value: str) -> Any:
@@ -211,31 +228,8 @@ def enable_from_env(trainer: Any) -> Any:
     return enable(trainer, config_from_env(os.environ["MRL_PLUGINS"]))
 
 
-class _State:
-    def __init__(self, pm: Any, ctx: Any, kind: str) -> None:
-        self.pm = pm
-        self.ctx = ctx
-        self.kind = kind
-        self.closed = False
-        self.generation: Any = None
-        self.on_shutdown: list[Any] = []
-
-    def shutdown(self, reason: str = "normal") -> None:
-        if self.closed:
-            return
-        self.closed = True
-        try:
-            self.pm.shutdown(self.ctx, reason)
-        finally:
-            for fn in self.on_shutdown:
-                fn()
-
-
-def _install_rollout(trainer: Any, state: _State, device: Any) -> None:
-    import torch
-
+def _install_rollout(trainer: Any, state: State, device: Any, plan: tuple | None) -> None:
     from mrl_plugins.rollout.engine import SamplingParams
-    from mrl_plugins.rollout.pool import WorkerPool
     from mrl_plugins.rollout.runtime import LocalEngineRuntime, LookaheadLoader, MrlGeneration, PoolRuntime
 
     pm, ctx, cfg = state.pm, state.ctx, state.ctx.config
@@ -244,76 +238,96 @@ def _install_rollout(trainer: Any, state: _State, device: Any) -> None:
     gen = MrlGeneration(pm, ctx, trainer)
     model = trainer.accelerator.unwrap_model(trainer.model)
     seed = int(trainer.args.seed)
-    if cfg.rollout.workers == 0 and cfg.rollout.remote_workers == 0:
-        runtime: Any = LocalEngineRuntime(pm, ctx, model, sampling, engine_factory, seed)
+    if plan is None:
+        runtime: Any = LazyLocalRuntime(
+            lambda: LocalEngineRuntime(pm, ctx, model, sampling, engine_factory, seed), gen
+        )  # built when train() begins
     else:
-        acc = trainer.accelerator
-        places, trainer_cores, shared = _placements(cfg, device, acc.process_index, acc.num_processes)
+        places, trainer_cores, shared = plan
         score_models = None
         if cfg.rollout.ref_logps == "engine":  # every worker scores its completions with the reference model
             score_models = {"ref": trainer.accelerator.unwrap_model(trainer.ref_model)}
-        pool = WorkerPool(
-            pm, ctx, model, sampling, placements=places, engine_factory=engine_factory, seed=seed,
-            score_models=score_models,
-        )  # fmt: skip
-        if score_models:
-            from mrl_plugins.weight_sync.sources import iter_trainer_weights
 
-            pool.publish(0, iter_trainer_weights(trainer.ref_model, trainer.accelerator), model_id="ref")
+        def start_pool() -> Any:  # at train() start or the first generation, not now (see trl_lifetime)
+            from mrl_plugins.rollout.pool import WorkerPool
+
+            pool = WorkerPool(
+                pm, ctx, model, sampling, placements=places, engine_factory=engine_factory, seed=seed,
+                score_models=score_models,
+            )  # fmt: skip
+            if score_models:
+                from mrl_plugins.weight_sync.sources import iter_trainer_weights
+
+                pool.publish(0, iter_trainer_weights(trainer.ref_model, trainer.accelerator), model_id="ref")
+            return pool
+
+        # the warm-up engine runs in the trainer process: always the light 'transformers' one (a vLLM engine
+        # there would take far longer to start than the workers it stands in for)
+        local_factory = pm.backend("mrl_rollout_register_engines", "transformers").factory
 
         def local_engine() -> Any:  # the trainer's own model answers while the workers start
             was_training = model.training
-            engine = engine_factory(model, None, params=sampling, device=str(device.torch_device), seed=seed)
+            engine = local_factory(model, None, params=sampling, device=str(device.torch_device), seed=seed)
             model.train(was_training)  # engines may switch their model to eval mode when built
             return engine
 
-        runtime = PoolRuntime(pm, ctx, gen, pool, local_engine if cfg.rollout.local_warmup else None)
+        balancer = None
         if cfg.rollout.rebalance:
-            from mrl_plugins.rollout.hybrid import COLOCATED, DEDICATED, HybridBalancer
 
-            rc = cfg.rollout
-            kinds = [COLOCATED if i < rc.colocated_workers else DEDICATED for i in range(rc.workers)]
-            runtime.balancer = HybridBalancer(
-                pool,
-                places,
-                kinds,
-                shared,
-                window=rc.rebalance_window,
-                high=rc.rebalance_high,
-                low=rc.rebalance_low,
-                metrics=ctx.metrics,
-            )
+            def balancer(pool: Any) -> Any:
+                from mrl_plugins.rollout.hybrid import COLOCATED, DEDICATED, HybridBalancer
+
+                rc = cfg.rollout
+                kinds = [COLOCATED if i < rc.colocated_workers else DEDICATED for i in range(rc.workers)]
+                return HybridBalancer(
+                    pool,
+                    places,
+                    kinds,
+                    shared,
+                    window=rc.rebalance_window,
+                    high=rc.rebalance_high,
+                    low=rc.rebalance_low,
+                    metrics=ctx.metrics,
+                )
+
+        runtime = PoolRuntime(
+            pm, ctx, gen, start_pool, local_engine if cfg.rollout.local_warmup else None, balancer_factory=balancer
+        )
         _add_step_end_callback(trainer, state, runtime.on_step_end)
-        if trainer_cores and device.type == "cpu":
-            saved = (os.sched_getaffinity(0), torch.get_num_threads())
-            os.sched_setaffinity(0, trainer_cores)
-            torch.set_num_threads(max(1, min(cfg.rollout.trainer_threads, len(trainer_cores))))
-
-            def restore_budget() -> None:
-                os.sched_setaffinity(0, saved[0])
-                torch.set_num_threads(saved[1])
-
-            state.on_shutdown.append(restore_budget)
+        if trainer_cores and device.type == "cpu":  # applied while train() runs only
+            state.budget = (list(trainer_cores), max(1, min(cfg.rollout.trainer_threads, len(trainer_cores))))
         orig_loader = trainer.get_train_dataloader
 
         def get_train_dataloader() -> Any:
             gen.loader = LookaheadLoader(orig_loader())
             return gen.loader
 
-        trainer.get_train_dataloader = get_train_dataloader
+        state.patch(trainer, "get_train_dataloader", get_train_dataloader)
     ctx.resources["rollout.runtime"] = runtime
     state.generation = gen
-    trainer.vllm_generation = gen
-    trainer.use_vllm = True
-    trainer.vllm_mode = "mrl"
-    trainer._last_loaded_step = -1
+    state.patch(trainer, "vllm_generation", gen)
+    state.patch(trainer, "use_vllm", True)
+    state.patch(trainer, "vllm_mode", "mrl")
+    state.patch(trainer, "_last_loaded_step", -1)
     if cfg.rollout.old_logps == "engine":
-        _use_engine_logps(trainer)
+        _use_engine_logps(trainer, state)
     if cfg.rollout.ref_logps == "engine":
         _use_engine_ref_logps(trainer, state, gen)
 
 
-def _add_step_end_callback(trainer: Any, state: _State, fn: Any) -> None:
+def _plan(trainer: Any, pm: Any, cfg: Any, device: Any) -> tuple | None:
+    """Where the rollout workers run (``_placements``), or None for the in-process engine (``workers: 0``)."""
+    if cfg.rollout.workers == 0 and cfg.rollout.remote_workers == 0:
+        return None
+    from mrl_plugins.rollout.pool import check_pool_config
+
+    acc = trainer.accelerator
+    plan = _placements(cfg, device, acc.process_index, acc.num_processes)
+    check_pool_config(pm, cfg, len(plan[0]))
+    return plan
+
+
+def _add_step_end_callback(trainer: Any, state: State, fn: Any) -> None:
     """Call ``fn(global_step)`` after every optimizer step (TRL callbacks never see the trainer itself)."""
     from transformers import TrainerCallback
 
@@ -351,7 +365,7 @@ def _check_engine_logps(trainer: Any, kind: str) -> None:
         )
 
 
-def _use_engine_logps(trainer: Any) -> None:
+def _use_engine_logps(trainer: Any, state: State) -> None:
     """Put the engine's sampling logprobs (the behaviour policy) in GRPO's loss as ``old_per_token_logps``.
 
     TRL then skips its extra no-grad forward pass per generation (it runs it only for its importance-sampling
@@ -360,7 +374,7 @@ def _use_engine_logps(trainer: Any) -> None:
     """
     import torch
 
-    trainer.vllm_importance_sampling_correction = False
+    state.patch(trainer, "vllm_importance_sampling_correction", False)
     orig = trainer._generate_and_score_completions
 
     def generate_and_score(*args: Any, **kwargs: Any) -> Any:
@@ -373,7 +387,7 @@ def _use_engine_logps(trainer: Any) -> None:
         out["old_per_token_logps"] = sampling
         return out
 
-    trainer._generate_and_score_completions = generate_and_score
+    state.patch(trainer, "_generate_and_score_completions", generate_and_score)
 
 
 def _check_engine_ref_logps(trainer: Any, cfg: Any) -> None:
@@ -411,7 +425,7 @@ def _engine_ref_logps(result: Any, input_ids: Any, logits_to_keep: int) -> Any:
     return out.to(input_ids.device)
 
 
-def _use_engine_ref_logps(trainer: Any, state: _State, gen: Any) -> None:
+def _use_engine_ref_logps(trainer: Any, state: State, gen: Any) -> None:
     """Answer TRL's reference forward pass with the rollout workers' scores of the same completions.
 
     The workers score every completion they generate with their copy of the (frozen) reference model,
@@ -430,10 +444,10 @@ def _use_engine_ref_logps(trainer: Any, state: _State, gen: Any) -> None:
                 return ref, None, None
         return orig(model, input_ids, attention_mask, logits_to_keep, *a, **kw)
 
-    trainer._get_per_token_logps_and_entropies = per_token_logps
+    state.patch(trainer, "_get_per_token_logps_and_entropies", per_token_logps)
 
 
-def _time_upstream_generation(trainer: Any, state: _State) -> None:
+def _time_upstream_generation(trainer: Any, state: State) -> None:
     """Measure TRL's own generation (``mrl/time/generate_s``) without changing what it does."""
     orig = trainer._generate_single_turn
     metrics = state.ctx.metrics
@@ -442,10 +456,10 @@ def _time_upstream_generation(trainer: Any, state: _State) -> None:
         with metrics.timer("time/generate_s"):
             return orig(*args, **kwargs)
 
-    trainer._generate_single_turn = timed
+    state.patch(trainer, "_generate_single_turn", timed)
 
 
-def _install_metrics(trainer: Any, state: _State) -> None:
+def _install_metrics(trainer: Any, state: State) -> None:
     if not state.ctx.config.log_metrics:
         return
     orig_log = trainer.log
@@ -456,51 +470,69 @@ def _install_metrics(trainer: Any, state: _State) -> None:
             logs.update(metrics.flush())
         return orig_log(logs, start_time)
 
-    trainer.log = log_with_mrl
+    state.patch(trainer, "log", log_with_mrl)
 
 
-def _install_shutdown(trainer: Any, state: _State) -> None:
-    orig_train = trainer.train
+def _install_shutdown(trainer: Any, state: State) -> None:
+    wrap_train(trainer, state)
+    atexit.register(at_exit, weakref.ref(state))
 
-    def train(*args: Any, **kwargs: Any) -> Any:
-        reason = "error"
-        try:
-            out = orig_train(*args, **kwargs)
-            reason = "normal"
-            return out
-        finally:
-            state.shutdown(reason)
 
-    trainer.train = train
-    ref = weakref.ref(state)
+def summary_line(trainer: Any, state: State, device: Any, plan: tuple | None = None) -> str:
+    """The one line ``enable()`` prints: what each stage is replaced by and where it runs."""
+    pm, cfg = state.pm, state.ctx.config
+    parts = []
+    rc = cfg.rollout
+    if pm.is_upstream("rollout"):
+        parts.append("rollout=upstream (TRL generates with the training model)")
+    else:
+        name = _plugin(pm, "rollout") + (f"/{rc.engine}" if rc.engine != "transformers" else "")
+        places = plan[0] if plan else None
+        if rc.workers == 0 and rc.remote_workers == 0:
+            where = f"in-process engine on {device.torch_device}"
+        else:
+            n = rc.workers
+            where = f"{n} worker{'s' if n != 1 else ''}"
+            if places:
+                cores = sorted({c for p in places for c in (p.get("cores") or [])})
+                devices = [p.get("env") for p in places if p.get("env")]
+                if cores:
+                    where += f", cores {cores}"
+                elif devices:
+                    where += f", {device.type} " + ",".join(v for env in devices for v in env.values())
+                else:
+                    where += f", {device.torch_device}"
+            if rc.remote_workers:
+                where += f" + {rc.remote_workers} remote"
+            if state.budget is not None:
+                where += f"; trainer cores {state.budget[0]}"
+        parts.append(f"rollout={name} ({where})")
+    ws = "upstream" if pm.is_upstream("weight_sync") else _plugin(pm, "weight_sync")
+    if ws == "mrl":
+        ws = cfg.weight_sync.transport
+    parts.append(f"weight_sync={ws}")
+    comm = "upstream" if pm.is_upstream("comm") else _plugin(pm, "comm")
+    if comm == "mrl":
+        comm = f"{cfg.comm.transport}/{cfg.comm.codec}"
+    parts.append(f"comm={comm}")
+    acc = getattr(trainer, "accelerator", None)
+    world = getattr(acc, "num_processes", 1) or 1
+    rank = f" [rank {acc.process_index}/{world}]" if world > 1 else ""
+    return "mrl-plugins: " + ", ".join(parts) + rank
 
-    def at_exit() -> None:
-        st = ref()
-        if st is not None:
-            st.shutdown("exit")
 
-    atexit.register(at_exit)
-    for sig in (signal.SIGTERM,):
-        try:
-            previous = signal.getsignal(sig)
-        except ValueError:
-            continue
-
-        def handler(signum: int, frame: Any, previous: Any = previous) -> None:
-            at_exit()
-            if callable(previous):
-                previous(signum, frame)
-            else:
-                raise SystemExit(128 + signum)
-
-        try:
-            signal.signal(sig, handler)
-        except ValueError:  # not the main thread
-            pass
+def _plugin(pm: Any, stage: str) -> str:
+    """The selected plugin's name as configured: ``mrl`` for the built-in ``mrl.<stage>``."""
+    name = str(pm.selected[stage])
+    return "mrl" if name == f"mrl.{stage}" else name
 
 
 def disable(trainer: Any) -> None:
-    """Release the plugins' resources (worker processes, shared memory) before the trainer ends."""
+    """Release the plugins' resources (worker processes, shared memory) and put the trainer's own methods back."""
     state = getattr(trainer, "_mrl_state", None)
     if state is not None:
-        state.shutdown("normal")
+        try:
+            state.shutdown("normal")
+        finally:
+            state.restore_patches()
+            trainer.__dict__.pop("_mrl_state", None)

@@ -164,6 +164,8 @@ def test_peft_policy_generates_with_the_merged_trained_weights(tmp_path, workers
 
     monkeypatch.setattr(sources, "iter_trainer_weights", recording)
     mrl_plugins.enable(trainer, {"rollout": {"workers": workers, "local_warmup": False, "pipeline": "sync"}})
+    if workers == 0:  # built when train() begins: build it now to look at the inference copy
+        trainer._mrl_state.ctx.resources["rollout.runtime"].start()
     served = trainer._mrl_state.ctx.resources["weight_sync.receiver"].model if workers == 0 else None
     trainer.train()
     assert len(published) == 3
@@ -327,6 +329,17 @@ def test_env_variable_switches_plugins_on_at_startup(tmp_path):
     assert "ENABLED {'rollout': 'upstream', 'weight_sync': 'upstream', 'comm': 'upstream'}" in on.stdout, on.stderr[
         -2000:
     ]
+    # one visible line says what is replaced (nothing here) and where it runs
+    line = "mrl-plugins: rollout=upstream (TRL generates with the training model), weight_sync=upstream, comm=upstream"
+    assert on.stderr.count("mrl-plugins: ") == 1 and line in on.stderr, on.stderr[-2000:]
+    assert "mrl-plugins: " not in off.stderr
+    if len(os.sched_getaffinity(0)) >= 2:  # the bundled colocate config: one worker on core 1, the trainer on 0
+        env["MRL_PLUGINS"] = "colocate"
+        colocate = subprocess.run(
+            [sys.executable, str(script), str(tmp_path)], env=env, capture_output=True, text=True, timeout=300
+        )
+        line = "mrl-plugins: rollout=mrl (1 worker, cores [1]; trainer cores [0]), weight_sync=shm, comm=shm/fp16"
+        assert line in colocate.stderr, colocate.stderr[-2000:]
 
 
 @pytest.mark.slow

@@ -29,7 +29,7 @@ import queue
 import time
 import uuid
 from collections.abc import Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,6 +37,7 @@ from mrl_plugins.comm.base import ChannelClosedError
 from mrl_plugins.errors import MrlError, StageTimeoutError
 from mrl_plugins.hookspecs import RolloutResult, StageContext
 
+from .lifecycle import ReadyClock, finalizer, release, spawn_quiet
 from .worker import REQ_STOP, REQ_WEIGHTS, ServedModel, WorkerSpec, worker_main
 
 log = logging.getLogger("mrl_plugins.rollout")
@@ -54,6 +55,30 @@ def _no_rejoin(ws_name: str) -> str:
         f"weight_sync.transport {ws_name!r} (the 'upstream' weight sync is 'per_param') keeps the group formed at "
         "its first transfer, which a new process cannot rejoin; use 'shm' or 'directory'"
     )
+
+
+def check_pool_config(pm: Any, cfg: Any, n_local: int) -> tuple[str, str]:
+    """What a pool of ``n_local`` local workers (plus ``rollout.remote_workers``) refuses under ``cfg``, checked
+    before anything is started (the adapter asks at ``enable()``); returns the comm and weight transports."""
+    from mrl_plugins.errors import ConfigError, choices
+    from mrl_plugins.upstream import UPSTREAM_COMM_TRANSPORT, UPSTREAM_WEIGHT_TRANSPORT
+
+    remote = cfg.rollout.remote_workers
+    if n_local + remote < 1:
+        raise ConfigError("rollout.workers: a worker pool needs at least one worker (local or remote)")
+    comm_name = UPSTREAM_COMM_TRANSPORT if pm.is_upstream("comm") else cfg.comm.transport
+    ws_name = UPSTREAM_WEIGHT_TRANSPORT if pm.is_upstream("weight_sync") else cfg.weight_sync.transport
+    if remote and (comm_name not in REMOTE_COMM or ws_name not in REMOTE_WEIGHTS):
+        raise ConfigError(
+            f"rollout.remote_workers: workers on other hosts need comm.transport in {choices(REMOTE_COMM)} "
+            f"and weight_sync.transport in {choices(REMOTE_WEIGHTS)} (plugins 'mrl'); got {comm_name!r} and "
+            f"{ws_name!r}"
+        )
+    if ws_name in COLLECTIVE_WEIGHTS and cfg.rollout.rebalance:
+        raise ConfigError(f"rollout.rebalance moves (restarts) workers: {_no_rejoin(ws_name)}, or rebalance: false")
+    pm.backend("mrl_comm_register_transports", comm_name)  # unknown names: one error now, not at train()
+    pm.backend("mrl_weight_sync_register_transports", ws_name)
+    return comm_name, ws_name
 
 
 class WorkerDiedError(MrlError):
@@ -98,16 +123,15 @@ class WorkerPool:
         inflight_per_worker: int = 2,
     ) -> None:
         from mrl_plugins.errors import ConfigError, choices
-        from mrl_plugins.upstream import UPSTREAM_COMM_TRANSPORT, UPSTREAM_WEIGHT_TRANSPORT
 
         from .scheduler import ModelScheduler
 
         cfg = ctx.config
         self.pm, self.ctx, self.cfg = pm, ctx, cfg
+        self.started_at = time.monotonic()
         remote = cfg.rollout.remote_workers
         self.n = len(placements) + remote
-        if self.n < 1:
-            raise ConfigError("rollout.workers: a worker pool needs at least one worker (local or remote)")
+        comm_name, ws_name = check_pool_config(pm, cfg, len(placements))
         scheduled = {"policy": model, **(extra_models or {})}
         self.score_with = tuple(score_models or ())
         clash = [m for m in self.score_with if m in scheduled]
@@ -138,20 +162,8 @@ class WorkerPool:
         self._moving: dict[int, tuple[float, float, dict]] = {}  # worker -> (deadline, timeout, placement)
         self._restarts = 0
         self._closed = False
-        comm_name = UPSTREAM_COMM_TRANSPORT if pm.is_upstream("comm") else cfg.comm.transport
-        ws_name = UPSTREAM_WEIGHT_TRANSPORT if pm.is_upstream("weight_sync") else cfg.weight_sync.transport
-        if remote and (comm_name not in REMOTE_COMM or ws_name not in REMOTE_WEIGHTS):
-            raise ConfigError(
-                f"rollout.remote_workers: workers on other hosts need comm.transport in {choices(REMOTE_COMM)} "
-                f"and weight_sync.transport in {choices(REMOTE_WEIGHTS)} (plugins 'mrl'); got {comm_name!r} and "
-                f"{ws_name!r}"
-            )
         self._ws_name = ws_name
         collective = ws_name in COLLECTIVE_WEIGHTS
-        if collective and cfg.rollout.rebalance:
-            raise ConfigError(
-                f"rollout.rebalance moves (restarts) workers: {_no_rejoin(ws_name)}, or rebalance: false"
-            )
         comm_factory = pm.backend("mrl_comm_register_transports", comm_name).factory
         ws_factory = pm.backend("mrl_weight_sync_register_transports", ws_name).factory
         self.consumer = comm_factory(cfg.comm, n_producers=self.n, run_id=self.run_id)
@@ -172,10 +184,18 @@ class WorkerPool:
         self._requests: list[Any] = []
         self._procs: list[Any] = []
         self.remote: Any = None
+        self._clock: ReadyClock | None = None
+        self._lifetime: dict[str, Any] = {}  # the remote slots and the ready clock, for the finalizer
+        # released on close(), when the pool is garbage-collected, or at exit; holds the resources, never the pool
+        self._finalizer = finalizer(
+            self, self._procs, self._ready, self._requests, [*self._error_qs, *self._event_qs],
+            [self.consumer, *self.senders.values()], self._lifetime, REQ_STOP,
+        )  # fmt: skip
         if remote:
             from .remote import RemoteSlots
 
             self.remote = RemoteSlots(cfg.rollout.rendezvous, len(placements), remote, cfg.rollout.timeout_s)
+            self._lifetime["remote"] = self.remote
         for i, place in enumerate([*placements, *({"device": "auto", "remote": True} for _ in range(remote))]):
             spec = WorkerSpec(
                 index=i,
@@ -206,6 +226,7 @@ class WorkerPool:
                 continue
             self._requests.append(self._mp.Queue())
             self._start(i)
+        self._clock = self._lifetime["clock"] = ReadyClock(self._ready, cfg.rollout.start_timeout_s)
 
     # ------------------------------------------------------------------ processes
     def _start(self, i: int) -> None:
@@ -216,7 +237,7 @@ class WorkerPool:
             daemon=True,
         )
         with _main_not_reimported():
-            proc.start()
+            spawn_quiet(proc)  # SIGINT ignored: on Ctrl-C the trainer stops its workers
         self._procs[i] = proc
         for mid in self.models:
             self._versions.pop((i, mid), None)  # a fresh process loads the latest version again
@@ -245,6 +266,11 @@ class WorkerPool:
     def ready(self) -> bool:
         """Every worker has built its engine and attached its weight and experience paths."""
         return all(e.is_set() for e in self._ready)
+
+    @property
+    def ready_s(self) -> float | None:
+        """Seconds from the pool's start until every worker was first ready (None: not yet)."""
+        return self._clock.ready_s if self._clock is not None else None
 
     @property
     def pids(self) -> list[int]:
@@ -575,35 +601,17 @@ class WorkerPool:
                 out[f"rollout/sched/{mid}/{key}"] = float(st[key])
         return out
 
-    def close(self, timeout: float = 10.0) -> None:
+    def close(self, timeout: float | None = None) -> None:
+        """Stop the workers and release the queues and shared memory: a ready worker gets ``timeout`` s
+        (default ``lifecycle.STOP_GRACE_S``, 1 s) to take its stop request, one still starting is terminated at
+        once. Also done when the pool is garbage-collected or the process exits."""
         if self._closed:
             return
         self._closed = True
+        if timeout is not None:
+            self._lifetime["grace"] = float(timeout)
         self.scheduler.close()
-        for q in self._requests:
-            try:
-                q.put(REQ_STOP)
-            except Exception:  # noqa: BLE001
-                pass
-        deadline = time.monotonic() + timeout
-        if self.remote is not None:  # let remote workers take their stop before the store goes away
-            self.remote.wait_stopped(deadline)
-        for proc in self._procs:
-            if proc is None:
-                continue
-            proc.join(max(0.1, deadline - time.monotonic()))
-            if proc.is_alive():
-                proc.kill()
-                proc.join(2)
-        for q in [*self._requests, *self._error_qs, *self._event_qs]:
-            q.close()
-            q.join_thread()
-        for obj in (self.consumer, *self.senders.values()):
-            with nullcontext():
-                try:
-                    obj.close(unlink=True)
-                except TypeError:
-                    obj.close()
+        release(self._finalizer)
 
 
 @contextmanager

@@ -185,49 +185,138 @@ class LocalEngineRuntime:
 
 
 class PoolRuntime:
-    """``rollout.workers >= 1``: worker processes, optionally one batch ahead of the trainer."""
+    """``rollout.workers >= 1``: worker processes, optionally one batch ahead of the trainer.
 
-    def __init__(self, pm: Any, ctx: StageContext, gen: MrlGeneration, pool: Any, local_engine: Any = None) -> None:
-        """``local_engine()`` (optional) builds an engine on the trainer's own model: it answers while the
-        workers are still starting (spawning and importing takes seconds), instead of the trainer idling."""
-        self.pm, self.ctx, self.gen, self.pool = pm, ctx, gen, pool
-        gen.publisher = pool.publish  # every sync goes through the pool: its workers get a notice
+    The pool is started lazily: by :meth:`start` (the adapter calls it when ``train()`` begins) or by the first
+    use (a generation or a weight sync), and :meth:`release` stops it (workers and shared memory gone); a later
+    use starts a new one.
+    """
+
+    def __init__(
+        self,
+        pm: Any,
+        ctx: StageContext,
+        gen: MrlGeneration,
+        pool_factory: Any,
+        local_engine: Any = None,
+        balancer_factory: Any = None,
+    ) -> None:
+        """``pool_factory()`` builds the :class:`~mrl_plugins.rollout.pool.WorkerPool`; ``local_engine()``
+        (optional) builds an engine on the trainer's own model: it answers while the workers are still starting
+        (spawning and importing takes seconds), instead of the trainer idling; ``balancer_factory(pool)``
+        (optional, hybrid mode) moves workers between the pools."""
+        self.pm, self.ctx, self.gen = pm, ctx, gen
+        self._pool_factory = pool_factory
+        self._balancer_factory = balancer_factory
+        gen.publisher = self._publish  # every sync goes through the pool: its workers get a notice
         self.cfg = ctx.config.rollout
-        self._pending: dict[tuple, int] = {}
-        self._deferred: tuple[list[list[int]], int, str, int] | None = None
+        self._pool: Any = None
+        self.balancer: Any = None  # hybrid mode: a HybridBalancer moving workers between the pools
         self._local_factory = local_engine
         self._local: Any = None
-        self._pool_was_ready = False
-        self.balancer: Any = None  # hybrid mode: a HybridBalancer moving workers between the pools
+        self._reset()
 
+    def _reset(self) -> None:
+        self._pending: dict[tuple, int] = {}
+        self._deferred: tuple[list[list[int]], int, str, int] | None = None
+        self._pool_was_ready = False
+        self._delivered = 0  # batches the workers delivered to the trainer since the pool started
+        self._local_count = 0
+        self._ready_reported = False
+
+    # ---------------------------------------------------------------- lifetime
+    @property
+    def started(self) -> bool:
+        return self._pool is not None
+
+    @property
+    def pool(self) -> Any:
+        """The worker pool, started on first use."""
+        if self._pool is None:
+            self.start()
+        return self._pool
+
+    def start(self) -> None:
+        """Start the workers (no-op when running): spawns them and creates the shared memory."""
+        if self._pool is not None:
+            return
+        self._reset()
+        self._pool = self._pool_factory()
+        if self._balancer_factory is not None:
+            self.balancer = self._balancer_factory(self._pool)
+
+    def release(self) -> None:
+        """Stop the workers and release their shared memory (fast: a worker still starting is terminated).
+
+        Warns once when the pool ran but delivered no batch (every batch came from the trainer's own model)."""
+        pool, self._pool, self.balancer = self._pool, None, None
+        if pool is None:
+            return
+        try:
+            if self._delivered == 0 and self._local_count:
+                ready = pool.ready_s
+                log.warning(
+                    "mrl-plugins: the rollout worker%s delivered no batch in this run: %s; all %d generation%s "
+                    "came from the trainer's own model (rollout.local_warmup). Worker start-up (spawn, imports, "
+                    "model build) takes seconds: longer runs overlap generation with training.",
+                    "s" if pool.n > 1 else "",
+                    f"ready after {ready:.1f} s, too late to serve" if ready is not None else
+                    f"not ready {time.monotonic() - pool.started_at:.1f} s after they were started",
+                    self._local_count,
+                    "" if self._local_count == 1 else "s",
+                )  # fmt: skip
+        finally:
+            for key, obj in (("comm.consumer", pool.consumer), ("weight_sync.sender", pool.sender)):
+                if self.ctx.resources.get(key) is obj:
+                    del self.ctx.resources[key]
+            if self.ctx.resources.get("weight_sync.sender") is getattr(pool, "senders", None):
+                del self.ctx.resources["weight_sync.sender"]
+            pool.close()
+
+    def close(self) -> None:
+        self.release()
+
+    def _publish(self, version: int, named_tensors: Any) -> Any:
+        return self.pool.publish(version, named_tensors)
+
+    # ---------------------------------------------------------------- generation
     def _generate_locally(self, prompts: list[list[int]], num_generations: int, model_id: str) -> RolloutResult:
         if self._local is None:
             self._local = self._local_factory()
         out = self._local.generate(prompts, num_generations)
         flat = [list(p) for p in prompts for _ in range(num_generations)]
         self.ctx.metrics.add("rollout/local_batches", 1)
+        self._local_count += 1
         return RolloutResult(flat, out.completion_ids, out.logprobs, int(self.gen.version), model_id)
+
+    def _collect(self, ticket: int) -> RolloutResult:
+        result = self.pool.collect(ticket)
+        self._delivered += 1
+        return result
 
     def generate(self, prompts: list[list[int]], num_generations: int, model_id: str) -> RolloutResult:
         metrics = self.ctx.metrics
+        pool = self.pool
         current = self.gen.version
         ticket = self._pending.pop(_key(prompts), None)
-        if self._local_factory is not None and not self._pool_was_ready:
-            self._pool_was_ready = self.pool.ready  # once ready, a worker that moves or restarts is not a warm-up
-        if self._local_factory is not None and not self._pool_was_ready:
+        warming = self._local_factory is not None and not self._pool_was_ready
+        if warming:
+            self._pool_was_ready = pool.ready  # once ready, a worker that moves or restarts is not a warm-up
+            warming = not self._pool_was_ready
+        if warming:
             if ticket is not None:
-                self.pool.discard(ticket)
+                pool.discard(ticket)
             result = self._generate_locally(prompts, num_generations, model_id)  # workers still starting
         else:
             if ticket is None:
                 if self.cfg.pipeline == "async":
                     metrics.add("rollout/lookahead_misses", 1)
-                ticket = self.pool.submit(prompts, num_generations, model_id=model_id, min_version=current)
+                ticket = pool.submit(prompts, num_generations, model_id=model_id, min_version=current)
             else:
                 metrics.add("rollout/lookahead_hits", 1)
             self._drop_unused()
             t0 = time.perf_counter()
-            result = self.pool.collect(ticket)
+            result = self._collect(ticket)
             waited = time.perf_counter() - t0
             metrics.add("time/wait_s", waited)
             if self.balancer is not None:
@@ -237,20 +326,25 @@ class PoolRuntime:
             metrics.add("rollout/stale_samples", len(result.completion_ids))
             if self.cfg.stale_policy == "drop":
                 metrics.add("rollout/dropped_samples", len(result.completion_ids))
-                ticket = self.pool.submit(prompts, num_generations, model_id=model_id, min_version=current)
-                result = self.pool.collect(ticket)
-        if self.cfg.pipeline == "async":
+                ticket = pool.submit(prompts, num_generations, model_id=model_id, min_version=current)
+                result = self._collect(ticket)
+        # the lookahead goes to the workers only once they can take it: submitted while they start, it would
+        # wait in their queue and be discarded when the trainer's own model answers the next batch too
+        if self.cfg.pipeline == "async" and (not warming or pool.ready):
             nxt = self._next_prompts(prompts)
             if nxt is not None:
                 every = self.generation_interval()
                 if every <= 1:
-                    self._pending[_key(nxt)] = self.pool.submit(
+                    self._pending[_key(nxt)] = pool.submit(
                         nxt, num_generations, model_id=model_id, min_version=current
                     )
                 else:  # submitted one optimizer step before it is needed: one version stale, not `every`
                     self._deferred = (nxt, num_generations, model_id, current + every - 1)
         metrics.update("rollout", {"generate_s": result.metrics.get("generate_s", 0.0)})
-        metrics.update(self.pool.stats(), gauge=True)
+        metrics.update(pool.stats(), gauge=True)
+        if pool.ready_s is not None and not self._ready_reported:
+            metrics.gauge("rollout/worker_ready_s", pool.ready_s)
+            self._ready_reported = True
         return result
 
     def generation_interval(self) -> int:
@@ -270,6 +364,8 @@ class PoolRuntime:
             return
         nxt, num_generations, model_id, _ = self._deferred
         self._deferred = None
+        if self._pool is None:  # released meanwhile
+            return
         self.gen.sync_weights()
         self._pending[_key(nxt)] = self.pool.submit(
             nxt, num_generations, model_id=model_id, min_version=self.gen.version
@@ -298,9 +394,6 @@ class PoolRuntime:
             if _key(ids) != key:
                 return [list(p) for p in ids]
         return None
-
-    def close(self) -> None:
-        self.pool.close()
 
 
 def _unwrap(model: Any) -> Any:
