@@ -29,4 +29,12 @@ def enable(trainer: Any, config: Any = None) -> Any:
     return _enable(trainer, config)
 
 
-__all__ = ["__version__", "enable"]
+def disable(trainer: Any) -> None:
+    """Switch the plugins off for ``trainer``: its rollout workers and shared memory are released now and TRL's
+    own methods put back (``train()`` releases them at its end anyway, as do garbage collection and exit)."""
+    from mrl_plugins.adapters.trl import disable as _disable
+
+    _disable(trainer)
+
+
+__all__ = ["__version__", "disable", "enable"]

@@ -164,9 +164,7 @@ def test_second_enable_stops_the_first_pool(tmp_path):
     pids, run_id = list(again.pids), again.run_id
     mrl_plugins.enable(second, _colocate())  # the same trainer again (a notebook cell run twice)
     assert all(_gone(p) for p in pids) and _shm(run_id) == []
-    from mrl_plugins.adapters.trl import disable
-
-    disable(first)
+    mrl_plugins.disable(first)
     assert first.train == original_train and getattr(first, "_mrl_state", None) is None
     assert first.use_vllm is False
 

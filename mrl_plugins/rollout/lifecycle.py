@@ -97,7 +97,7 @@ def teardown(
         clock.stop()
     for q in requests:
         try:
-            q.put_nowait(stop)
+            q.put(stop)  # unbounded (multiprocessing) or a rendezvous-store queue (remote workers): no waiting
         except Exception:  # noqa: BLE001 - closed or broken: the process is terminated below
             pass
     if remote is not None:  # let remote workers take their stop before the store goes away

@@ -256,12 +256,11 @@ class PoolRuntime:
             if self._delivered == 0 and self._local_count:
                 ready = pool.ready_s
                 log.warning(
-                    "mrl-plugins: the rollout worker%s delivered no batch in this run: %s; all %d generation%s "
+                    "mrl-plugins: the rollout workers delivered no batch in this run (%s); all %d generation%s "
                     "came from the trainer's own model (rollout.local_warmup). Worker start-up (spawn, imports, "
                     "model build) takes seconds: longer runs overlap generation with training.",
-                    "s" if pool.n > 1 else "",
                     f"ready after {ready:.1f} s, too late to serve" if ready is not None else
-                    f"not ready {time.monotonic() - pool.started_at:.1f} s after they were started",
+                    f"not ready {time.monotonic() - pool.started_at:.1f} s after the start",
                     self._local_count,
                     "" if self._local_count == 1 else "s",
                 )  # fmt: skip
