@@ -305,6 +305,10 @@ def _install_rollout(trainer: Any, state: State, device: Any, plan: tuple | None
         state.patch(trainer, "get_train_dataloader", get_train_dataloader)
     ctx.resources["rollout.runtime"] = runtime
     state.generation = gen
+    if getattr(trainer, "use_vllm", False):  # built with use_vllm=True: TRL's own engine is replaced, free it
+        from mrl_plugins.rollout.vllm_engine import release_trl_vllm
+
+        release_trl_vllm(trainer)
     state.patch(trainer, "vllm_generation", gen)
     state.patch(trainer, "use_vllm", True)
     state.patch(trainer, "vllm_mode", "mrl")

@@ -142,7 +142,11 @@ class LocalEngineRuntime:
         from mrl_plugins.weight_sync.sources import inference_copy
 
         self.model = inference_copy(_unwrap(model))  # PEFT: the merged base model, named as published
-        self.engine = engine_factory(self.model, None, params=sampling, device=str(_device_of(model)), seed=seed)
+        options = dict(ctx.config.rollout.engine_options or {})
+        self.engine = engine_factory(
+            self.model, None, params=sampling, device=str(_device_of(model)), seed=seed,
+            **({"options": options} if options else {}),
+        )  # fmt: skip
         cfg = ctx.config
         if pm.is_upstream("weight_sync"):
             ctx.resources["weight_sync.target_model"] = self.model
@@ -168,7 +172,14 @@ class LocalEngineRuntime:
             ctx=self.ctx, model_id=model_id, timeout=self.ctx.config.weight_sync.timeout_s
         )
         if staged is not None:
-            self.pm.weight_sync_switch(ctx=self.ctx, model_id=model_id)
+            report = self.pm.weight_sync_switch(ctx=self.ctx, model_id=model_id)
+            if getattr(self.engine, "applies_weights", False):  # vLLM: its own copy gets the switched version
+                self.engine.apply_weights(version=int(report.to_version) if report is not None else int(staged))
+                self.ctx.metrics.gauge("weights/engine_apply_ms", self.engine.last_apply_ms)
+        elif getattr(self.engine, "applies_weights", False) and self.receiver is None:
+            version = self.ctx.resources.get("upstream.version", 0)  # upstream sync loaded the copy in place
+            if version != self.engine.weight_version:
+                self.engine.apply_weights(version=version)
         active = self.receiver.active() if self.receiver is not None else nullcontext(self.model)
         with active:
             version = (
@@ -182,6 +193,9 @@ class LocalEngineRuntime:
         sender = self.ctx.resources.pop("weight_sync.sender", None)
         if sender is not None:
             sender.close()
+        close = getattr(self.engine, "close", None)
+        if callable(close):
+            close()
 
 
 class PoolRuntime:

@@ -44,7 +44,7 @@ from .engine import EngineOutput, SamplingParams, _check_prompts, cut_after_eos
 
 log = logging.getLogger("mrl_plugins.rollout")
 
-__all__ = ["VLLMEngine", "check_vllm_servable", "is_vllm_available", "vllm_factory"]
+__all__ = ["VLLMEngine", "check_vllm_servable", "is_vllm_available", "release_trl_vllm", "vllm_factory"]
 
 #: head sizes vLLM 0.32's CPU attention backend accepts (read from vLLM itself when it is importable)
 _CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
@@ -209,6 +209,9 @@ class VLLMEngine:
         if self.seed is not None:
             kwargs.setdefault("seed", int(self.seed))
         saved = torch.set_num_threads
+        # vLLM initialises torch.distributed (world size 1) when no process group exists; close() takes down only
+        # one it created, never the trainer's (accelerate's, or the one TRL's own vLLM made)
+        self._owns_process_group = not (torch.distributed.is_available() and torch.distributed.is_initialized())
         import vllm
 
         t0 = time.perf_counter()
@@ -310,7 +313,8 @@ class VLLMEngine:
                 from vllm.distributed.parallel_state import destroy_distributed_environment, destroy_model_parallel
 
                 destroy_model_parallel()
-                destroy_distributed_environment()
+                if getattr(self, "_owns_process_group", False):
+                    destroy_distributed_environment()
             except Exception:  # noqa: BLE001
                 pass
         if self._tmpdir is not None:
@@ -329,3 +333,34 @@ def vllm_factory(
 ) -> VLLMEngine:
     """Registered factory of ``rollout.engine: vllm``; ``options`` are ``rollout.engine_options``."""
     return VLLMEngine(model, tokenizer, device=device, params=params, seed=seed, llm_kwargs=options)
+
+
+def release_trl_vllm(trainer: Any) -> bool:
+    """Shut down the ``vllm.LLM`` that TRL built for a trainer made with ``use_vllm=True, vllm_mode="colocate"``.
+
+    ``enable()`` replaces ``trainer.vllm_generation`` (generation and weight sync); TRL's own engine would otherwise
+    keep its weights and KV cache in memory for nothing, and a second vLLM in the same process inherits its
+    settings. vLLM's model-parallel groups go with it; the default process group (accelerate's in a multi-rank run)
+    stays. Server mode holds no engine here (TRL's client is simply no longer called). Returns whether one was
+    released."""
+    import gc
+
+    gen = getattr(trainer, "vllm_generation", None)
+    llm = getattr(gen, "llm", None) if gen is not None else None
+    if llm is None:
+        return False
+    try:
+        llm.llm_engine.engine_core.shutdown()
+    except Exception:  # noqa: BLE001 - best effort, the engine is dropped either way
+        pass
+    gen.llm = None
+    del llm
+    try:
+        from vllm.distributed.parallel_state import destroy_model_parallel
+
+        destroy_model_parallel()
+    except Exception:  # noqa: BLE001
+        pass
+    gc.collect()
+    log.info("released TRL's own vLLM engine (use_vllm=True, colocate): the mrl rollout stage replaces it")
+    return True
