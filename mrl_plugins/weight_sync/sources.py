@@ -75,8 +75,15 @@ def inference_copy(model: Any) -> Any:
 
     PEFT: the copy is the merged base model (``merge_and_unload``), whose parameter names are the ones
     ``iter_trainer_weights(mode="merge")`` publishes, so every later version lands by name.
+
+    Forward methods patched onto module instances are dropped, so every module of the copy runs its class's
+    forward: such patches close over the *original* module (TRL 1.16's fused LM head keeps the original
+    ``model.forward`` in a closure, its fp32 LM-head cast likewise), which a deep copy does not rebind, so the copy
+    would silently run the trainer's model (in train mode under gradient checkpointing: no KV cache, wrong logprobs).
     """
     out = copy.deepcopy(model)
+    for module in out.modules():
+        module.__dict__.pop("forward", None)
     if is_peft(out):
         out = out.merge_and_unload()
     out.eval()
