@@ -86,7 +86,19 @@ class RolloutConfig:
         default=None, metadata={"help": "CPU cores for the trainer (None: the rest)"}
     )
     memory_headroom: float = field(
-        default=0.2, metadata={"help": "memory reservation = profiled peak x (1 + headroom)"}
+        default=0.2,
+        metadata={
+            "help": "NPU/CUDA rollout workers (transformers engine): after the first generation the worker caps its "
+            "allocator at the measured peak x (1 + headroom) of the device (CPU: measured and reported only)"
+        },
+    )
+    engine_budget: dict = field(
+        default_factory=dict,
+        metadata={
+            "help": "device part of every rollout worker's compute budget: npu_cube_cores, npu_vector_cores "
+            "(torch_npu set_stream_limit/set_device_limit) and stream_priority (high|normal|low; generation runs on "
+            "that stream, a hardware priority on CUDA); the cores and threads come from the placement"
+        },
     )
     timeout_s: float = field(default=120.0, metadata={"help": "max seconds to wait for a worker's batch or reply"})
     start_timeout_s: float = field(
@@ -171,6 +183,14 @@ class RolloutConfig:
             raise ConfigError(
                 f"rollout.colocated_workers: {self.colocated_workers} exceeds rollout.workers ({self.workers})"
             )
+        if not isinstance(self.engine_budget, dict) or {"cores", "threads"} & set(self.engine_budget):
+            raise ConfigError(
+                "rollout.engine_budget: a mapping of npu_cube_cores, npu_vector_cores, stream_priority (cores and "
+                "threads come from rollout.engine_cores / engine_threads)"
+            )
+        from mrl_plugins.device.budget import ComputeBudget
+
+        ComputeBudget.from_dict({f"{k}": v for k, v in self.engine_budget.items()})  # unknown keys/values refused
         if not 0 <= self.memory_headroom <= 4:
             raise ConfigError(f"rollout.memory_headroom: must be in [0, 4], got {self.memory_headroom}")
         for key in ("timeout_s", "start_timeout_s"):

@@ -38,7 +38,7 @@ from mrl_plugins.errors import MrlError, StageTimeoutError
 from mrl_plugins.hookspecs import RolloutResult, StageContext
 
 from .lifecycle import ReadyClock, finalizer, release, spawn_quiet
-from .worker import REQ_STOP, REQ_WEIGHTS, ServedModel, WorkerSpec, worker_main
+from .worker import REQ_STOP, REQ_WEIGHTS, ServedModel, WorkerSpec, budget_metrics, worker_main
 
 log = logging.getLogger("mrl_plugins.rollout")
 
@@ -161,6 +161,7 @@ class WorkerPool:
         self._switching: dict[str, tuple[int, float]] = {}  # model_id -> (version, deadline)
         self._moving: dict[int, tuple[float, float, dict]] = {}  # worker -> (deadline, timeout, placement)
         self._restarts = 0
+        self.budgets: dict[int, dict] = {}  # worker -> {"budget": AppliedBudget.as_dict(), "memory": {...}}
         self._closed = False
         self._ws_name = ws_name
         collective = ws_name in COLLECTIVE_WEIGHTS
@@ -427,6 +428,8 @@ class WorkerPool:
                     break
                 if kind == "switched":
                     self._versions[(w, mid)] = max(version, self._versions.get((w, mid), -1))
+                elif kind in ("budget", "memory"):  # what the worker applied at start / reserved at its first batch
+                    self.budgets.setdefault(w, {})[kind] = version
         now = time.monotonic()
         for mid, (version, deadline) in list(self._switching.items()):
             active = [w for w in range(self.n) if w not in self._draining]
@@ -591,6 +594,7 @@ class WorkerPool:
         )
 
     def stats(self) -> dict[str, float]:
+        self._drain_events()  # budgets and memory reservations the workers reported since the last call
         out = {}
         for name, obj in (("comm", self.consumer), ("weights", self.sender)):
             st = getattr(obj, "stats", None)
@@ -599,6 +603,7 @@ class WorkerPool:
         for mid, st in self.scheduler.stats().items():
             for key in ("queue_depth", "wait_p50_ms", "wait_p99_ms", "throttled"):
                 out[f"rollout/sched/{mid}/{key}"] = float(st[key])
+        out.update(budget_metrics(self.budgets))
         return out
 
     def close(self, timeout: float | None = None) -> None:

@@ -13,6 +13,7 @@ The trainer side is :class:`~mrl_plugins.rollout.pool.WorkerPool`.
 from __future__ import annotations
 
 import itertools
+import json
 import logging
 import os
 import queue
@@ -90,15 +91,17 @@ def worker_main(
 
         from mrl_plugins.manager import get_plugin_manager
 
-        if spec.cores:
-            os.sched_setaffinity(0, spec.cores)
-        if spec.device == "auto":  # a remote worker: this host's accelerator
-            from mrl_plugins.device import get_device
-
-            spec.device = str(get_device("auto").torch_device)
-        torch.set_num_threads(spec.threads)
+        device, applied = apply_worker_budget(spec)
+        if events is not None:
+            events.put(("budget", spec.index, "", applied.as_dict() | {"pid": os.getpid()}))
         pm = get_plugin_manager(spec.config)
         ctx = StageContext(config=spec.config)
+        timeline_dir = os.environ.get("MRL_TIMELINE_DIR")
+        timeline = (
+            open(os.path.join(timeline_dir, f"worker-{spec.index}-{os.getpid()}.jsonl"), "a", encoding="utf-8")  # noqa: SIM115
+            if timeline_dir
+            else None
+        )
         receivers: dict[str, Any] = {}
         engines: dict[str, Any] = {}
         for mid, served in spec.models.items():
@@ -121,6 +124,7 @@ def worker_main(
             engines[mid] = build_engine(spec, model)
         ctx.resources["weight_sync.receiver"] = receivers
         ctx.resources["comm.producer"] = spec.comm_handle.attach()
+        reserve = _memory_reservation(spec, device, engines.get("policy"), events)
         if ready is not None:
             ready.set()  # models built, weights and experience paths attached
         timeout = spec.config.rollout.timeout_s
@@ -181,10 +185,19 @@ def worker_main(
             deadline = time.monotonic() + timeout
             await_version(model_id, min_version, deadline)
             t0 = time.perf_counter()
-            with receiver.active():
+            with receiver.active(), device.stream_context(applied.stream):
                 version = receiver.version
-                out = engine.generate(prompts, num_generations)
+                if reserve is not None:  # first generation: cap the allocator at its measured peak + headroom
+                    out = reserve(engine.generate, prompts, num_generations)
+                    reserve = None
+                else:
+                    out = engine.generate(prompts, num_generations)
             gen_s = time.perf_counter() - t0
+            if timeline is not None:  # MRL_TIMELINE_DIR (mrl compare's time plot): this generation's interval
+                end = time.monotonic()
+                timeline.write(json.dumps({"worker": spec.index, "kind": "generate", "t0": end - gen_s, "t1": end}))
+                timeline.write("\n")
+                timeline.flush()
             lengths = torch.tensor([len(c) for c in out.completion_ids], dtype=torch.int64)
             flat_ids = torch.tensor(list(itertools.chain.from_iterable(out.completion_ids)), dtype=torch.int64)
             flat_lp = torch.tensor(list(itertools.chain.from_iterable(out.logprobs)), dtype=torch.float32)
@@ -211,10 +224,67 @@ def worker_main(
             pass
         raise SystemExit(3) from None
     finally:
+        if locals().get("timeline") is not None:
+            locals()["timeline"].close()
         for engine in locals().get("engines", {}).values():
             close = getattr(engine, "close", None)
             if callable(close):
                 close()
+
+
+def apply_worker_budget(spec: WorkerSpec) -> tuple[Any, Any]:
+    """Apply the worker's compute budget through the device layer, before any engine is built (vLLM's in-process
+    engine core and its OpenMP threads inherit it): CPU affinity and torch threads from the placement; on NPU
+    ``rollout.engine_budget``'s cube/vector core limits (torch_npu ``set_stream_limit``/``set_device_limit``); a
+    stream of ``stream_priority`` that generation runs on. Returns ``(device, AppliedBudget)``."""
+    from mrl_plugins.device import ComputeBudget, apply_compute_budget, get_device
+
+    if spec.device == "auto":  # a remote worker: this host's accelerator
+        spec.device = str(get_device("auto").torch_device)
+    device = get_device(spec.device)
+    extra = dict(getattr(spec.config.rollout, "engine_budget", None) or {})
+    budget = ComputeBudget(cores=list(spec.cores) if spec.cores else None, threads=spec.threads, **extra)
+    applied = apply_compute_budget(budget, device)
+    if spec.cores and device.type == "cpu":
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", ",".join(map(str, spec.cores)))
+    return device, applied
+
+
+def _memory_reservation(spec: WorkerSpec, device: Any, engine: Any, events: Any) -> Any:
+    """``fn -> result``: run the first generation under a peak measurement and cap this worker's allocator at
+    peak x (1 + ``rollout.memory_headroom``) (NPU/CUDA; CPU: recorded only); reported as a ``memory`` event.
+    None for engines that size their own memory pool (vLLM: ``gpu_memory_utilization``)."""
+    if engine is None or getattr(engine, "applies_weights", False):
+        return None
+    headroom = float(spec.config.rollout.memory_headroom)
+
+    def run(fn: Any, *args: Any) -> Any:
+        from mrl_plugins.device.memory import measure_peak, reserve_memory
+
+        result, profile = measure_peak(lambda: fn(*args), device)
+        fraction = None
+        if device.type != "cpu" and profile.peak_bytes > 0:
+            fraction = reserve_memory(device, profile.peak_bytes, headroom)
+        if events is not None:
+            events.put(("memory", spec.index, "", {"peak_bytes": profile.peak_bytes, "fraction": fraction}))
+        return result
+
+    return run
+
+
+def budget_metrics(budgets: dict[int, dict]) -> dict[str, float]:
+    """``rollout/budget_*`` gauges from what the workers reported: per worker ``w``, its cores, threads, NPU core
+    limits (cube, vector; -1: none set) and reserved memory fraction (0: none)."""
+    out: dict[str, float] = {}
+    for w, got in sorted(budgets.items()):
+        b, mem = got.get("budget") or {}, got.get("memory") or {}
+        out[f"rollout/budget_cores/{w}"] = float(len(b.get("cores") or []))
+        out[f"rollout/budget_threads/{w}"] = float(b.get("threads") or 0)
+        cube, vector = b.get("npu_stream_limit") or b.get("npu_device_limit") or (-1, -1)  # (cube, vector) set
+        out[f"rollout/budget_npu_cube_cores/{w}"] = float(cube)
+        out[f"rollout/budget_npu_vector_cores/{w}"] = float(vector)
+        out[f"rollout/budget_memory_fraction/{w}"] = float(mem.get("fraction") or 0.0)
+    return out
 
 
 def build_engine(spec: WorkerSpec, model: Any) -> Any:
@@ -241,4 +311,13 @@ def _pull_weights(pm: Any, ctx: StageContext, model_id: str, timeout: float) -> 
     return int(report.to_version) if report is not None else int(staged)
 
 
-__all__ = ["REQ_STOP", "REQ_WEIGHTS", "ServedModel", "WorkerSpec", "build_engine", "worker_main"]
+__all__ = [
+    "REQ_STOP",
+    "REQ_WEIGHTS",
+    "ServedModel",
+    "WorkerSpec",
+    "apply_worker_budget",
+    "budget_metrics",
+    "build_engine",
+    "worker_main",
+]
