@@ -72,7 +72,7 @@ def test_bench_without_a_name_is_a_usage_error():
         proc = subprocess.run(
             [sys.executable, "-m", "mrl_plugins.cli.main", *args], capture_output=True, text=True, timeout=120
         )
-        assert proc.returncode == 2 and "valid: comm, rollout, weights" in proc.stderr
+        assert proc.returncode == 2 and "valid: comm, engine, rollout, weights" in proc.stderr
 
 
 def _options(help_text: str) -> set[str]:

@@ -296,3 +296,38 @@ def test_a_trainer_built_with_use_vllm_trains_with_the_plugin(tmp_path, workers,
     # measured ~2e-3 both ways (vs < 1e-4 for a trainer built without use_vllm; the same engine after TRL's engine
     # matches teacher forcing to 2.4e-7 outside training): small next to what a missed weight sync gives (> 0.1)
     assert len(diffs) == 3 and max(diffs) < 1e-2
+
+
+@require_vllm
+@pytest.mark.slow
+def test_bench_engine_reports_both_engines_and_the_ratio_keys(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    out = tmp_path / "engine.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "mrl_plugins.cli.main", "bench", "engine", "--quick", "--model", "tiny", "--json",
+         str(out)], capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert set(res["engines"]) == {"transformers", "vllm"}
+    for e in res["engines"].values():
+        assert e["tokens_per_s"]["n"] == 2 and e["tokens_per_s"]["median"] > 0 and e["startup_s"] >= 0
+        assert e["idle_cpu_share"]["max"] < 0.5  # no busy-polling engine core next to the trainer
+    assert set(res["ratios"]) == {
+        "vllm_vs_transformers_tokens_per_s", "vllm_vs_transformers_cpu_per_token", "vllm_switch_ms",
+    }  # fmt: skip
+    assert "vllm_vs_transformers_tokens_per_s" in proc.stdout and "host load" in proc.stdout
+
+
+def test_bench_engine_bad_cores_is_one_clear_error():
+    import subprocess
+    import sys
+
+    proc = subprocess.run(
+        [sys.executable, "-m", "mrl_plugins.cli.main", "bench", "engine", "--cores", "99"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 2 and "--cores: [99] not among this process's cores" in proc.stderr, proc.stderr

@@ -71,6 +71,10 @@ def _cores(spec: str) -> list[int]:
 
 def _engine_main(name: str, opts: dict, conn: Any) -> None:
     """Child process: build the engine, then answer ``gen`` / ``apply`` / ``idle`` / ``stop`` from the parent."""
+    import warnings
+
+    warnings.simplefilter("ignore", FutureWarning)  # third-party deprecation noise (vLLM, transformers) in the report
+    warnings.simplefilter("ignore", DeprecationWarning)
     try:
         os.sched_setaffinity(0, opts["cores"])
         import torch

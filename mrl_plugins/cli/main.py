@@ -13,11 +13,13 @@ BENCHES: dict[str, str] = {
     "comm": "mrl_plugins.comm.bench",
     "weights": "mrl_plugins.weight_sync.bench",
     "rollout": "mrl_plugins.rollout.bench_grpo",
+    "engine": "mrl_plugins.bench.engine",
 }
 BENCH_HELP: dict[str, str] = {
     "comm": "experience batches between two processes through three paths",
     "weights": "weight-sync bandwidth against the per-parameter baseline and memcpy",
     "rollout": "colocated inference latency with/without core binding; GRPO steps/s, async workers vs TRL",
+    "engine": "transformers vs vLLM rollout engines on the same cores: tokens/s, CPU per token, start-up, apply ms",
 }
 
 
@@ -177,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("doctor", help="pre-run checks / post-run triage", add_help=False)
     sub.add_parser("plan", help="bandwidth budget per path", add_help=False)
     sub.add_parser("worker", help="run a rollout worker for a trainer on another host", add_help=False)
-    sub.add_parser("bench", help="benchmarks: comm, weights, rollout", add_help=False)
+    sub.add_parser("bench", help="benchmarks: comm, weights, rollout, engine", add_help=False)
     if not argv or argv[0] in ("-h", "--help"):
         parser.print_help()
         return 0
