@@ -197,6 +197,11 @@ def _check_rollout(trainer: Any, cfg: Any, pm: Any, kind: str) -> None:
             _check_engine_logps(trainer, kind)
         if cfg.rollout.ref_logps == "engine":
             _check_engine_ref_logps(trainer, cfg)
+        if cfg.rollout.engine == "vllm":  # installed, and a model vLLM serves on this device (head_dim, arch)
+            from mrl_plugins.rollout.vllm_engine import check_vllm_servable
+
+            model = trainer.accelerator.unwrap_model(trainer.model)
+            check_vllm_servable(getattr(model, "config", None), trainer.accelerator.device.type, type(model).__name__)
         if cfg.rollout.remote_workers and trainer.accelerator.num_processes > 1:
             raise ConfigError(
                 f"rollout.remote_workers: remote workers serve a single training process; got "
