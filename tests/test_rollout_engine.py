@@ -55,16 +55,53 @@ def test_logprobs_match_teacher_forcing(tiny, temperature):
     assert checked > 9
 
 
-def test_logprobs_match_processed_distribution_with_top_k_top_p(tiny):
-    """With top-k/top-p on, logprobs are those of the renormalised (processed) distribution, as vLLM reports."""
+FILTERS = {
+    "top_k": {"top_k": 5},
+    "top_p": {"top_p": 0.7},
+    "min_p": {"min_p": 0.2},
+    "repetition_penalty": {"repetition_penalty": 3.0},
+    "combined": {"top_k": 10, "top_p": 0.9, "min_p": 0.01, "repetition_penalty": 1.1},
+}
+
+
+@pytest.mark.parametrize("kwargs", list(FILTERS.values()), ids=list(FILTERS))
+def test_with_filters_logprobs_are_the_trainers_temperature_only_ones(tiny, kwargs):
+    """With a sampling filter on, the engine still samples from the filtered distribution but reports TRL's
+    trainer-side logprob, log_softmax(logits / T) (else TRL's IS correction would shrink or mask every sequence)."""
     model, tok = tiny
-    params = SamplingParams(max_new_tokens=10, temperature=0.8, top_k=5, top_p=0.9)
-    eng = TransformersEngine(model, tok, params=params, seed=2)
-    out = eng.generate(PROMPTS, num_generations=2)
+    params = SamplingParams(max_new_tokens=10, temperature=0.8, **kwargs)
+    assert params.filters() == [k for k in ("top_k", "top_p", "min_p", "repetition_penalty") if k in kwargs]
+    out = TransformersEngine(model, tok, params=params, seed=2).generate(PROMPTS, num_generations=3)
+    plain = TransformersEngine(model, tok, params=SamplingParams(max_new_tokens=10, temperature=0.8), seed=2)
+    unfiltered = plain.generate(PROMPTS, num_generations=3)
+    assert out.completion_ids != unfiltered.completion_ids  # same seed: the filter changed what was sampled
+    shaped = 0.0
     for p, c, lp in zip(out.prompt_ids, out.completion_ids, out.logprobs):
-        ref = teacher_forced(model, p, c, 0.8, params)
-        assert torch.isfinite(ref).all()
-        assert (ref - torch.tensor(lp)).abs().max().item() < 1e-4
+        assert (teacher_forced(model, p, c, 0.8) - torch.tensor(lp)).abs().max().item() < 1e-4
+        if "repetition_penalty" not in kwargs:
+            processed = teacher_forced(model, p, c, 0.8, params)  # the filtered distribution (no seen-mask needed)
+            assert torch.isfinite(processed).all()  # every sampled token was inside the filter
+            shaped = max(shaped, (processed - torch.tensor(lp)).abs().max().item())
+    if "repetition_penalty" not in kwargs:
+        assert shaped > 1e-2  # the filtered distribution's logprobs are a different number
+
+
+def test_teacher_forced_logps_in_chunks_equal_one_sequence_at_a_time(tiny, monkeypatch):
+    import mrl_plugins.rollout.engine as engine_mod
+
+    model, tok = tiny
+    prompts = [[3, 4, 5], [6], [7, 8, 9, 10, 11], [12, 13]]
+    completions = [[5, 6, 7, 1], [8], [], [9, 9, 9, 9, 9, 9]]
+    whole = engine_mod.teacher_forced_logps(model, prompts, completions, temperature=0.7, pad_id=tok.pad_token_id)
+    vocab = model.get_output_embeddings().weight.shape[0]
+    monkeypatch.setattr(engine_mod, "_SCORE_CHUNK_FLOATS", 7 * vocab)  # one row per forward pass
+    chunked = engine_mod.teacher_forced_logps(model, prompts, completions, temperature=0.7, pad_id=tok.pad_token_id)
+    assert [len(x) for x in whole] == [len(c) for c in completions] == [len(x) for x in chunked]
+    for p, c, a, b in zip(prompts, completions, whole, chunked):
+        if c:
+            want = teacher_forced(model, p, c, 0.7).tolist()
+            assert a == pytest.approx(want, abs=1e-5) and b == pytest.approx(want, abs=1e-5)
+    assert model.training is False
 
 
 def test_eos_cut_and_eos_kept(tiny):

@@ -149,6 +149,41 @@ def test_eos_cut_and_temperature(engine):
 
 
 @require_vllm
+def test_with_filters_logprobs_are_the_trainers_temperature_only_ones(engine):
+    """vLLM samples with the filters, but its processed logprobs are the filtered distribution's: the engine
+    reports the trainer's log_softmax(logits / T) (a teacher-forced pass of its HF model, same weights)."""
+    eng, model = engine
+    sp = eng.params
+    saved = (sp.temperature, sp.top_k, sp.top_p, sp.min_p, sp.repetition_penalty)
+    try:
+        eng.params.temperature, eng.params.top_k, eng.params.top_p = 0.8, 10, 0.9
+        eng.params.min_p, eng.params.repetition_penalty = 0.01, 1.1
+        assert max_logprob_error(model, eng.generate(PROMPTS, 3), temperature=0.8) <= 1e-4
+        eng.params.top_p, eng.params.min_p, eng.params.repetition_penalty, eng.params.top_k = 1.0, None, 1.0, 3
+        out = eng.generate(PROMPTS, 3)
+        assert max_logprob_error(model, out, temperature=0.8) <= 1e-4
+        processed_gap = 0.0
+        for p, c in zip(out.prompt_ids, out.completion_ids, strict=True):
+            with torch.no_grad():
+                logits = model(torch.tensor([p + c])).logits[0, len(p) - 1 : -1].float()
+            top3 = torch.topk(logits, 3).indices
+            assert all(t in row.tolist() for t, row in zip(c, top3, strict=True))  # vLLM applied top_k
+            kept = logits.masked_fill(logits < logits.gather(1, top3[:, 2:]), float("-inf"))  # top_k=3 applied
+            processed = torch.log_softmax(kept / 0.8, -1).gather(1, torch.tensor(c)[:, None]).squeeze(1)
+            processed_gap = max(processed_gap, (processed - teacher_forced(model, p, c, 0.8)).abs().max().item())
+        assert processed_gap > 1e-2  # what vLLM's processed_logprobs would have reported is another number
+        model_ref, eng.model = eng.model, None
+        try:
+            with pytest.raises(ConfigError, match="sampling with top_k needs the engine built from the Hugging Face"):
+                eng.generate(PROMPTS, 1)
+        finally:
+            eng.model = model_ref
+    finally:
+        eng.params.temperature, eng.params.top_k, eng.params.top_p, eng.params.min_p = saved[:4]
+        eng.params.repetition_penalty = saved[4]
+
+
+@require_vllm
 def test_copies_of_a_prompt_get_different_completions(engine):
     """TRL repeats each prompt num_generations times: a shared seed would make the copies identical (zero GRPO
     advantages, nothing learned)."""
@@ -237,6 +272,24 @@ def test_in_process_vllm_engine_generates_with_every_synced_version(tmp_path, ki
     if kind == "grpo":  # TRL's own check (GRPO logs it): vLLM's logprobs vs the trainer's under the trained weights
         diffs = _history(trainer, "sampling/sampling_logp_difference/max")
         assert len(diffs) == 3 and max(diffs) < 1e-4
+
+
+@require_vllm
+@pytest.mark.slow
+def test_in_process_vllm_with_filters_gives_is_ratios_of_one(tmp_path):
+    """GRPO with top-p/top-k/min-p/repetition penalty through vLLM (workers: 0): TRL's IS correction compares
+    the engine's logprobs with its own; they are the same definition, so no sequence is down-weighted or masked."""
+    import mrl_plugins
+
+    filters = {"top_p": 0.9, "top_k": 10, "min_p": 0.01, "repetition_penalty": 1.1}
+    trainer = _trainer(tmp_path, "grpo", steps=3, learning_rate=0.1, trl_args=filters)
+    before = trainer.model.model.embed_tokens.weight.detach().clone()
+    mrl_plugins.enable(trainer, {"rollout": {"workers": 0, "engine": "vllm"}})
+    trainer.train()
+    assert not torch.equal(before, trainer.model.model.embed_tokens.weight.detach())
+    lo = _history(trainer, "sampling/importance_sampling_ratio/min")
+    hi = _history(trainer, "sampling/importance_sampling_ratio/max")
+    assert len(lo) == 3 and min(lo) > 0.999 and max(hi) < 1.001, (lo, hi)
 
 
 def _learn(engine: str, tmp_path, steps: int = 60):

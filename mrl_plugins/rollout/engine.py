@@ -4,15 +4,24 @@ Two backends, both registered by :func:`engine_registrations`:
 
 * :class:`TransformersEngine` -- a KV-cache decode loop over any Hugging Face causal LM. It samples from the
   *processed* distribution (repetition penalty -> temperature -> top-k -> top-p -> min-p, the order and the
-  semantics of Hugging Face ``generate``, which TRL's transformers path uses) and returns, for every sampled token,
-  its log-probability under that distribution (vLLM's ``processed_logprobs``). With top-k/top-p/min-p off and no
-  repetition penalty that equals TRL's teacher-forced ``log_softmax(logits / temperature)``.
+  semantics of Hugging Face ``generate``, which TRL's transformers path uses).
   The loop is our own rather than ``model.generate``: it takes a private ``torch.Generator`` (``seed`` makes runs
   reproducible without touching the global RNG) and skips ``generate``'s per-step bookkeeping. Measured on 2 shared
   vCPUs, 1 thread, medians of 7: ``tiny`` 4 sequences x 16 tokens 32 ms vs 51 ms for ``generate`` with
   ``output_scores``; ``small`` 16 x 48 tokens 665 ms vs 721 ms (there the matmuls dominate).
 * :class:`~mrl_plugins.rollout.vllm_engine.VLLMEngine` (module ``vllm_engine``) -- a ``vllm.LLM`` built from
   the policy it is handed, weights applied through vLLM's layerwise reload.
+
+**Logprobs contract (both engines).** For every sampled token the engines report the log-probability TRL's
+trainer computes for it, ``log_softmax(logits / temperature)`` (temperature only, no filters), also when a
+sampling filter is active (top-k, top-p, min-p, or a repetition penalty, which counts as a filter: see
+:meth:`SamplingParams.filters`). TRL's importance-sampling correction (``vllm_importance_sampling_mode``, default
+``sequence_mask``, ratios above ``vllm_importance_sampling_clip_max`` = 3 masked) compares these with the
+trainer's own recomputation, so it corrects for staleness (the sampling version against the trainer's) only.
+The filtered distribution's logprobs would make every ratio ``exp(sum(trainer - filtered))`` an artefact of the
+filter: renormalising over the kept tokens lowers the ratios (measured on the tiny preset, first step, weights not
+yet changed: 0.009 to 0.7 instead of 1), a repetition penalty raises them (a penalised token sampled anyway) up
+to masking, whatever the staleness. Without filters the two definitions are the same number.
 
 Outputs are ordered prompt-major (prompt 0 generation 0..N-1, prompt 1 ...), completions are cut after the first
 EOS (the EOS is kept, as TRL does).
@@ -33,7 +42,9 @@ __all__ = [
     "SamplingParams",
     "TransformersEngine",
     "engine_registrations",
+    "inference_mode",
     "process_logits",
+    "teacher_forced_logps",
 ]
 
 #: keys of TRL's ``generation_kwargs`` that map onto :class:`SamplingParams` fields
@@ -69,6 +80,18 @@ class SamplingParams:
     pad_token_id: int | None = field(
         default=None, metadata={"help": "id used to left-pad prompts (None: first EOS or 0)"}
     )
+
+    def filters(self) -> list[str]:
+        """Names of the active sampling filters (top_k, top_p, min_p, repetition_penalty); empty when sampling is
+        temperature-only. With any of them on, the sampling distribution is not the trainer's
+        ``log_softmax(logits / temperature)``; the engines still report the latter (see the module docstring)."""
+        active = {
+            "top_k": bool(self.top_k),
+            "top_p": self.top_p != 1.0,
+            "min_p": bool(self.min_p),
+            "repetition_penalty": self.repetition_penalty != 1.0,
+        }
+        return [name for name, on in active.items() if on]
 
     def validate(self) -> None:
         """Raise ConfigError naming the first invalid field and its allowed range."""
@@ -193,6 +216,77 @@ def process_logits(scores: Any, params: SamplingParams, seen: Any = None) -> Any
     return scores
 
 
+@contextmanager
+def inference_mode(model: Any) -> Iterator[None]:
+    """Eval mode and ``torch.inference_mode`` for one call; a model shared with a trainer (which may have put it
+    back in train mode) gets its mode back afterwards."""
+    import torch
+
+    was_training = model.training
+    if was_training:
+        model.eval()
+    try:
+        with torch.inference_mode():
+            yield
+    finally:
+        if was_training:
+            model.train()
+
+
+#: fp32 logits one teacher-forced chunk may hold (rows x kept positions x vocab): 1 GiB
+_SCORE_CHUNK_FLOATS = 1 << 28
+
+
+def teacher_forced_logps(
+    model: Any,
+    prompts: Sequence[Sequence[int]],
+    completions: Sequence[Sequence[int]],
+    *,
+    temperature: float,
+    pad_id: int,
+) -> list[list[float]]:
+    """``log_softmax(logits / temperature)`` of ``completions[i]`` after ``prompts[i]`` under ``model``, per token.
+
+    What TRL's trainer computes for its old/reference log-probabilities: temperature only, no top-p/top-k/min-p
+    or repetition penalty. Sequences are left-padded to one width with explicit position ids (as the sampling
+    loop feeds them) and only the last ``max(len(completion)) + 1`` positions' logits are computed, in row chunks
+    of at most ``_SCORE_CHUNK_FLOATS`` fp32 logits. Runs under :func:`inference_mode`; the model's device is its
+    parameters'.
+    """
+    import torch
+
+    if len(prompts) != len(completions):
+        raise ConfigError(f"score: {len(prompts)} prompts for {len(completions)} completions")
+    out: list[list[float]] = [[] for _ in completions]
+    todo = [i for i, c in enumerate(completions) if len(c)]
+    if not todo:
+        return out
+    dev = next(model.parameters()).device
+    vocab = int(model.get_output_embeddings().weight.shape[0])
+    rows = max(1, _SCORE_CHUNK_FLOATS // ((max(len(completions[i]) for i in todo) + 1) * vocab))
+    with inference_mode(model):
+        for start in range(0, len(todo), rows):
+            chunk = todo[start : start + rows]
+            seqs = [list(prompts[i]) + list(completions[i]) for i in chunk]
+            keep = max(len(completions[i]) for i in chunk) + 1  # <= width: every prompt has a token
+            width = max(len(s) for s in seqs)
+            ids = torch.full((len(seqs), width), int(pad_id), dtype=torch.long, device=dev)
+            mask = torch.zeros((len(seqs), width), dtype=torch.long, device=dev)
+            for r, s in enumerate(seqs):
+                ids[r, width - len(s) :] = torch.tensor(s, dtype=torch.long)
+                mask[r, width - len(s) :] = 1
+            position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
+            logits = model(
+                input_ids=ids, attention_mask=mask, position_ids=position_ids, use_cache=False, logits_to_keep=keep
+            ).logits  # [rows, keep, V]: position width - keep + j predicts token width - keep + j + 1
+            for r, i in enumerate(chunk):
+                n = len(completions[i])
+                picked = logits[r, keep - 1 - n : keep - 1].float()
+                target = torch.tensor(list(completions[i]), dtype=torch.long, device=dev).unsqueeze(1)
+                out[i] = torch.log_softmax(picked / temperature, dim=-1).gather(1, target).squeeze(1).tolist()
+    return out
+
+
 def cut_after_eos(tokens: Sequence[int], eos: Iterable[int]) -> int:
     """Length of ``tokens`` up to and including the first EOS (the whole length when there is none)."""
     eos_set = set(eos)
@@ -213,7 +307,9 @@ def _check_prompts(prompts: Any, num_generations: int) -> None:
 
 
 class TransformersEngine:
-    """KV-cache sampling loop over a Hugging Face causal LM, returning processed sampling logprobs.
+    """KV-cache sampling loop over a Hugging Face causal LM; samples from the processed (filtered) distribution and
+    returns, per sampled token, the trainer's temperature-only ``log_softmax(logits / temperature)`` (computed in
+    the same loop from the raw logits; see the module docstring).
 
     :param model: a ``transformers`` causal LM (``model(input_ids, attention_mask, position_ids,
         past_key_values, use_cache=True)``); put in eval mode and moved to ``device``.
@@ -299,53 +395,19 @@ class TransformersEngine:
 
     @contextmanager
     def _inference(self) -> Iterator[None]:
-        """Eval mode and ``torch.inference_mode`` for one call; a model shared with a trainer (which may have put
-        it back in train mode) gets its mode back afterwards."""
-        import torch
-
-        was_training = self.model.training
-        if was_training:
-            self.model.eval()
-        try:
-            with torch.inference_mode():
-                yield
-        finally:
-            if was_training:
-                self.model.train()
+        """:func:`inference_mode` on this engine's model."""
+        with inference_mode(self.model):
+            yield
 
     def score(self, prompts: list[list[int]], completions: list[list[int]]) -> list[list[float]]:
         """Teacher-forced log-probabilities of ``completions[i]`` after ``prompts[i]`` under this engine's model.
 
         ``log_softmax(logits / temperature)`` at every completion token, as TRL computes its reference
-        log-probabilities (temperature only: no top-p/top-k/min-p shaping). One right-padded forward pass.
+        log-probabilities (temperature only: no top-p/top-k/min-p shaping); :func:`teacher_forced_logps`.
         """
-        import torch
-
-        if len(prompts) != len(completions):
-            raise ConfigError(f"score: {len(prompts)} prompts for {len(completions)} completions")
-        seqs = [list(p) + list(c) for p, c in zip(prompts, completions)]
-        if not seqs:
-            return []
-        dev, width = self.device, max(len(s) for s in seqs)
-        ids = torch.full((len(seqs), width), self.params.resolved_pad(), dtype=torch.long, device=dev)
-        mask = torch.zeros((len(seqs), width), dtype=torch.long, device=dev)
-        rows, cols, targets = [], [], []
-        for i, (p, c) in enumerate(zip(prompts, completions)):
-            ids[i, : len(seqs[i])] = torch.tensor(seqs[i], dtype=torch.long)
-            mask[i, : len(seqs[i])] = 1
-            rows += [i] * len(c)
-            cols += range(len(p) - 1, len(p) + len(c) - 1)  # the logits at t predict token t + 1
-            targets += c
-        with self._inference():
-            logits = self.model(input_ids=ids, attention_mask=mask, use_cache=False).logits
-            picked = logits[torch.tensor(rows, device=dev), torch.tensor(cols, device=dev)].float()
-            logps = torch.log_softmax(picked / self.params.temperature, dim=-1)
-            flat = logps.gather(1, torch.tensor(targets, device=dev).unsqueeze(1)).squeeze(1).tolist()
-        out, off = [], 0
-        for c in completions:
-            out.append(flat[off : off + len(c)])
-            off += len(c)
-        return out
+        return teacher_forced_logps(
+            self.model, prompts, completions, temperature=self.params.temperature, pad_id=self.params.resolved_pad()
+        )
 
     def _sample(self, seqs: list[list[int]]) -> tuple[list[list[int]], list[list[float]]]:
         import torch
@@ -366,6 +428,7 @@ class TransformersEngine:
             vocab = int(self.model.get_output_embeddings().weight.shape[0])
             seen = torch.zeros((batch, vocab), dtype=torch.bool, device=dev)
             seen.scatter_(1, input_ids, mask.bool())
+        filtered = bool(p.filters())  # report the trainer's temperature-only logprob, not the filtered one
         eos = torch.tensor(p.eos_token_ids or [-1], dtype=torch.long, device=dev)
         finished = torch.zeros(batch, dtype=torch.bool, device=dev)
         tokens = torch.empty((batch, p.max_new_tokens), dtype=torch.long, device=dev)
@@ -383,12 +446,13 @@ class TransformersEngine:
                 **{self._cache_kw: past},
             )
             past = getattr(out, self._cache_kw)
-            scores = process_logits(out.logits[:, -1, :].float(), p, seen)
-            logprob_all = torch.log_softmax(scores, dim=-1)
+            raw = out.logits[:, -1, :].float()
+            logprob_all = torch.log_softmax(process_logits(raw, p, seen), dim=-1)
             nxt = torch.multinomial(logprob_all.exp(), 1, generator=self.generator).squeeze(1)
             nxt = torch.where(finished, torch.full_like(nxt, pad), nxt)
             tokens[:, t] = nxt
-            logps[:, t] = logprob_all.gather(1, nxt.unsqueeze(1)).squeeze(1)
+            reported = torch.log_softmax(raw / p.temperature, dim=-1) if filtered else logprob_all
+            logps[:, t] = reported.gather(1, nxt.unsqueeze(1)).squeeze(1)
             steps = t + 1
             if seen is not None:
                 seen.scatter_(1, nxt.unsqueeze(1), ~finished.unsqueeze(1))
@@ -426,7 +490,7 @@ def engine_registrations() -> Iterator[Any]:
     yield RolloutEngine(
         name="transformers",
         factory=_transformers_factory,
-        description="Hugging Face model, KV-cache sampling loop with processed per-token logprobs",
+        description="Hugging Face model, KV-cache sampling loop with the trainer's per-token logprobs",
     )
     yield RolloutEngine(
         name="vllm",

