@@ -22,6 +22,10 @@ The filtered distribution's logprobs would make every ratio ``exp(sum(trainer - 
 filter: renormalising over the kept tokens lowers the ratios (measured on the tiny preset, first step, weights not
 yet changed: 0.009 to 0.7 instead of 1), a repetition penalty raises them (a penalised token sampled anyway) up
 to masking, whatever the staleness. Without filters the two definitions are the same number.
+This matches TRL's transformers generate path (filters applied, no IS correction: the loss treats the samples as
+on-policy). TRL's own vLLM path differs: it asks vLLM for ``processed_logprobs`` (trl/generation/vllm_generation.py,
+"so temperature scaling/logit tweaking affects the TIS log probs"), i.e. it weighs the filter itself away, as
+this plugin did before (the ratios above).
 
 Outputs are ordered prompt-major (prompt 0 generation 0..N-1, prompt 1 ...), completions are cut after the first
 EOS (the EOS is kept, as TRL does).
