@@ -220,11 +220,9 @@ def config_from_env(value: str) -> Any:
     if value.lower() in ("1", "true", "yes", "on"):
         return None
     if "=" in value and not value.endswith((".yaml", ".yml")):
-        plugins = {}
-        for part in value.split(","):
-            stage, _, name = part.partition("=")
-            plugins[stage.strip()] = name.strip()
-        return {"plugins": plugins}
+        from mrl_plugins.config import parse_plugin_selection
+
+        return {"plugins": parse_plugin_selection(value, "MRL_PLUGINS")}
     return value
 
 

@@ -308,3 +308,20 @@ def apply_env_overrides(config: MrlConfig, env: typing.Mapping[str, str] | None 
         disable=[*config.disable, *(n for n in dict.fromkeys(disabled) if n not in config.disable)],
         autoload=False if no_autoload else config.autoload,
     )
+
+
+def parse_plugin_selection(value: str, what: str = "--plugins") -> dict[str, str]:
+    """``rollout=mrl,comm=upstream`` -> ``{"rollout": "mrl", "comm": "upstream"}``; ConfigError naming ``what``
+    otherwise. The one parser of this form (``--plugins``, ``MRL_PLUGINS``); plugin names are checked later by the
+    manager, stage names by the ``plugins`` section."""
+    from mrl_plugins.hookspecs import STAGES
+
+    plugins: dict[str, str] = {}
+    for part in value.split(","):
+        stage, sep, name = (x.strip() for x in part.partition("="))
+        if not sep or not stage or not name:
+            raise ConfigError(
+                f"{what}: expected STAGE=PLUGIN[,STAGE=PLUGIN...] with STAGE {choices(STAGES)}, got {part!r}"
+            )
+        plugins[stage] = name
+    return plugins

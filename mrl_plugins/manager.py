@@ -424,3 +424,21 @@ def get_plugin_manager(
         mgr.validate_backends(cfg)
     mgr.configure(cfg)
     return mgr
+
+
+def plugin_names() -> list[str]:
+    """Every plugin name the manager may load: the built-ins and the ``mrl_plugins`` entry points (not loaded)."""
+    from importlib.metadata import entry_points
+
+    return sorted({*BUILTIN_PLUGINS, *(ep.name for ep in entry_points(group=ENTRY_POINT_GROUP))})
+
+
+def check_disable(names: list[str], what: str = "--disable") -> None:
+    """Refuse a name that blocks no plugin: a plugin name, or a prefix such as ``mrl`` (blocks ``mrl.*``)."""
+    from mrl_plugins.errors import ConfigError, choices
+
+    known = plugin_names()
+    valid = {*known, *(n.rsplit(".", 1)[0] for n in known if "." in n)}
+    for name in names:
+        if name not in valid:
+            raise ConfigError(f"{what}: unknown plugin {name!r}; valid: {choices(valid)}")

@@ -117,8 +117,7 @@ def preflight(cfg: MrlConfig | Any, *, enable_plugins: bool = True) -> MrlConfig
     device = get_device(cfg.device)
     if not enable_plugins:
         return cfg
-    from mrl_plugins.cli.main import check_disable
-    from mrl_plugins.manager import get_plugin_manager
+    from mrl_plugins.manager import check_disable, get_plugin_manager
 
     check_disable(cfg.disable, "disable")
     check_disable(
@@ -343,9 +342,9 @@ def main(argv: list[str] | None = None) -> int:
             train[key] = getattr(ns, key)
     data["train"] = train
     if ns.plugins:
-        from mrl_plugins.cli.main import _parse_plugins
+        from mrl_plugins.config import parse_plugin_selection
 
-        data["plugins"] = {**(data.get("plugins") or {}), **_parse_plugins(ns.plugins)}
+        data["plugins"] = {**(data.get("plugins") or {}), **parse_plugin_selection(ns.plugins)}
     result = run_training(data, name=ns.name, enable_plugins=not ns.vanilla, progress=ns.progress)
     print(
         f"{result.name}: {result.steps} steps in {result.train_s:.1f} s ({result.steps_per_s:.2f} steps/s), "

@@ -31,44 +31,15 @@ def _add_selection(p: argparse.ArgumentParser) -> None:
 
 
 def _parse_plugins(value: str) -> dict[str, str]:
-    """``rollout=mrl,comm=upstream`` -> ``{"rollout": "mrl", "comm": "upstream"}`` (ConfigError otherwise)."""
-    from mrl_plugins.errors import ConfigError, choices
-    from mrl_plugins.hookspecs import STAGES
+    from mrl_plugins.config import parse_plugin_selection
 
-    plugins: dict[str, str] = {}
-    for part in value.split(","):
-        stage, sep, name = (x.strip() for x in part.partition("="))
-        if not sep or not stage or not name:
-            raise ConfigError(
-                f"--plugins: expected STAGE=PLUGIN[,STAGE=PLUGIN...] with STAGE {choices(STAGES)}, got {part!r}"
-            )
-        plugins[stage] = name
-    return plugins
-
-
-def plugin_names() -> list[str]:
-    """Every plugin name the manager may load: the built-ins and the ``mrl_plugins`` entry points (not loaded)."""
-    from importlib.metadata import entry_points
-
-    from mrl_plugins.manager import BUILTIN_PLUGINS, ENTRY_POINT_GROUP
-
-    return sorted({*BUILTIN_PLUGINS, *(ep.name for ep in entry_points(group=ENTRY_POINT_GROUP))})
-
-
-def check_disable(names: list[str], what: str = "--disable") -> None:
-    """Refuse a name that blocks no plugin: a plugin name, or a prefix such as ``mrl`` (blocks ``mrl.*``)."""
-    from mrl_plugins.errors import ConfigError, choices
-
-    known = plugin_names()
-    valid = {*known, *(n.rsplit(".", 1)[0] for n in known if "." in n)}
-    for name in names:
-        if name not in valid:
-            raise ConfigError(f"{what}: unknown plugin {name!r}; valid: {choices(valid)}")
+    return parse_plugin_selection(value, "--plugins")
 
 
 def _selection_config(ns: argparse.Namespace) -> dict:
     from mrl_plugins.adapters.trl import config_from_env
     from mrl_plugins.config import load_yaml
+    from mrl_plugins.manager import check_disable
 
     source = ns.config or os.environ.get("MRL_PLUGINS")
     data: dict = {}
