@@ -12,6 +12,14 @@ OLD_LOGPS = ("trainer", "engine")
 REF_LOGPS = ("trainer", "engine")
 
 
+def parse_address(value: str, what: str = "rollout.rendezvous") -> tuple[str, int]:
+    """``HOST:PORT`` -> ``(host, port)``; a clear error for anything else (port 0 = pick a free one)."""
+    host, sep, port = str(value).rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) < 65536:
+        raise ConfigError(f"{what}: expected HOST:PORT (e.g. 10.0.0.5:29600; port 0 = any free), got {value!r}")
+    return host, int(port)
+
+
 @dataclass
 class RolloutConfig:
     """``rollout:`` section."""
@@ -173,8 +181,6 @@ class RolloutConfig:
             if getattr(self, key) < 1:
                 raise ConfigError(f"rollout.{key}: must be >= 1, got {getattr(self, key)}")
         if self.remote_workers:
-            from .remote import parse_address
-
             parse_address(self.rendezvous)
         for key in ("workers", "max_staleness", "restart_workers", "colocated_workers", "remote_workers"):
             if getattr(self, key) < 0:
@@ -190,7 +196,7 @@ class RolloutConfig:
             )
         from mrl_plugins.device.budget import ComputeBudget
 
-        ComputeBudget.from_dict({f"{k}": v for k, v in self.engine_budget.items()})  # unknown keys/values refused
+        ComputeBudget.from_dict(dict(self.engine_budget))  # unknown keys/values refused
         if not 0 <= self.memory_headroom <= 4:
             raise ConfigError(f"rollout.memory_headroom: must be in [0, 4], got {self.memory_headroom}")
         for key in ("timeout_s", "start_timeout_s"):
@@ -251,9 +257,3 @@ class RolloutConfig:
                 f"{device_index + 1}..{need - 1} (one each, after the trainer's {device_index}) but only {devices} "
                 f"{device_type} device(s) are visible; lower rollout.workers or use mode: colocate"
             )
-
-    @classmethod
-    def from_dict(cls, data: dict) -> RolloutConfig:
-        from mrl_plugins.config import section_from_dict
-
-        return section_from_dict(cls, data, "rollout")

@@ -25,17 +25,11 @@ import threading
 import time
 from typing import Any
 
-from mrl_plugins.errors import ConfigError, StageTimeoutError
+from mrl_plugins.errors import StageTimeoutError
+
+from .config import parse_address
 
 PREFIX = "mrl/pool"
-
-
-def parse_address(value: str, what: str = "rollout.rendezvous") -> tuple[str, int]:
-    """``HOST:PORT`` -> ``(host, port)``; a clear error for anything else (port 0 = pick a free one)."""
-    host, sep, port = str(value).rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 <= int(port) < 65536:
-        raise ConfigError(f"{what}: expected HOST:PORT (e.g. 10.0.0.5:29600; port 0 = any free), got {value!r}")
-    return host, int(port)
 
 
 def _td(seconds: float) -> datetime.timedelta:
