@@ -44,6 +44,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from mrl_plugins.cli.checks import STATUSES, Check  # noqa: F401 - re-exported (tests, plan)
 from mrl_plugins.cli.triage import (  # noqa: F401 - re-exported for mrl doctor --report
     METRIC_KEYS,
     NETWORK_TRANSPORTS,
@@ -57,7 +58,6 @@ from mrl_plugins.cli.triage import (  # noqa: F401 - re-exported for mrl doctor 
 )
 from mrl_plugins.errors import ConfigError, choices
 
-STATUSES = ("ok", "warn", "fail")
 MODES = ("colocate", "disaggregated", "hybrid")
 #: Root/system reserve limit (source §5: keep the root context's reserved memory under 20% of device memory).
 MAX_ROOT_RESERVE = 0.20
@@ -68,23 +68,6 @@ CANN_FIX = (
     "/usr/local/Ascend/ascend-toolkit/set_env.sh`, which sets ASCEND_TOOLKIT_HOME), or, on a machine without NPUs, "
     "`pip uninstall torch_npu` (TORCH_DEVICE_BACKEND_AUTOLOAD=0 also stops torch from loading it)"
 )
-
-
-@dataclass(frozen=True)
-class Check:
-    """One doctor line: ``status`` is ``ok``, ``warn`` or ``fail``."""
-
-    status: str
-    name: str
-    detail: str
-
-    def __post_init__(self) -> None:
-        if self.status not in STATUSES:
-            raise ValueError(f"check status {self.status!r} is not one of {choices(STATUSES)}")
-
-    def line(self) -> str:
-        """``'warn  ports: ...'``."""
-        return f"{self.status:<5} {self.name}: {self.detail}"
 
 
 @dataclass

@@ -131,7 +131,7 @@ class Triage:
     advice: str
 
     def line(self) -> str:
-        from mrl_plugins.cli.doctor import Check
+        from mrl_plugins.cli.checks import Check
 
         return Check(self.status, f"triage {self.run}", f"{self.verdict} -- {self.detail} -> {self.advice}").line()
 
