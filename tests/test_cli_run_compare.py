@@ -107,6 +107,7 @@ def test_mrl_compare_quick_repeats_interleaved_with_load_progress_and_plots(tmp_
         log = out / "runs" / f"{kind}-{rnd}.log"
         assert f"[run {i}/4] {kind} (round {rnd}/2)  log: {log}" in proc.stdout
         assert log.stat().st_size > 0
+    assert "upstream: step 0/8, elapsed" in proc.stdout  # moves before the first step too (setup)
     assert "upstream: step 8/8, elapsed" in proc.stdout and "ETA" in proc.stdout
     assert "all: step 8/8" in proc.stdout
     # plots and the timestamps they are drawn from
@@ -129,7 +130,7 @@ def test_mrl_compare_fails_when_reward_drops(tmp_path):
     proc, report = _compare(tmp_path, "--quick", "--repeats", "1", "--tolerance", "0")
     below = report["final_reward"]["all"] < report["final_reward"]["upstream"]
     assert proc.returncode == (1 if below else 0)
-    assert report["reward_ok"] is (not below)
+    assert report["reward_ok"] is (not below) and report["reward_enforced"] is True
 
 
 def test_mrl_compare_vllm_kind_skipped_when_vllm_is_missing(tmp_path):
@@ -137,7 +138,7 @@ def test_mrl_compare_vllm_kind_skipped_when_vllm_is_missing(tmp_path):
     code = (
         "import sys; sys.modules['vllm'] = None; from mrl_plugins.cli.main import main; "
         f"sys.exit(main(['compare', '--quick', '--repeats', '1', '--runs', 'upstream,vllm,trl_vllm', "
-        f"'--out', {str(tmp_path / 'cmp')!r}, '--tolerance', '0.99']))"
+        f"'--out', {str(tmp_path / 'cmp')!r}]))"
     )
     env = dict(os.environ, TRL_EXPERIMENTAL_SILENCE="1", HF_HUB_OFFLINE="1")
     proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
@@ -146,6 +147,7 @@ def test_mrl_compare_vllm_kind_skipped_when_vllm_is_missing(tmp_path):
     report = json.loads((tmp_path / "cmp" / "report.json").read_text())
     assert set(report["skipped"]) == {"vllm", "trl_vllm"} and "vllm is not installed" in report["skipped"]["vllm"]
     assert report["order"] == [[1, "upstream"]] and set(report["repeats"]) == {"upstream"}
+    assert report["reward_enforced"] is False  # --quick without --tolerance: a few steps' reward is not judged
     assert "| vllm | 0 | skipped: vllm is not installed" in (tmp_path / "cmp" / "report.md").read_text()
 
 
@@ -188,3 +190,34 @@ def test_speed_verdict_and_busy_warning():
     busy = host_summary([load("upstream", 0.01, 0.02), load("all", 0.40, 0.05)], 0.15)
     assert busy["busy_runs"] == ["all#1"] and busy["warning"].startswith("WARNING: the host was busy")
     assert "in 1 of 2 runs" in busy["warning"]
+
+
+def test_mrl_compare_sigterm_stops_the_running_run(tmp_path):
+    """SIGTERM to `mrl compare` takes the run it is measuring (its whole process group) down with it."""
+    import signal
+    import time
+
+    import psutil
+
+    env = dict(os.environ, TRL_EXPERIMENTAL_SILENCE="1", HF_HUB_OFFLINE="1")
+    env.pop("MRL_PLUGINS", None)
+    cmd = [sys.executable, "-m", "mrl_plugins.cli.main", "compare", "--quick", "--repeats", "1", "--runs", "upstream"]
+    proc = subprocess.Popen([*cmd, "--out", str(tmp_path / "cmp")], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 120
+        runs = []
+        while not runs and time.monotonic() < deadline:
+            time.sleep(0.2)
+            runs = [c for c in psutil.Process(proc.pid).children() if "mrl_plugins.run" in " ".join(c.cmdline())]
+        assert runs, "no run process started"
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 128 + signal.SIGTERM
+        psutil.wait_procs(runs, timeout=30)
+        assert not any(r.is_running() and r.status() != psutil.STATUS_ZOMBIE for r in runs)
+        assert not (tmp_path / "cmp" / "runs" / "upstream-1.json").exists()  # killed, not finished
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=30)
+        proc.stdout.close()

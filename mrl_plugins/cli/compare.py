@@ -205,6 +205,7 @@ def run_one(
     base: Path,
     *,
     timeout: float,
+    max_steps: int,
     on_poll: Any,
 ) -> tuple[dict[str, Any] | None, str | None, dict[str, Any]]:
     """One run in its own process group: (result, error, host load).
@@ -230,7 +231,7 @@ def run_one(
     with open(log_path, "w", encoding="utf-8") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     sampler.mark(proc.pid)
-    step, max_steps, rate, last_sample = 0, 0, None, t0
+    step, rate, last_sample = 0, None, t0
     try:
         while proc.poll() is None:
             time.sleep(0.5)
@@ -244,7 +245,7 @@ def run_one(
                 lines = prog_path.read_text(encoding="utf-8").splitlines()
                 if lines:
                     first, last = json.loads(lines[0]), json.loads(lines[-1])
-                    step, max_steps = int(last["step"]), int(last["max_steps"])
+                    step = int(last["step"])
                     if step > int(first["step"]):
                         rate = (last["t"] - first["t"]) / (step - int(first["step"]))
             on_poll(step, max_steps, now - t0, rate)
@@ -406,7 +407,11 @@ def cli(argv: list[str]) -> int:
         help=f"fast smoke comparison: model {QUICK['model']}, {QUICK['steps']} steps, runs upstream,all, "
         "rollout.local_warmup off so the workers serve even this short run (--model/--steps/--runs still win)",
     )
-    p.add_argument("--tolerance", type=float, default=0.10, help="max relative final-reward drop vs upstream")
+    p.add_argument(
+        "--tolerance",
+        type=float,
+        help="max relative final-reward drop vs upstream (default 0.10; under --quick only checked when given)",
+    )
     p.add_argument("--timeout", type=float, default=1800, help="seconds per run before it is killed")
     p.add_argument(
         "--busy-threshold",
@@ -420,7 +425,7 @@ def cli(argv: list[str]) -> int:
     ns.config = ns.config or ns.config_pos or "compare_small"
     import yaml
 
-    from mrl_plugins.config import load_yaml, resolve_config_path
+    from mrl_plugins.config import load_config, load_yaml, resolve_config_path
     from mrl_plugins.errors import ConfigError, choices
 
     if ns.quick:
@@ -434,6 +439,8 @@ def cli(argv: list[str]) -> int:
     names = list(dict.fromkeys(names))
     if "upstream" not in names:
         names.insert(0, "upstream")
+    enforce_reward = not ns.quick or ns.tolerance is not None  # a few-step run's reward is noise
+    ns.tolerance = 0.10 if ns.tolerance is None else ns.tolerance
     if not 0 <= ns.tolerance < 1:
         raise ConfigError(f"--tolerance: must be in [0, 1), got {ns.tolerance}")
     if ns.repeats < 1:
@@ -445,11 +452,12 @@ def cli(argv: list[str]) -> int:
     (out / "runs").mkdir(parents=True, exist_ok=True)
     skipped = {n: why for n in names if (why := skip_reason(RUNS[n]))}
     active = [n for n in names if n not in skipped]
-    configs = {}
+    configs, steps_of = {}, {}
     for n in active:
         configs[n] = out / "runs" / f"{n.replace('+', '_')}.yaml"
         run_cfg = kind_config(data, RUNS[n], steps=ns.steps, model=ns.model, quick=ns.quick)
         configs[n].write_text(yaml.safe_dump(run_cfg))
+        steps_of[n] = load_config(run_cfg).train.steps
     order = [(r + 1, k) for r in range(ns.repeats) for k in (active[r % len(active) :] + active[: r % len(active)])]
     repeats: dict[str, list[dict[str, Any]]] = {n: [] for n in active}
     failed: dict[str, str] = {}
@@ -457,37 +465,48 @@ def cli(argv: list[str]) -> int:
     progress = Progress(len(order))
     for skipped_name, why in skipped.items():
         print(f"{skipped_name}: {why}", flush=True)
-    for i, (rnd, name) in enumerate(order, 1):
-        if name in failed:  # a kind that failed once is not run again (its failure is its row)
-            continue
-        base = out / "runs" / f"{name.replace('+', '_')}-{rnd}"
-        progress.start(i, name, rnd, ns.repeats, base.with_suffix(".log"))
-        rest = [k for _, k in order[i:] if k not in failed]
-        result, error, load = run_one(
-            configs[name],
-            name,
-            RUNS[name],
-            base,
-            timeout=ns.timeout,
-            on_poll=lambda s, m, e, r, i=i, name=name, rest=rest: progress.update(i, name, s, m, e, rest, r),
-        )
-        loads.append({"kind": name, "round": rnd, **load})
-        if error is not None:
-            failed[name] = f"{error} (log {base.with_suffix('.log')})"
-            progress.done(name, load["wall_s"], f"FAILED: {error}")
-            continue
-        assert result is not None
-        result["host"] = load
-        repeats[name].append(result)
-        progress.done(
-            name,
-            load["wall_s"],
-            f"{result['steps']} steps, {result['steps_per_s']:.3f} steps/s, wall {result['wall_s']:.1f} s, "
-            f"final reward {result['final_reward']:.3f}, others' CPU {load['during']['others_cpu_share_mean']:.0%}",
-        )
+
+    def _term(signum: int, frame: Any) -> None:
+        raise SystemExit(128 + signum)  # run_one then kills the current run's whole process group
+
+    old_term = signal.signal(signal.SIGTERM, _term)
+    try:
+        for i, (rnd, name) in enumerate(order, 1):
+            if name in failed:  # a kind that failed once is not run again (its failure is its row)
+                continue
+            base = out / "runs" / f"{name.replace('+', '_')}-{rnd}"
+            progress.start(i, name, rnd, ns.repeats, base.with_suffix(".log"))
+            rest = [k for _, k in order[i:] if k not in failed]
+            result, error, load = run_one(
+                configs[name],
+                name,
+                RUNS[name],
+                base,
+                timeout=ns.timeout,
+                max_steps=steps_of[name],
+                on_poll=lambda s, m, e, r, i=i, name=name, rest=rest: progress.update(i, name, s, m, e, rest, r),
+            )
+            loads.append({"kind": name, "round": rnd, **load})
+            if error is not None:
+                failed[name] = f"{error} (log {base.with_suffix('.log')})"
+                progress.done(name, load["wall_s"], f"FAILED: {error}")
+                continue
+            assert result is not None
+            result["host"] = load
+            repeats[name].append(result)
+            progress.done(
+                name,
+                load["wall_s"],
+                f"{result['steps']} steps, {result['steps_per_s']:.3f} steps/s, wall {result['wall_s']:.1f} s, "
+                f"final reward {result['final_reward']:.3f}, "
+                f"others' CPU {load['during']['others_cpu_share_mean']:.0%}",
+            )
+    finally:
+        signal.signal(signal.SIGTERM, old_term)
     summary = summarize(repeats, ns.tolerance, failed=failed, skipped=skipped)
     host = host_summary(loads, ns.busy_threshold)
     report = {"config": config, "repeats_per_kind": ns.repeats, "order": order, "load": loads, "host": host, **summary}
+    report["reward_enforced"] = enforce_reward
     from mrl_plugins.cli.compare_plots import plots
 
     pngs = plots(report, names, out)
@@ -500,6 +519,8 @@ def cli(argv: list[str]) -> int:
     reward = f"final reward within {ns.tolerance:.0%} of upstream (medians): " + (
         "yes" if summary["reward_ok"] else "NO: " + ", ".join(summary["reward_below_tolerance"])
     )
+    if not enforce_reward:
+        reward += " (not enforced under --quick: too few steps to judge learning; pass --tolerance to enforce)"
     md = [
         f"# mrl compare ({config})",
         "",
@@ -523,7 +544,7 @@ def cli(argv: list[str]) -> int:
     if host["warning"]:
         print(host["warning"])
     print(f"report: {out / 'report.md'}")
-    if not summary["reward_ok"]:
+    if not summary["reward_ok"] and enforce_reward:
         print(
             f"FAIL: final reward of {', '.join(summary['reward_below_tolerance'])} is more than "
             f"{ns.tolerance:.0%} below upstream's",
