@@ -80,7 +80,7 @@ def _options(help_text: str) -> set[str]:
 
 
 @pytest.mark.parametrize(
-    "name,module", [("comm", "mrl_plugins.comm.bench"), ("weights", "mrl_plugins.weight_sync.bench")]
+    "name,module", [("comm", "mrl_plugins.bench.comm"), ("weights", "mrl_plugins.bench.weights")]
 )
 def test_fast_bench_help_matches_the_benchmarks_own_parser(name, module):
     """``mrl bench comm --help`` answers from mrl_plugins.cli.bench_args; the module's own parser must agree."""

@@ -14,10 +14,7 @@ import time
 import pytest
 import torch
 
-from mrl_plugins.device import CpuDevice
-from mrl_plugins.errors import ConfigError, StageTimeoutError
-from mrl_plugins.models import build_model
-from mrl_plugins.rollout.colocate import (
+from mrl_plugins.bench.engine_server import (
     EngineOutOfMemoryError,
     EngineServer,
     EngineServerError,
@@ -27,6 +24,9 @@ from mrl_plugins.rollout.colocate import (
     profile_engine_memory,
     reserve_memory,
 )
+from mrl_plugins.device import CpuDevice
+from mrl_plugins.errors import ConfigError, StageTimeoutError
+from mrl_plugins.models import build_model
 from mrl_plugins.rollout.engine import SamplingParams, TransformersEngine
 
 PARAMS = SamplingParams(max_new_tokens=6)

@@ -14,9 +14,9 @@ from mrl_plugins.rollout.engine import (
     SamplingParams,
     TransformersEngine,
     cut_after_eos,
-    engine_registrations,
     process_logits,
 )
+from mrl_plugins.rollout.plugin import engine_registrations
 from tests.marks import require_trl
 
 PROMPTS = [[3, 4, 5], [6, 7, 8, 9, 10], [11]]

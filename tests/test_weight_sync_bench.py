@@ -10,7 +10,7 @@ import json
 
 import pytest
 
-from mrl_plugins.weight_sync.bench import cli, qwen_shapes, small_shapes
+from mrl_plugins.bench.weights import cli, qwen_shapes, small_shapes
 from tests.marks import require_trl
 
 pytestmark = pytest.mark.slow

@@ -10,9 +10,9 @@ from collections.abc import Callable
 from mrl_plugins.errors import MrlError
 
 BENCHES: dict[str, str] = {
-    "comm": "mrl_plugins.comm.bench",
-    "weights": "mrl_plugins.weight_sync.bench",
-    "rollout": "mrl_plugins.rollout.bench_grpo",
+    "comm": "mrl_plugins.bench.comm",
+    "weights": "mrl_plugins.bench.weights",
+    "rollout": "mrl_plugins.bench.rollout",
     "engine": "mrl_plugins.bench.engine",
 }
 BENCH_HELP: dict[str, str] = {

@@ -1,6 +1,6 @@
 """Generation engines that return per-token sampling logprobs.
 
-Two backends, both registered by :func:`engine_registrations`:
+Two backends, both registered by :func:`mrl_plugins.rollout.plugin.engine_registrations`:
 
 * :class:`TransformersEngine` -- a KV-cache decode loop over any Hugging Face causal LM. It samples from the
   *processed* distribution (repetition penalty -> temperature -> top-k -> top-p -> min-p, the order and the
@@ -45,7 +45,6 @@ __all__ = [
     "EngineOutput",
     "SamplingParams",
     "TransformersEngine",
-    "engine_registrations",
     "inference_mode",
     "process_logits",
     "teacher_forced_logps",
@@ -480,24 +479,3 @@ def _transformers_factory(
     model: Any, tokenizer: Any = None, *, params: SamplingParams, device: str = "cpu", seed: int | None = None
 ) -> TransformersEngine:
     return TransformersEngine(model, tokenizer, device=device, params=params, seed=seed)
-
-
-def engine_registrations() -> Iterator[Any]:
-    """Registration objects for ``rollout.engine``: ``transformers`` and ``vllm``.
-
-    Factories take ``factory(model, tokenizer, *, params: SamplingParams, device="cpu", seed=None)``.
-    """
-    from mrl_plugins.hookspecs import RolloutEngine
-
-    from .vllm_engine import vllm_factory
-
-    yield RolloutEngine(
-        name="transformers",
-        factory=_transformers_factory,
-        description="Hugging Face model, KV-cache sampling loop with the trainer's per-token logprobs",
-    )
-    yield RolloutEngine(
-        name="vllm",
-        factory=vllm_factory,
-        description="vLLM in the worker process (vllm.LLM, in-process engine core), weights synced by reload",
-    )

@@ -2,11 +2,31 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 from mrl_plugins.errors import PluginError
 from mrl_plugins.hookspecs import RolloutEngine, RolloutResult, StageContext, hookimpl
+
+
+def engine_registrations() -> Iterator[Any]:
+    """Registration objects for ``rollout.engine``: ``transformers`` and ``vllm``.
+
+    Factories take ``factory(model, tokenizer, *, params: SamplingParams, device="cpu", seed=None)``.
+    """
+    from .engine import _transformers_factory
+    from .vllm_engine import vllm_factory
+
+    yield RolloutEngine(
+        name="transformers",
+        factory=_transformers_factory,
+        description="Hugging Face model, KV-cache sampling loop with the trainer's per-token logprobs",
+    )
+    yield RolloutEngine(
+        name="vllm",
+        factory=vllm_factory,
+        description="vLLM in the worker process (vllm.LLM, in-process engine core), weights synced by reload",
+    )
 
 
 class RolloutPlugin:
@@ -18,8 +38,6 @@ class RolloutPlugin:
 
     @hookimpl
     def mrl_rollout_register_engines(self) -> Iterable[RolloutEngine]:
-        from mrl_plugins.rollout.engine import engine_registrations
-
         return list(engine_registrations())
 
     @hookimpl

@@ -41,10 +41,10 @@ from typing import Any
 
 import torch
 
-from .broadcast import BroadcastSender, PerParamSender
-from .config import WeightSyncConfig
-from .receiver import DoubleBufferedReceiver
-from .shm import ShmSender
+from mrl_plugins.weight_sync.broadcast import BroadcastSender, PerParamSender
+from mrl_plugins.weight_sync.config import WeightSyncConfig
+from mrl_plugins.weight_sync.receiver import DoubleBufferedReceiver
+from mrl_plugins.weight_sync.shm import ShmSender
 
 Shapes = list[tuple[str, tuple[int, ...], torch.dtype]]
 CASES = ("per_param", "bucketed", "bucketed_no_checksum")

@@ -109,7 +109,7 @@ def cli(argv: list[str]) -> int:
     p.add_argument("--quick", action="store_true", help="short smoke run (tiny model, few steps, 1 rep)")
     p.add_argument("--part", choices=["a", "b", "both"], default="both")
     ns = p.parse_args(argv)
-    from mrl_plugins.rollout.bench import run_bench as run_latency
+    from mrl_plugins.bench.rollout_latency import run_bench as run_latency
 
     if ns.quick:
         ns.reps, ns.grpo_reps, ns.steps, ns.model = 1, 1, 4, "tiny"

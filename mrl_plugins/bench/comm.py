@@ -85,7 +85,7 @@ class _PlainQueue:
         return _PlainQueueHandle(self.q)
 
     def receive(self, timeout: float) -> Any:
-        from .base import Received
+        from mrl_plugins.comm.base import Received
 
         meta, arrays = self.q.get(timeout=timeout)
         batch = {k: torch.from_numpy(a) for k, a in arrays.items()}
@@ -141,8 +141,8 @@ def _producer(handle: Any, commands: Any) -> None:
 def _run_cases(reps: int, scale: float) -> dict[str, Any]:
     """All cases side by side: one producer process per case, runs interleaved (rotating order) so
     that drift of a shared machine hits every case alike; only one case moves data at a time."""
-    from .config import CommConfig
-    from .shm_ring import shm_factory
+    from mrl_plugins.comm.config import CommConfig
+    from mrl_plugins.comm.shm_ring import shm_factory
 
     ctx = mp.get_context("spawn")
     cons: dict[str, Any] = {}

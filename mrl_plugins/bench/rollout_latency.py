@@ -1,6 +1,6 @@
 """Benchmark part (a) of ``mrl bench rollout``: colocated engine latency while a training loop runs next to it.
 
-Three processes: this one sends inference requests and times them; an :class:`~mrl_plugins.rollout.colocate.
+Three processes: this one sends inference requests and times them; an :class:`~mrl_plugins.bench.engine_server.
 EngineServer` answers them (``engine_model`` preset, ``prompts`` prompts x ``new_tokens`` tokens, no EOS so every
 request decodes exactly ``new_tokens`` tokens); a trainer process runs forward + backward + AdamW steps on the
 ``small`` preset (batch ``train_batch`` x ``train_seq`` tokens) without pause. Cases, each with fresh processes:
@@ -109,7 +109,7 @@ def _run_case(
     case_budget_s: float,
     timeout: float,
 ) -> dict[str, Any]:
-    from mrl_plugins.rollout.colocate import EngineServer
+    from mrl_plugins.bench.engine_server import EngineServer
     from mrl_plugins.rollout.engine import SamplingParams
 
     ctx = mp.get_context("spawn")

@@ -1,0 +1,109 @@
+"""No import circles among the package's modules (function-level imports count too: a lazy import still ties
+two modules together), and no package module imports the CLI."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+#: import name -> folder (the setuptools package-dir mapping)
+ROOTS = {
+    "mrl_plugins": REPO_ROOT / "mrl_plugins",
+    "mrl_plugins.hookspecs": REPO_ROOT / "hookspecs",
+    "mrl_plugins.adapters": REPO_ROOT / "adapters",
+    "mrl_plugins.configs": REPO_ROOT / "configs",
+}
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for prefix, root in ROOTS.items():
+        for f in root.rglob("*.py"):
+            parts = [p for p in f.relative_to(root).with_suffix("").parts if p != "__init__"]
+            out[".".join([prefix, *parts])] = f
+    return out
+
+
+def _imports(name: str, path: Path, known: set[str]) -> set[str]:
+    pkg = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                up = pkg.split(".")[: len(pkg.split(".")) - (node.level - 1)]
+                base = ".".join(up + ([base] if base else []))
+            targets = [base, *(f"{base}.{a.name}" for a in node.names)]
+        else:
+            continue
+        for t in targets:
+            while t and t not in known:
+                t = t.rpartition(".")[0]
+            if t and t != name and not name.startswith(t + "."):  # a module's own package is no edge back
+                found.add(t)
+    return found
+
+
+def _graph() -> dict[str, set[str]]:
+    mods = _modules()
+    return {m: _imports(m, p, set(mods)) for m, p in mods.items()}
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_no_import_circle_among_the_package_modules():
+    assert _cycles(_graph()) == []
+
+
+def test_the_checker_finds_a_circle():
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+#: command-line layers: the CLI itself and the benchmarks it runs (``mrl bench rollout`` drives ``mrl compare``'s
+#: run launcher); the stage packages, the adapter and the core modules must not import either
+COMMAND_LAYERS = ("mrl_plugins.cli", "mrl_plugins.bench")
+
+
+def test_no_package_module_imports_the_cli():
+    offenders = {
+        m: sorted(d for d in deps if d.startswith(COMMAND_LAYERS))
+        for m, deps in _graph().items()
+        if not m.startswith(COMMAND_LAYERS) and any(d.startswith(COMMAND_LAYERS) for d in deps)
+    }
+    assert offenders == {}
