@@ -529,6 +529,10 @@ def cli(argv: list[str]) -> int:
         *([f"**{host['warning']}**", ""] if host["warning"] else []),
         tab,
         "",
+        "n: repeats that ran; steps/s, wall s and final reward: median [min..max] over them; the other columns are "
+        "the median-speed repeat's; others' CPU: the highest mean share of the host's CPUs that other processes "
+        "used during one of this kind's runs (sampled every second).",
+        "",
         *speed,
         "",
         reward,

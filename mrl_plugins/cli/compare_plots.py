@@ -58,8 +58,10 @@ def time_plot(plt: Any, report: dict[str, Any], names: list[str], path: Path) ->
         ty = y
         wall = tl["wall"][1]
         ax.broken_barh([(0.0, tl["train"][0])], (ty + 0.35, 0.3), color="lightgray")  # setup
-        if tl["steps"]:  # train() until its first step: TRL's set-up and the rollout workers' start
+        if tl["steps"]:  # train() until its first step (TRL's set-up, the workers' start) and after its last one
             ax.broken_barh([(tl["train"][0], tl["steps"][0][0] - tl["train"][0])], (ty + 0.35, 0.3), color="tan")
+            end = tl["steps"][-1][1]
+            ax.broken_barh([(end, max(tl["train"][1], wall) - end)], (ty + 0.35, 0.3), color="dimgray")
         ax.broken_barh([(a, b - a) for a, b in tl["steps"]], (ty + 0.1, 0.8), color="tab:blue", alpha=0.55)
         for a, _ in tl["steps"]:
             ax.plot([a, a], [ty + 0.1, ty + 0.9], color="white", lw=0.6)
@@ -77,11 +79,12 @@ def time_plot(plt: Any, report: dict[str, Any], names: list[str], path: Path) ->
     ax.set_yticks(yticks, ylabels, fontsize=8)
     ax.set_xlim(0, xmax * 1.12)
     ax.set_ylim(0, y)
-    ax.set_xlabel("wall-clock time since the run's process started (s)")
+    ax.set_xlabel("wall-clock time since the run began (after its imports; s)")
     ax.set_title("where the time goes: each run kind's median-speed repeat (white ticks: step starts)")
     handles = [
         Patch(color="lightgray", label="setup (model, trainer)"),
         Patch(color="tan", label="train() until its first step (workers start)"),
+        Patch(color="dimgray", label="after the last step (workers stop)"),
         Patch(color="tab:blue", alpha=0.55, label="trainer step (rest = training)"),
         *[Patch(color=c, label=lbl) for lbl, c in TRAINER_PARTS.values()],
         Patch(color=WORKER_COLOR, label="generate in a rollout worker (parallel)"),
