@@ -524,3 +524,33 @@ def test_a_remote_vllm_worker_serves_the_published_version(tmp_path):
         pool.close()
         out, _ = proc.communicate(timeout=120)
     assert proc.returncode == 0, out[-3000:]
+
+
+@require_vllm
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["disaggregated", "hybrid"])
+def test_the_other_deployment_modes_run_with_the_vllm_engine(tmp_path, mode):
+    """The bundled disaggregated (old_logps: engine) and hybrid (2 workers, rebalancing) configs with vLLM."""
+    from mrl_plugins.config import load_config, load_yaml
+    from mrl_plugins.run import run_training
+
+    cfg = load_yaml(mode)
+    cfg["rollout"].update(engine="vllm", local_warmup=False, start_timeout_s=300)
+    cfg["train"].update(model="tiny", steps=6, seed=0, output_dir=str(tmp_path))
+    res = run_training(load_config(cfg), name=mode)
+    assert len(res.rewards) == 6
+    assert res.mrl_metrics.get("mrl/comm/frames", 0) >= 5  # batches from the vLLM workers
+    assert res.mrl_metrics.get("mrl/rollout/local_batches", 0) == 0
+
+
+@require_vllm
+def test_not_enough_memory_for_vllm_is_one_clear_error(monkeypatch):
+    """On CPU, without VLLM_CPU_KVCACHE_SPACE vLLM reserves gpu_memory_utilization x the host's memory; asking for
+    99 % of it is refused by vLLM before it loads anything, and the error says so."""
+    from mrl_plugins.rollout.vllm_engine import VLLMEngine
+
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "0")
+    model, tok = build_model("tiny", seed=0)
+    with pytest.raises(ConfigError, match="vLLM refused to start.*memory"):
+        VLLMEngine(model, tok, params=SamplingParams(max_new_tokens=2), llm_kwargs={"gpu_memory_utilization": 0.99})
