@@ -191,6 +191,10 @@ def enable(trainer: Any, config: Any = None) -> Any:
 def _check_rollout(trainer: Any, cfg: Any, pm: Any, kind: str) -> None:
     """What the 'mrl' rollout refuses on this trainer, before anything is changed."""
     if not pm.is_upstream("rollout"):
+        if trainer.accelerator.num_processes == 1:  # several ranks split the cores / devices among their pools
+            from mrl_plugins.device import get_device
+
+            cfg.rollout.check_placement_on(cfg.mode, get_device(cfg.device))
         if getattr(trainer, "tools", None):
             raise ConfigError("plugins.rollout: 'mrl' does not run TRL tool calls; set plugins.rollout: upstream")
         if cfg.rollout.old_logps == "engine":

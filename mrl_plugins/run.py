@@ -126,14 +126,7 @@ def preflight(cfg: MrlConfig | Any, *, enable_plugins: bool = True) -> MrlConfig
     pm = get_plugin_manager(cfg)
     _check_combination(pm, cfg)
     if not pm.is_upstream("rollout"):
-        devices = 0
-        if device.type != "cpu":
-            from mrl_plugins.device import probe
-
-            devices = probe.cuda_device_count() if device.type == "cuda" else probe.npu_status().device_count
-        cfg.rollout.check_placement(
-            cfg.mode, device.type, sorted(os.sched_getaffinity(0)), devices=devices, device_index=device.index or 0
-        )
+        cfg.rollout.check_placement_on(cfg.mode, device)
         if cfg.rollout.engine == "vllm":
             from mrl_plugins.rollout.vllm_engine import check_vllm_installed
 

@@ -74,7 +74,7 @@ def test_bad_config_leaves_trainer_untouched(tmp_path):
         (
             {
                 "mode": "hybrid",
-                "rollout": {"workers": 2, "rebalance": True},
+                "rollout": {"workers": 2, "colocated_workers": 1, "rebalance": True},
                 "weight_sync": {"transport": "broadcast"},
             },
             ConfigError,
@@ -198,7 +198,7 @@ def test_two_workers_take_every_version_through_a_broadcast_group(tmp_path):
     mrl_plugins.enable(
         trainer,
         {
-            "rollout": {"workers": 2, "local_warmup": False, "pipeline": "sync"},
+            "rollout": {"workers": 2, "local_warmup": False, "pipeline": "sync", "oversubscribe": True},
             "weight_sync": {"transport": "broadcast", "timeout_s": 20, "poll_interval_s": 30},
         },
     )
@@ -353,3 +353,17 @@ def test_trainer_model_answers_while_workers_start(tmp_path):
     assert len(_history(trainer, "reward")) == 3  # logged as training steps, not eval_*
     assert sum(_history(trainer, "mrl/rollout/local_batches")) >= 1
     assert trainer.model.training
+
+
+def test_enable_refuses_more_workers_than_cores_before_anything_changes(tmp_path):
+    import mrl_plugins
+    from mrl_plugins.errors import ConfigError
+
+    if len(os.sched_getaffinity(0)) > 8:
+        pytest.skip("needs a machine with at most 8 cores")
+    trainer = _trainer(tmp_path)
+    before = (trainer.use_vllm, trainer.get_train_dataloader, trainer.train)
+    with pytest.raises(ConfigError, match=r"rollout.workers: 50 rollout worker\(s\) but only \d+ CPU core"):
+        mrl_plugins.enable(trainer, {"rollout": {"workers": 50}})
+    assert (trainer.use_vllm, trainer.get_train_dataloader, trainer.train) == before
+    assert getattr(trainer, "_mrl_state", None) is None

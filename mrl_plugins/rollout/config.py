@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from mrl_plugins.errors import ConfigError, choices
 
@@ -211,6 +212,19 @@ class RolloutConfig:
             )
         if not self.model_priorities or not all(isinstance(v, int) for v in self.model_priorities.values()):
             raise ConfigError("rollout.model_priorities: a mapping model_id -> int priority is required")
+
+    def check_placement_on(self, mode: str, device: Any) -> None:
+        """:meth:`check_placement` against this process's cores and the visible devices of ``device``'s type."""
+        import os
+
+        devices = 0
+        if device.type != "cpu":
+            from mrl_plugins.device import probe
+
+            devices = probe.cuda_device_count() if device.type == "cuda" else probe.npu_status().device_count
+        self.check_placement(
+            mode, device.type, sorted(os.sched_getaffinity(0)), devices=devices, device_index=device.index or 0
+        )
 
     def check_placement(
         self,
