@@ -279,10 +279,11 @@ def _representative(reps: list[dict[str, Any]]) -> dict[str, Any]:
 def verdict(base: dict[str, float], other: dict[str, float]) -> str:
     """Speed of ``other`` vs ``base`` (steps/s stats): a ratio only when the [min..max] spreads do not overlap."""
     ratio = other["median"] / base["median"] if base["median"] else float("nan")
-    single = " (1 repeat each: no spread measured, use --repeats >= 3)" if min(base["n"], other["n"]) < 2 else ""
+    if min(base["n"], other["n"]) < 2:
+        return f"{ratio:.2f}x upstream, not judged (a single repeat has no spread: use --repeats >= 3)"
     if other["min"] <= base["max"] and base["min"] <= other["max"]:
-        return f"no significant difference (median {ratio:.2f}x, spreads overlap){single}"
-    return f"{'faster' if ratio > 1 else 'slower'}: {ratio:.2f}x upstream (spreads do not overlap){single}"
+        return f"no significant difference (median {ratio:.2f}x, spreads overlap)"
+    return f"{'faster' if ratio > 1 else 'slower'}: {ratio:.2f}x upstream (spreads do not overlap)"
 
 
 def summarize(
@@ -373,7 +374,7 @@ def table(report: dict[str, Any], names: list[str]) -> str:
             continue
         m, r = report["medians"][name], report["runs"][name]
         ts, mm = r["time_split"], r.get("mrl_metrics", {})
-        rng = report["speedup_range"].get(name)
+        rng = report["speedup_range"].get(name) if m["steps_per_s"]["n"] > 1 else None
         x = f"{report['speedup_per_run'].get(name, 0):.2f}" + (f" [{rng[0]:.2f}..{rng[1]:.2f}]" if rng else "")
         rss = f"{r['peak_rss_bytes'] / 2**20:.0f} / {r.get('peak_child_rss_bytes', 0) / 2**20:.0f}"
         others = max(x["during"]["others_cpu_share_mean"] for x in report["load"] if x["kind"] == name)

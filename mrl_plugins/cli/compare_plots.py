@@ -105,7 +105,8 @@ def reward_plot(plt: Any, report: dict[str, Any], names: list[str], path: Path) 
     for i, name in enumerate(kinds):
         color = colors[i % len(colors)]
         for j, r in enumerate(report["repeats"][name]):
-            label = f"{name} ({len(report['repeats'][name])} repeats)" if j == 0 else None
+            n = len(report["repeats"][name])
+            label = f"{name} ({n} repeat{'s' if n > 1 else ''})" if j == 0 else None
             ax1.plot(range(1, len(r["rewards"]) + 1), r["rewards"], color=color, alpha=0.8, lw=1, label=label)
             tl = r.get("timeline") or {}
             t = [x - tl["train"][0] for x in tl.get("reward_t") or []]
