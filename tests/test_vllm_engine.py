@@ -309,6 +309,7 @@ def test_grpo_with_the_vllm_engine_learns_like_the_transformers_engine(tmp_path)
     ref = _learn("transformers", tmp_path)
     run = _learn("vllm", tmp_path)
     assert run.mrl_metrics.get("mrl/comm/frames", 0) >= 59  # the batches came from the vLLM worker
+    assert run.mrl_metrics.get("mrl/weights/engine_apply_ms", 0) > 0  # the worker's vLLM reload, reported
     assert run.mrl_metrics.get("mrl/rollout/local_batches", 0) == 0
     final_ref, final = sum(ref.rewards[-10:]) / 10, sum(run.rewards[-10:]) / 10
     assert sum(run.rewards[:10]) / 10 < 0.5 < final  # it learned (a random policy scores about 1/16)
@@ -554,3 +555,25 @@ def test_not_enough_memory_for_vllm_is_one_clear_error(monkeypatch):
     model, tok = build_model("tiny", seed=0)
     with pytest.raises(ConfigError, match="vLLM refused to start.*memory"):
         VLLMEngine(model, tok, params=SamplingParams(max_new_tokens=2), llm_kwargs={"gpu_memory_utilization": 0.99})
+
+
+@require_vllm
+@pytest.mark.slow
+def test_mrl_run_with_a_local_checkpoint_folder_and_the_vllm_engine(tmp_path):
+    """`mrl run --model <folder>`: a Hugging Face folder (a saved preset here) served by vLLM in the worker."""
+    import json
+    import subprocess
+    import sys
+
+    from mrl_plugins.models import save_preset
+
+    model, tok = build_model("tiny", seed=3)
+    save_preset(model, tok, str(tmp_path / "ckpt"))
+    out = tmp_path / "run.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "mrl_plugins.cli.main", "run", "--config", "vllm", "--model", str(tmp_path / "ckpt"),
+         "--steps", "4", "--json", str(out), "--quiet"], capture_output=True, text=True, timeout=900, cwd=tmp_path,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert len(res["rewards"]) == 4 and res["mrl_metrics"]["mrl/comm/frames"] >= 3

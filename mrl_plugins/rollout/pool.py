@@ -566,12 +566,13 @@ class WorkerPool:
         return self._assemble(ticket)
 
     def _assemble(self, ticket: _Ticket) -> RolloutResult:
-        prompt_ids, completion_ids, logprobs, versions, gen_us = [], [], [], [], 0
+        prompt_ids, completion_ids, logprobs, versions, gen_us, apply_us = [], [], [], [], 0, 0
         scores: dict[str, list[list[float]]] = {}
         for c in sorted(ticket.chunks):
             meta, batch = ticket.results[c]
             versions.append(int(meta["version"]))
             gen_us = max(gen_us, int(meta.get("gen_us", 0)))
+            apply_us = max(apply_us, int(meta.get("apply_us", 0)))
             lengths = batch["lengths"].tolist()
             ids, lps = batch["completion_ids"].tolist(), batch["logprobs"].tolist()
             scored = {k[len("score_") :]: v.tolist() for k, v in batch.items() if k.startswith("score_")}
@@ -589,7 +590,11 @@ class WorkerPool:
             logprobs=logprobs,
             weight_version=min(versions),
             model_id=ticket.model_id,
-            metrics={"generate_s": gen_us / 1e6, "version_spread": max(versions) - min(versions)},
+            metrics={
+                "generate_s": gen_us / 1e6,
+                "version_spread": max(versions) - min(versions),
+                "engine_apply_ms": apply_us / 1e3,  # the workers' last weight apply (vLLM reload); 0: none
+            },
             scores=scores,
         )
 

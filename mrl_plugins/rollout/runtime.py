@@ -354,6 +354,8 @@ class PoolRuntime:
                 else:  # submitted one optimizer step before it is needed: one version stale, not `every`
                     self._deferred = (nxt, num_generations, model_id, current + every - 1)
         metrics.update("rollout", {"generate_s": result.metrics.get("generate_s", 0.0)})
+        if result.metrics.get("engine_apply_ms"):
+            metrics.gauge("weights/engine_apply_ms", result.metrics["engine_apply_ms"])
         metrics.update(pool.stats(), gauge=True)
         if pool.ready_s is not None and not self._ready_reported:
             metrics.gauge("rollout/worker_ready_s", pool.ready_s)
