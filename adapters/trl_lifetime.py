@@ -24,6 +24,8 @@ import weakref
 from collections.abc import Iterator
 from typing import Any, ClassVar
 
+from mrl_plugins.rollout.lifecycle import sigint_ignored
+
 _MISSING = object()
 
 
@@ -97,20 +99,6 @@ def _interactive() -> bool:
 
 
 @contextlib.contextmanager
-def _ignoring_sigint() -> Iterator[None]:
-    """A second Ctrl-C while the workers are being stopped would leave them half released."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    previous = signal.getsignal(signal.SIGINT)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, previous if previous is not None else signal.SIG_DFL)
-
-
-@contextlib.contextmanager
 def train_process_state(state: State) -> Iterator[dict]:
     """The trainer's CPU budget and the SIGTERM handler, for the duration of ``train()`` only.
 
@@ -134,7 +122,7 @@ def train_process_state(state: State) -> Iterator[dict]:
             def on_sigterm(signum: int, frame: Any, previous: Any = previous) -> None:
                 got["signal"] = signum
                 if callable(previous):  # someone else's handler: release first, then let it decide
-                    with _ignoring_sigint():
+                    with sigint_ignored():
                         state.shutdown("signal")
                     previous(signum, frame)
                     return
@@ -181,7 +169,7 @@ def wrap_train(trainer: Any, state: State) -> None:
                 return out
             except KeyboardInterrupt:
                 reason = "interrupt"
-                with _ignoring_sigint():
+                with sigint_ignored():
                     state.shutdown(reason)
                 if _interactive():
                     raise
@@ -190,13 +178,13 @@ def wrap_train(trainer: Any, state: State) -> None:
             except SystemExit:
                 if "signal" in got:
                     reason = "signal"
-                    with _ignoring_sigint():
+                    with sigint_ignored():
                         state.shutdown(reason)
                     name = signal.Signals(got["signal"]).name
                     print(f"mrl-plugins: stopped by {name} {_where(trainer)}; {_released(state)}", file=sys.stderr)
                 raise
             finally:
-                with _ignoring_sigint():
+                with sigint_ignored():
                     state.shutdown(reason)
 
     state.patch(trainer, "train", train)

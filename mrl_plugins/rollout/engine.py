@@ -162,6 +162,15 @@ class SamplingParams:
         params.validate()
         return params
 
+    def fill_from_tokenizer(self, tokenizer: Any) -> None:
+        """EOS and pad ids from ``tokenizer`` where unset, then :meth:`validate` (engines call it when built)."""
+        if tokenizer is not None:
+            if not self.eos_token_ids and getattr(tokenizer, "eos_token_id", None) is not None:
+                self.eos_token_ids = [int(tokenizer.eos_token_id)]
+            if self.pad_token_id is None and getattr(tokenizer, "pad_token_id", None) is not None:
+                self.pad_token_id = int(tokenizer.pad_token_id)
+        self.validate()
+
     def resolved_pad(self) -> int:
         """Pad id used for left padding: ``pad_token_id``, else the first EOS, else 0."""
         if self.pad_token_id is not None:
@@ -335,12 +344,7 @@ class TransformersEngine:
 
         if not isinstance(params, SamplingParams):
             raise ConfigError(f"params: expected SamplingParams, got {type(params).__name__}")
-        if tokenizer is not None:
-            if not params.eos_token_ids and getattr(tokenizer, "eos_token_id", None) is not None:
-                params.eos_token_ids = [int(tokenizer.eos_token_id)]
-            if params.pad_token_id is None and getattr(tokenizer, "pad_token_id", None) is not None:
-                params.pad_token_id = int(tokenizer.pad_token_id)
-        params.validate()
+        params.fill_from_tokenizer(tokenizer)
         self.params = params
         self.tokenizer = tokenizer
         self.device = torch.device(device)

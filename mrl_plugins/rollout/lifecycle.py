@@ -31,7 +31,7 @@ REMOTE_GRACE_S = 10.0
 
 
 @contextmanager
-def _sigint_ignored() -> Iterator[None]:
+def sigint_ignored() -> Iterator[None]:
     """SIGINT ignored while a child is spawned (an ignored signal stays ignored across exec, and Python then
     installs no KeyboardInterrupt handler in the child). Off the main thread nothing is changed."""
     if threading.current_thread() is not threading.main_thread():
@@ -47,7 +47,7 @@ def _sigint_ignored() -> Iterator[None]:
 
 def spawn_quiet(proc: Any) -> None:
     """``proc.start()`` with SIGINT ignored in the child."""
-    with _sigint_ignored():
+    with sigint_ignored():
         proc.start()
 
 

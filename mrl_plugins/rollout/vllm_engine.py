@@ -190,12 +190,7 @@ class VLLMEngine:
         seed: int | None = None,
         llm_kwargs: dict | None = None,
     ) -> None:
-        if tokenizer is not None:
-            if not params.eos_token_ids and getattr(tokenizer, "eos_token_id", None) is not None:
-                params.eos_token_ids = [int(tokenizer.eos_token_id)]
-            if params.pad_token_id is None and getattr(tokenizer, "pad_token_id", None) is not None:
-                params.pad_token_id = int(tokenizer.pad_token_id)
-        params.validate()
+        params.fill_from_tokenizer(tokenizer)
         self.params = params
         self.seed = seed
         self.device = str(device)
