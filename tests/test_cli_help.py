@@ -79,9 +79,7 @@ def _options(help_text: str) -> set[str]:
     return set(re.findall(r"(?<![\w-])--[a-z][a-z-]*", help_text))
 
 
-@pytest.mark.parametrize(
-    "name,module", [("comm", "mrl_plugins.bench.comm"), ("weights", "mrl_plugins.bench.weights")]
-)
+@pytest.mark.parametrize("name,module", [("comm", "mrl_plugins.bench.comm"), ("weights", "mrl_plugins.bench.weights")])
 def test_fast_bench_help_matches_the_benchmarks_own_parser(name, module):
     """``mrl bench comm --help`` answers from mrl_plugins.cli.bench_args; the module's own parser must agree."""
     fast, _ = _help(["bench", name])
