@@ -18,6 +18,13 @@ from mrl_plugins.rollout.engine import SamplingParams
 from tests.marks import require_vllm
 
 PROMPTS = [[3, 4, 5], [6, 7, 8, 9, 10], [11]]
+#: set by TRL's colocate vLLM init in this process (use_vllm test); a child must not rendezvous on them
+DIST_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def child_env() -> dict:
+    """This process's environment without torch.distributed rendezvous variables (for the CLI subprocesses)."""
+    return {k: v for k, v in os.environ.items() if k not in DIST_ENV}
 
 
 def teacher_forced(model, prompt, completion, temperature=1.0):
@@ -322,8 +329,9 @@ def test_grpo_with_the_vllm_engine_learns_like_the_transformers_engine(tmp_path)
 def test_a_trainer_built_with_use_vllm_trains_with_the_plugin(tmp_path, workers, monkeypatch):
     """TRL's own use_vllm colocate dies at its first weight sync on CPU (per-tensor load_weights after the CPU
     backend's repacking); enable() replaces its vllm_generation and sync, and frees TRL's engine."""
-    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        monkeypatch.delenv(name, raising=False)  # TRL's colocate init sets them; restored after the test
+    for name in DIST_ENV:  # TRL's colocate init sets them: make sure they are undone after the test
+        monkeypatch.setenv(name, "unset-by-test")
+        monkeypatch.delenv(name)
     from trl import GRPOConfig, GRPOTrainer
 
     import mrl_plugins
@@ -362,7 +370,7 @@ def test_bench_engine_reports_both_engines_and_the_ratio_keys(tmp_path):
     out = tmp_path / "engine.json"
     proc = subprocess.run(
         [sys.executable, "-m", "mrl_plugins.cli.main", "bench", "engine", "--quick", "--model", "tiny", "--json",
-         str(out)], capture_output=True, text=True, timeout=600,
+         str(out)], capture_output=True, text=True, timeout=600, env=child_env(),
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     res = json.loads(out.read_text())
@@ -382,7 +390,7 @@ def test_bench_engine_bad_cores_is_one_clear_error():
 
     proc = subprocess.run(
         [sys.executable, "-m", "mrl_plugins.cli.main", "bench", "engine", "--cores", "99"],
-        capture_output=True, text=True, timeout=120,
+        capture_output=True, text=True, timeout=120, env=child_env(),
     )  # fmt: skip
     assert proc.returncode == 2 and "--cores: [99] not among this process's cores" in proc.stderr, proc.stderr
 
@@ -398,7 +406,8 @@ def test_mrl_run_of_the_bundled_vllm_config_learns(tmp_path):
     out = tmp_path / "run.json"
     proc = subprocess.run(
         [sys.executable, "-m", "mrl_plugins.cli.main", "run", "--config", "vllm", "--model", "tiny", "--steps", "60",
-         "--json", str(out), "--quiet"], capture_output=True, text=True, timeout=900, cwd=tmp_path,
+         "--json", str(out), "--quiet"],
+        capture_output=True, text=True, timeout=900, cwd=tmp_path, env=child_env(),
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "rollout=mrl/vllm" in proc.stderr  # the one line saying what is replaced
@@ -460,8 +469,9 @@ def test_no_vllm_process_outlives_a_killed_trainer(tmp_path, sig):
     script = tmp_path / "trainer.py"
     script.write_text(ORPHAN_SCRIPT)
     proc = subprocess.Popen(
-        [sys.executable, str(script), os.getcwd()], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
-    )
+        [sys.executable, str(script), os.getcwd()], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+        env=child_env(),
+    )  # fmt: skip
     try:
         line = ""
         deadline = time.monotonic() + 400
@@ -507,7 +517,7 @@ def test_a_remote_vllm_worker_serves_the_published_version(tmp_path):
         "weight_sync": {"transport": "directory", "directory": str(tmp_path / "weights")},
     }
     pool, model, *_ = make_pool(cfg, placements=[])
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = {**child_env(), "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "mrl_plugins.cli.main", "worker", "--connect", pool.remote.address, "--index", "0",
            "--threads", "1", "--timeout", "240"]  # fmt: skip
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -572,7 +582,8 @@ def test_mrl_run_with_a_local_checkpoint_folder_and_the_vllm_engine(tmp_path):
     out = tmp_path / "run.json"
     proc = subprocess.run(
         [sys.executable, "-m", "mrl_plugins.cli.main", "run", "--config", "vllm", "--model", str(tmp_path / "ckpt"),
-         "--steps", "4", "--json", str(out), "--quiet"], capture_output=True, text=True, timeout=900, cwd=tmp_path,
+         "--steps", "4", "--json", str(out), "--quiet"],
+        capture_output=True, text=True, timeout=900, cwd=tmp_path, env=child_env(),
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     res = json.loads(out.read_text())
