@@ -19,13 +19,15 @@ host). When the trainer goes away its store goes with it and the worker exits.
 from __future__ import annotations
 
 import datetime
+import os
 import pickle
 import queue
+import sys
 import threading
 import time
-from typing import Any
+from typing import Any, NoReturn
 
-from mrl_plugins.errors import StageTimeoutError
+from mrl_plugins.errors import MrlError, StageTimeoutError
 
 from .config import parse_address
 
@@ -194,7 +196,7 @@ def serve(address: str, index: int, *, device: str | None = None, cores: list[in
         hb.join(2)
 
 
-def cli(argv: list[str]) -> int:
+def cli(argv: list[str]) -> NoReturn:
     import argparse
 
     p = argparse.ArgumentParser(prog="mrl worker", description="run a rollout worker for a trainer on another host")
@@ -206,5 +208,15 @@ def cli(argv: list[str]) -> int:
     p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for the trainer")
     ns = p.parse_args(argv)
     cores = [int(c) for c in ns.cores.split(",")] if ns.cores else None
-    serve(ns.connect, ns.index, device=ns.device, cores=cores, threads=ns.threads, timeout=ns.timeout)
-    return 0
+    rc = 0
+    try:
+        serve(ns.connect, ns.index, device=ns.device, cores=cores, threads=ns.threads, timeout=ns.timeout)
+    except MrlError as exc:
+        print(f"mrl worker: error: {exc}", file=sys.stderr)
+        rc = 2
+    # Leave as a multiprocessing worker does (os._exit, after everything above was flushed and closed): a
+    # normal interpreter exit runs C++ static destructors while gloo's and the TCPStore client's threads
+    # still run, which aborts now and then ("terminate called without an active exception", seen in CI).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(rc)
