@@ -252,6 +252,8 @@ def load_yaml(path: str | os.PathLike[str]) -> dict[str, Any]:
     p = resolve_config_path(path)
     try:
         data = yaml.safe_load(p.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise ConfigError(f"config {str(p)!r} cannot be read: {exc}") from exc
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" line {mark.line + 1}" if mark is not None else ""
