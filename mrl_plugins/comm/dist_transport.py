@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from mrl_plugins._net import gloo_devices
 from mrl_plugins.errors import MrlError, StageTimeoutError
 
 from .base import ChannelClosedError, Heartbeat, PeerDeadError, Received, deadline_of
@@ -62,10 +63,7 @@ def _make_group(host: str, port: int, rank: int, world: int, run_id: str, timeou
     prefixed = dist.PrefixStore(f"mrl-comm/{run_id}/", store)
     opts = dist.ProcessGroupGloo._Options()
     opts._timeout = datetime.timedelta(days=7)  # gloo timeouts kill the pair: deadlines are enforced above it
-    if host in ("127.0.0.1", "localhost"):
-        opts._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
-    else:
-        opts._devices = [dist.ProcessGroupGloo.create_default_device()]
+    opts._devices = gloo_devices(host)  # this host's address towards the store's, not the host name's
     return store, dist.ProcessGroupGloo(prefixed, rank, world, opts)
 
 

@@ -70,6 +70,7 @@ from typing import Any
 
 import torch
 
+from mrl_plugins._net import gloo_devices
 from mrl_plugins.errors import StageTimeoutError, choices
 from mrl_plugins.hookspecs import PublishReport
 
@@ -115,9 +116,10 @@ class _Group:
     """A dedicated group: a raw ``ProcessGroupGloo`` on our own store, or a group handed in by the caller."""
 
     def __init__(
-        self, store: Any, rank: int, world: int, timeout: float, group: Any = None, connections: int = 1
-    ) -> None:
-        self.store, self.rank, self.world, self.timeout = store, rank, world, timeout
+        self, store: Any, rank: int, world: int, timeout: float, group: Any = None, connections: int = 1,
+        host: str = "127.0.0.1",
+    ) -> None:  # fmt: skip
+        self.store, self.rank, self.world, self.timeout, self.host = store, rank, world, timeout, host
         self.group, self.connections = group, connections
         self.pg: Any = None
 
@@ -133,14 +135,15 @@ class _Group:
                 "broadcast transport (the built-in dedicated group is gloo)"
             )
         try:
-            if self.connections > 1:
+            if hasattr(dist.ProcessGroupGloo, "_Options"):
                 opts = dist.ProcessGroupGloo._Options()
                 opts._timeout = _td(timeout)
-                opts._devices = [dist.ProcessGroupGloo.create_default_device() for _ in range(self.connections)]
+                # bound to this host's address towards the store (the trainer's), not to the host name's
+                opts._devices = gloo_devices(self.host, self.connections)
                 self.pg = dist.ProcessGroupGloo(self.store, self.rank, self.world, opts)
             else:
                 self.pg = dist.ProcessGroupGloo(self.store, self.rank, self.world, _td(timeout))
-        except RuntimeError as exc:
+        except (RuntimeError, OSError) as exc:
             raise _peer_error(exc, "creating the weight-sync process group", timeout) from None
 
     def bcast(self, t: torch.Tensor, timeout: float, async_op: bool = False) -> Any:
@@ -239,7 +242,7 @@ class _BaseSender:
         self.port = self.store.port
         if group is not None or not hasattr(dist.ProcessGroupGloo, "_Options"):
             self.connections = 1
-        self.g = _Group(self.store, 0, world_size, self.timeout, group, self.connections)
+        self.g = _Group(self.store, 0, world_size, self.timeout, group, self.connections, host)
         # gloo moves host tensors only; device backends (hccl/nccl, via ``group``) take device tensors
         self._host_only = group is None or dist.get_backend(group) == "gloo"
         self._latest: int | None = None
@@ -535,7 +538,7 @@ class BroadcastReceiver:
             )
         except RuntimeError as exc:
             raise _peer_error(exc, f"connecting to the weight-sync store {h.host}:{h.port}", h.timeout_s) from None
-        self.g = _Group(self.store, rank, h.world_size, h.timeout_s, group, h.connections)
+        self.g = _Group(self.store, rank, h.world_size, h.timeout_s, group, h.connections, h.host)
         self._key = f"{h.model_id}/latest"
 
     def latest_version(self) -> int | None:

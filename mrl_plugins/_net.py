@@ -1,0 +1,40 @@
+"""Which local address a gloo group binds to, shared by the torch.distributed experience and weight transports.
+
+gloo's default device binds to the address this host's *name* resolves to, which on many machines (and in
+network namespaces) is ``127.0.0.1``: the peers on other hosts would then be told to connect to their own
+loopback. Instead every rank binds to its address on the route towards the group's store: the trainer
+(which owns the store) to the store's address, a worker on another host to its address facing the trainer.
+``GLOO_SOCKET_IFNAME`` still wins when it is set.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from typing import Any
+
+
+def local_address(peer: str) -> str:
+    """This host's address on the route to ``peer`` (a UDP ``connect``: no packet is sent)."""
+    if peer in ("localhost", "127.0.0.1") or peer.startswith("127."):
+        return "127.0.0.1"
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect((peer, 9))
+        except OSError as exc:
+            raise OSError(f"no route from this host to {peer!r} ({exc})") from None
+        return str(s.getsockname()[0])
+
+
+def gloo_devices(peer: str, count: int = 1) -> list[Any]:
+    """``count`` gloo devices bound to :func:`local_address` towards ``peer`` (or ``GLOO_SOCKET_IFNAME``)."""
+    import torch.distributed as dist
+
+    ifname = os.environ.get("GLOO_SOCKET_IFNAME")
+    if ifname:
+        return [dist.ProcessGroupGloo.create_device(interface=ifname.split(",")[0]) for _ in range(count)]
+    addr = local_address(peer)
+    return [dist.ProcessGroupGloo.create_device(hostname=addr) for _ in range(count)]
+
+
+__all__ = ["gloo_devices", "local_address"]
