@@ -188,6 +188,12 @@ class Hosts:
                 proc.wait(10)
             except subprocess.TimeoutExpired:
                 pass
+            for stream in (proc.stdin, proc.stdout, proc.stderr):
+                if stream is not None:
+                    try:
+                        stream.close()
+                    except (OSError, ValueError):  # a reader thread of the caller's may hold it
+                        pass
         self._procs = []
         for ns in reversed(self._made):
             got = _ip("netns", "pids", ns, check=False)

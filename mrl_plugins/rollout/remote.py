@@ -32,6 +32,8 @@ from mrl_plugins.errors import MrlError, StageTimeoutError
 from .config import parse_address
 
 PREFIX = "mrl/pool"
+HEARTBEAT_S = 1.0  # a remote worker stamps its heartbeat this often
+SILENT_S = 2.5  # at close: a worker whose heartbeat stood still this long is not waited for
 
 
 def _td(seconds: float) -> datetime.timedelta:
@@ -130,10 +132,18 @@ class RemoteSlots:
         )
 
     def wait_stopped(self, deadline: float) -> None:
-        """Until every connected remote worker acknowledged its stop (or ``deadline``, monotonic)."""
-        ready = [i for i in self.indices if StoreFlag(self.store, f"ready/{i}").is_set()]
-        flags = [StoreFlag(self.store, f"stopped/{i}") for i in ready]
-        while time.monotonic() < deadline and not all(f.is_set() for f in flags):
+        """Until every connected remote worker acknowledged its stop (or ``deadline``, monotonic). A worker whose
+        heartbeat stands still for ``SILENT_S`` (dead, or its link cut) is not waited for."""
+        waiting = {i: StoreFlag(self.store, f"stopped/{i}") for i in self.indices}
+        waiting = {i: f for i, f in waiting.items() if StoreFlag(self.store, f"ready/{i}").is_set()}
+        beats = {i: (int(self.store.add(f"{PREFIX}/hb/{i}", 0)), time.monotonic()) for i in waiting}
+        while waiting and time.monotonic() < deadline:
+            for i in list(waiting):
+                beat, now = int(self.store.add(f"{PREFIX}/hb/{i}", 0)), time.monotonic()
+                if waiting[i].is_set() or (beat == beats[i][0] and now - beats[i][1] > SILENT_S):
+                    del waiting[i]
+                elif beat != beats[i][0]:
+                    beats[i] = (beat, now)
             time.sleep(0.05)
 
     def check_alive(self, index: int, ready: bool) -> str | None:
@@ -172,7 +182,7 @@ def serve(address: str, index: int, *, device: str | None = None, cores: list[in
     stop = threading.Event()
 
     def beat() -> None:
-        while not stop.wait(1.0):
+        while not stop.wait(HEARTBEAT_S):
             try:
                 store.add(f"{PREFIX}/hb/{index}", 1)
             except Exception:  # the trainer (and its store) is gone: the worker loop notices too
