@@ -265,11 +265,12 @@ def test_sender_killed_mid_transfer_gives_timeout(kind):
         q.close()
         q.join_thread()
     if kind == "shm":  # the killed writer could not unlink; the next sender removes its segments
-        left = [n for n in os.listdir("/dev/shm") if n.startswith(f"mrlws-{child.pid}-")]
+        mine = f"-p{child.pid}-"
+        left = [n for n in os.listdir("/dev/shm") if n.startswith("mrl-weights-") and mine in n]
         assert left
         s = ShmSender(WeightSyncConfig(), model_id="policy", run_id="after")
         s.close()
-        assert not [n for n in os.listdir("/dev/shm") if n.startswith(f"mrlws-{child.pid}-")]
+        assert not [n for n in os.listdir("/dev/shm") if n.startswith("mrl-weights-") and mine in n]
 
 
 def test_sigterm_unlinks_shm_segments():

@@ -10,9 +10,10 @@ import torch
 from safetensors.torch import load as st_load
 
 from mrl_plugins.errors import ConfigError, MrlError
+from mrl_plugins.shmem import remove_stale, shm_dir
 from mrl_plugins.weight_sync import DirectorySender, ShmSender, WeightSyncConfig, WeightSyncError
 from mrl_plugins.weight_sync.shards import ALIGN, parse_shard
-from mrl_plugins.weight_sync.shm import SHM_DIR, TABLE_OFF, remove_stale_segments
+from mrl_plugins.weight_sync.shm import TABLE_OFF
 
 
 def all_dtypes() -> dict[str, torch.Tensor]:
@@ -229,12 +230,20 @@ def test_shm_close_unlinks_and_stale_segments_are_removed(shm_sender):
     assert all(os.path.exists(p) for p in paths)
     s.close()
     assert not any(os.path.exists(p) for p in paths)
-    # a segment left behind by a dead pid (pid 2**22+1 does not exist on Linux defaults)
-    stale = os.path.join(SHM_DIR, f"mrlws-{4194305}-old-policy-ctl")
-    with open(stale, "wb") as f:
-        f.write(b"x")
-    assert stale in remove_stale_segments()
-    assert not os.path.exists(stale)
+    assert all(os.path.basename(p).startswith("mrl-weights-t-p") for p in paths)  # the one naming scheme
+    # segments left behind by a dead pid (pid 2**22+1 does not exist on Linux defaults), of either stage,
+    # go in one sweep; a live pid's stay
+    stale = [os.path.join(shm_dir(), f"mrl-{stage}-old-p4194305-0badf00d.policy.ctl") for stage in ("weights", "comm")]
+    live = os.path.join(shm_dir(), f"mrl-weights-old-p{os.getpid()}-0000beef.policy.ctl")
+    for path in [*stale, live]:
+        with open(path, "wb") as f:
+            f.write(b"x")
+    try:
+        removed = remove_stale()
+        assert set(stale) <= set(removed) and live not in removed
+        assert not any(os.path.exists(p) for p in stale) and os.path.exists(live)
+    finally:
+        os.unlink(live)
 
 
 def test_several_model_ids_do_not_mix():

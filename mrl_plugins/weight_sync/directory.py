@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import shutil
 import time
 import uuid as uuidlib
@@ -32,11 +33,15 @@ from mrl_plugins.hookspecs import PublishReport
 
 from .config import WeightSyncConfig
 from .shards import Dest, ShardWriter, VersionGoneError, WeightSyncError, read_shards
-from .shm import _safe
 
 LOG = logging.getLogger("mrl_plugins.weight_sync")
 
 MANIFEST = "manifest.json"
+
+
+def _safe(s: str) -> str:
+    """``s`` as one path component: characters outside [A-Za-z0-9_.] become ``_`` (48 at most)."""
+    return re.sub(r"[^A-Za-z0-9_.]", "_", str(s))[:48]
 
 
 class _FileSink:

@@ -1,6 +1,7 @@
 """Shared-memory weight transport: written once by the trainer, mapped by N readers on one host.
 
-Segments (files under ``/dev/shm``, named ``mrlws-<pid>-<run_id>-<model_id>-<kind>``):
+Segments (files under ``/dev/shm``, named ``mrl-weights-<run_id>-p<pid>-<8 hex>.<model_id>.<kind>``, see
+:mod:`mrl_plugins.shmem` for the naming, the stale sweep and the cleanup shared with the comm stage):
 
 * ``ctl`` (4 KiB): magic, a seqlock counter, ``latest version + 1`` (0 = none), the slot holding it
   and the writer's pid;
@@ -18,25 +19,18 @@ is two versions behind is never torn. Slots are reused across versions (grown, n
 when the model gets bigger): fresh pages cost a page fault each (1.2-2 GB/s), reused pages run at
 memcpy speed.
 
-No ``multiprocessing.shared_memory`` (its resource tracker warns and unlinks in readers). The sender
-unlinks its segments on ``close()``, at exit and on SIGTERM/SIGINT; segments left by dead pids are
-removed when a sender starts.
+The sender unlinks its segments on ``close()``, at exit and on SIGTERM/SIGINT (:mod:`mrl_plugins.shmem`'s
+cleanup registry); segments left by dead pids (of either stage) are removed when a sender starts.
 """
 
 from __future__ import annotations
 
-import atexit
 import fcntl
-import mmap
+import hashlib
 import os
 import re
-import signal
-import struct
-import tempfile
-import threading
 import time
 import uuid as uuidlib
-import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -46,6 +40,7 @@ import torch
 from mrl_plugins._proc import pid_alive
 from mrl_plugins.errors import StageTimeoutError
 from mrl_plugins.hookspecs import PublishReport
+from mrl_plugins.shmem import Segment, forget_owner, new_path, register_owner, remove_stale, safe_role
 
 from .config import WeightSyncConfig
 from .shards import (
@@ -59,8 +54,7 @@ from .shards import (
     parse_shard,
 )
 
-SHM_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
-PREFIX = "mrlws"
+STAGE = "weights"
 CTL_MAGIC = b"MRLWCTL1"
 SLOT_MAGIC = b"MRLWSLT1"
 SLOT_HDR = 1 << 20  # slot header + shard table (sparse: only the pages used are ever touched)
@@ -74,26 +68,8 @@ _CTL_WRITING_OFF = 40  # control: version being written + 1, its slot
 _MIN_SLOT = 1 << 20
 
 
-def _safe(s: str) -> str:
-    return re.sub(r"[^A-Za-z0-9_.]", "_", str(s))[:48]
-
-
-def remove_stale_segments(directory: str = SHM_DIR) -> list[str]:
-    """Unlink ``mrlws-<pid>-...`` segments whose creating pid is dead; return the removed paths."""
-    removed = []
-    try:
-        names = os.listdir(directory)
-    except OSError:
-        return removed
-    for n in names:
-        m = re.match(rf"{PREFIX}-(\d+)-", n)
-        if m and not pid_alive(int(m.group(1))):
-            try:
-                os.unlink(os.path.join(directory, n))
-                removed.append(os.path.join(directory, n))
-            except OSError:
-                pass
-    return removed
+def _run_part(run_id: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", str(run_id))[:64] or "run"
 
 
 def _flock(fd: int, exclusive: bool, deadline: float, what: str) -> None:
@@ -110,104 +86,6 @@ def _flock(fd: int, exclusive: bool, deadline: float, what: str) -> None:
             delay = min(delay * 2, 0.001)
 
 
-class _Segment:
-    """One mapped file; ``grow`` extends the file and maps it again (old mappings kept until close)."""
-
-    def __init__(self, path: str, create: bool, size: int = 0) -> None:
-        self.path = path
-        flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
-        self.fd = os.open(path, flags, 0o600)
-        if create:
-            os.ftruncate(self.fd, size)
-        self._old: list[mmap.mmap] = []
-        self._map(os.fstat(self.fd).st_size)
-
-    def _map(self, size: int) -> None:
-        self.size = size
-        self.mm = mmap.mmap(self.fd, size)
-        self.buf = torch.frombuffer(self.mm, dtype=torch.uint8)
-
-    def grow(self, size: int) -> None:
-        os.ftruncate(self.fd, size)
-        self.refresh()
-
-    def refresh(self) -> None:
-        """Map again if the file grew (another process extended it)."""
-        size = os.fstat(self.fd).st_size
-        if size != self.size:
-            self._old.append(self.mm)
-            self.buf = None
-            self._map(size)
-
-    def read(self, fmt: str, off: int = 0) -> tuple:
-        return struct.unpack_from(fmt, self.mm, off)
-
-    def write(self, fmt: str, off: int, *vals: Any) -> None:
-        struct.pack_into(fmt, self.mm, off, *vals)
-
-    def close(self, unlink: bool) -> None:
-        self.buf = None
-        for mm in [*self._old, self.mm]:
-            try:
-                mm.close()
-            except BufferError:  # a caller still holds a view; the mapping goes when it is freed
-                pass
-        self._old = []
-        try:
-            os.close(self.fd)
-        except OSError:
-            pass
-        if unlink:
-            try:
-                os.unlink(self.path)
-            except FileNotFoundError:
-                pass
-
-
-# ------------------------------------------------------------------ cleanup on exit and signals
-
-_LIVE: weakref.WeakSet = weakref.WeakSet()
-_HANDLERS_LOCK = threading.Lock()
-_HANDLERS_INSTALLED = False
-
-
-def _close_all() -> None:
-    for s in list(_LIVE):
-        try:
-            s.close()
-        except Exception:  # noqa: BLE001 - best effort at exit
-            pass
-
-
-def _on_signal(sig: int, frame: Any) -> None:
-    _close_all()
-    prev = _PREV_HANDLERS.get(sig)
-    if callable(prev):
-        prev(sig, frame)
-    elif prev == signal.SIG_DFL or prev is None:
-        signal.signal(sig, signal.SIG_DFL)
-        os.kill(os.getpid(), sig)
-
-
-_PREV_HANDLERS: dict[int, Any] = {}
-
-
-def _install_cleanup() -> None:
-    global _HANDLERS_INSTALLED
-    with _HANDLERS_LOCK:
-        if _HANDLERS_INSTALLED:
-            return
-        atexit.register(_close_all)
-        if threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGTERM, signal.SIGINT):
-                prev = signal.getsignal(sig)
-                if prev is signal.SIG_IGN:
-                    continue
-                _PREV_HANDLERS[sig] = prev
-                signal.signal(sig, _on_signal)
-        _HANDLERS_INSTALLED = True
-
-
 # ------------------------------------------------------------------ sender
 
 
@@ -219,7 +97,7 @@ class _SlotSink:
     the rest of the version is still being written.
     """
 
-    def __init__(self, seg: _Segment) -> None:
+    def __init__(self, seg: Segment) -> None:
         self.seg, self.pos, self.done = seg, SLOT_HDR, 0
         self._announced: set[int] = set()
 
@@ -233,7 +111,7 @@ class _SlotSink:
         off = align(self.pos)
         self.ensure(off + n)
         self.pos = off + n
-        return (off, n), self.seg.buf[off : off + n]
+        return (off, n), self.seg.tensor[off : off + n]
 
     def write_header(self, handle: tuple[int, int], hb: bytes) -> None:
         off, n = handle
@@ -263,17 +141,19 @@ class ShmSender:
     ) -> None:
         self.config, self.model_id, self.run_id = config, model_id, run_id
         self.chunk_bytes = config.chunk_for("shm")
-        remove_stale_segments()
-        base = os.path.join(SHM_DIR, f"{PREFIX}-{os.getpid()}-{_safe(run_id)}-{_safe(model_id)}")
+        remove_stale()
+        # one sender per (run_id, model_id) in a process: the fixed tag makes a second one collide (O_EXCL)
+        tag = hashlib.sha1(f"{run_id}\0{model_id}".encode()).hexdigest()[:8]
+        base = new_path(STAGE, _run_part(run_id), safe_role(model_id), tag=tag)
         self._closed = False
-        self._segs: list[_Segment] = []
+        self._segs: list[Segment] = []
         try:
-            self.ctl = _Segment(base + "-ctl", create=True, size=4096)
+            self.ctl = Segment.create(base + ".ctl", 4096, prefault=False)
             self._segs.append(self.ctl)
             size = align(SLOT_HDR + max(int(size_hint or 0) * 9 // 8, _MIN_SLOT), 4096)
             self.slots = []
             for i in range(2):
-                seg = _Segment(f"{base}-s{i}", create=True, size=size)
+                seg = Segment.create(f"{base}.s{i}", size, prefault=False)
                 self._segs.append(seg)
                 seg.write(_SLOT_FMT, 0, SLOT_MAGIC, 0, 0, 0, 0, 0, 0, b"0" * 32)
                 self.slots.append(seg)
@@ -288,8 +168,7 @@ class ShmSender:
         self.ctl.write("<8sQQQQQQ", 0, CTL_MAGIC, 0, 0, 0, os.getpid(), 0, 0)
         self._latest: int | None = None
         self._latest_slot = 1
-        _LIVE.add(self)
-        _install_cleanup()
+        register_owner(self)
 
     def publish(self, version: int, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> PublishReport:
         """Write ``version`` into the free slot, then make it the latest. Streams: one chunk held at most.
@@ -364,9 +243,9 @@ class ShmSender:
             return
         self._closed = True
         for s in self._segs:
-            s.close(unlink=True)
+            s.close(unlink_file=True)
         self._segs = []
-        _LIVE.discard(self)
+        forget_owner(self)
 
 
 @dataclass(frozen=True)
@@ -391,8 +270,8 @@ class ShmReceiver:
     def __init__(self, handle: ShmHandle) -> None:
         self.h = handle
         try:
-            self.ctl = _Segment(handle.ctl_path, create=False)
-            self.slots = [_Segment(p, create=False) for p in handle.slot_paths]
+            self.ctl = Segment.attach(handle.ctl_path, populate=False)
+            self.slots = [Segment.attach(p, populate=False) for p in handle.slot_paths]
         except FileNotFoundError:
             raise WeightSyncError(f"shm segments of model_id={handle.model_id} are gone (sender closed?)") from None
         if self.ctl.read("<8s")[0] != CTL_MAGIC:
@@ -469,7 +348,7 @@ class ShmReceiver:
         self._check_sender(version, deadline, timeout, "before publishing", "not published", f"(latest {latest})")
         time.sleep(delay)
 
-    def _read_slot(self, seg: _Segment, version: int, dest: Dest, deadline: float, timeout: float) -> int | None:
+    def _read_slot(self, seg: Segment, version: int, dest: Dest, deadline: float, timeout: float) -> int | None:
         """Stream the shards of ``version`` from ``seg`` (shared lock held); ``None`` if the slot moved on."""
         seq, v1 = seg.read("<QQ", 8)
         wv1, _ = seg.read("<QQ", _WRITING_OFF)
@@ -490,7 +369,7 @@ class ShmReceiver:
                 if off + n > seg.size:
                     seg.refresh()
                 where = f"model_id={self.h.model_id} version={version} shard {i}"
-                parsed = parse_shard(seg.buf[off : off + n], verify=self.h.verify, where=where)
+                parsed = parse_shard(seg.tensor[off : off + n], verify=self.h.verify, where=where)
                 m = parsed.meta
                 check_meta(m, model_id=self.h.model_id, version=version, index=i, count=m.shard_count, uuid=uid,
                            where=where)  # fmt: skip
@@ -511,7 +390,7 @@ class ShmReceiver:
 
     def close(self) -> None:
         for s in [self.ctl, *self.slots]:
-            s.close(unlink=False)
+            s.close(unlink_file=False)
 
 
-__all__ = ["ShmHandle", "ShmReceiver", "ShmSender", "pid_alive", "remove_stale_segments"]
+__all__ = ["ShmHandle", "ShmReceiver", "ShmSender"]

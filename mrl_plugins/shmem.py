@@ -1,0 +1,293 @@
+"""Shared-memory segments for every stage: one naming scheme, one stale sweep, one cleanup registry.
+
+Segments are plain files in ``/dev/shm`` (the temp dir where there is none) mapped with ``mmap``. Owning the
+files ourselves (instead of ``multiprocessing.shared_memory``) keeps Python's ``resource_tracker`` out of the
+picture: no leak warnings, and no tracker unlinking a segment behind a live reader.
+
+* **Names**: ``mrl-<stage>-<run_id>-p<owner pid>-<8 hex>[.<role>...]`` (:func:`new_path`), e.g.
+  ``mrl-comm-run1-p4242-0a1b2c3d.ring`` or ``mrl-weights-run1-p4242-9f8e7d6c.policy.s0``.
+* **Stale sweep**: :func:`remove_stale` unlinks the segments of crashed runs, whose owner pid no longer exists.
+* **Cleanup**: a process's own segments (:func:`register`) and open owners (:func:`register_owner`, anything
+  with ``close()``) are removed on normal interpreter exit (``atexit``) and on SIGTERM/SIGINT. The handlers
+  are installed once per process, from the main thread, and chain to the handlers that were there before
+  (a previous Python handler is called; the default action is re-raised after the cleanup). The registry is
+  per process because exit and signals are.
+* :class:`Segment`: one mapped file, created (optionally pre-faulted), attached, grown and re-mapped.
+"""
+
+from __future__ import annotations
+
+import atexit
+import mmap
+import os
+import re
+import secrets
+import signal
+import struct
+import tempfile
+import threading
+import weakref
+from typing import Any
+
+from mrl_plugins._proc import pid_alive
+from mrl_plugins.errors import ConfigError
+
+PREFIX = "mrl-"
+_NAME_RE = re.compile(r"^mrl-(?P<stage>[a-z]+)-(?P<run>.+)-p(?P<pid>\d+)-[0-9a-f]{8}(\.[A-Za-z0-9_]+)*$")
+_RUN_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+_STAGE_RE = re.compile(r"^[a-z]{1,16}$")
+_ROLE_RE = re.compile(r"^[A-Za-z0-9_]+(\.[A-Za-z0-9_]+)*$")
+
+
+def shm_dir() -> str:
+    """Directory holding the segments: ``/dev/shm`` where it exists, else the temp dir."""
+    return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+
+
+def check_run_id(run_id: str) -> str:
+    """Validate a run id used in segment names."""
+    if not isinstance(run_id, str) or not _RUN_RE.match(run_id):
+        raise ConfigError(f"run_id must be 1-64 characters of [A-Za-z0-9_.-], got {run_id!r}")
+    return run_id
+
+
+def safe_role(text: str) -> str:
+    """``text`` reduced to the characters a role part of a name may hold (others become ``_``)."""
+    return re.sub(r"[^A-Za-z0-9_]", "_", str(text))[:48] or "_"
+
+
+def new_path(stage: str, run_id: str, role: str = "", tag: str | None = None) -> str:
+    """A segment path owned by this process (``role``: dot-separated ``[A-Za-z0-9_]`` parts). ``tag`` (8 hex)
+    defaults to a random one; a fixed tag makes a second owner of the same name in this process collide."""
+    if not _STAGE_RE.match(stage):
+        raise ValueError(f"segment stage must be 1-16 lowercase letters, got {stage!r}")
+    if role and not _ROLE_RE.match(role):
+        raise ValueError(f"segment role must be dot-separated [A-Za-z0-9_] parts, got {role!r}")
+    tag = secrets.token_hex(4) if tag is None else tag
+    if not re.fullmatch(r"[0-9a-f]{8}", tag):
+        raise ValueError(f"segment tag must be 8 lowercase hex digits, got {tag!r}")
+    suffix = f".{role}" if role else ""
+    name = f"{PREFIX}{stage}-{check_run_id(run_id)}-p{os.getpid()}-{tag}{suffix}"
+    return os.path.join(shm_dir(), name)
+
+
+def owner_pid(name: str) -> int | None:
+    """The owner pid in a segment's file name, or None when the name is not one of ours."""
+    m = _NAME_RE.match(os.path.basename(name))
+    return int(m.group("pid")) if m else None
+
+
+def remove_stale(directory: str | None = None) -> list[str]:
+    """Unlink segments (of any stage) whose owner pid is gone (crashed runs); returns the removed paths."""
+    directory = directory or shm_dir()
+    removed: list[str] = []
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return removed
+    for name in names:
+        pid = owner_pid(name)
+        if pid is not None and not pid_alive(pid):
+            path = os.path.join(directory, name)
+            try:
+                os.unlink(path)
+                removed.append(path)
+            except OSError:
+                pass
+    return removed
+
+
+# ------------------------------------------------------------------ the cleanup registry (per process)
+
+_owned: set[str] = set()
+_owners: weakref.WeakSet = weakref.WeakSet()
+_lock = threading.Lock()
+_installed = False
+_previous: dict[int, Any] = {}
+
+
+def register(path: str) -> None:
+    """Remember ``path`` for removal at exit and on SIGTERM/SIGINT (installs the handlers once)."""
+    with _lock:
+        _owned.add(path)
+    _install()
+
+
+def register_owner(owner: Any) -> None:
+    """Call ``owner.close()`` at exit and on SIGTERM/SIGINT (held weakly: a collected owner is forgotten)."""
+    with _lock:
+        _owners.add(owner)
+    _install()
+
+
+def forget_owner(owner: Any) -> None:
+    """``owner`` closed itself: nothing to do for it at exit."""
+    with _lock:
+        _owners.discard(owner)
+
+
+def unlink(path: str) -> None:
+    """Remove a segment file (missing is fine) and forget it."""
+    with _lock:
+        _owned.discard(path)
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+def unlink_all() -> None:
+    """Close every registered owner and remove every segment this process owns."""
+    with _lock:
+        owners, paths = list(_owners), list(_owned)
+        _owners.clear()
+        _owned.clear()
+    for o in owners:
+        try:
+            o.close()
+        except Exception:  # noqa: BLE001 - best effort at exit
+            pass
+    for p in paths:
+        try:
+            os.unlink(p)
+        except OSError:
+            pass
+
+
+def _install() -> None:
+    global _installed
+    with _lock:
+        if _installed:
+            return
+        _installed = True
+    atexit.register(unlink_all)
+    if threading.current_thread() is not threading.main_thread():
+        return
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        try:
+            prev = signal.getsignal(sig)
+            if prev is signal.SIG_IGN:
+                continue  # the process chose to ignore it (e.g. a worker during start-up): keep that
+            _previous[sig] = prev
+            signal.signal(sig, _on_signal)
+        except (ValueError, OSError):  # not allowed here (embedded interpreter)
+            _previous.pop(sig, None)
+
+
+def _on_signal(signum: int, frame: object) -> None:
+    unlink_all()
+    prev = _previous.get(signum, signal.SIG_DFL)
+    if callable(prev):
+        prev(signum, frame)
+    elif prev is None or prev == signal.SIG_DFL:
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
+
+
+# ------------------------------------------------------------------ one mapped file
+
+
+class Segment:
+    """A mapped shared-memory file: ``buf`` (memoryview) and ``tensor`` (torch uint8 view) of its bytes.
+
+    :meth:`create` makes it (registered for cleanup; ``prefault`` touches every page once, so the hot path
+    does not pay the page faults; without it the file stays sparse); :meth:`attach` maps an existing one;
+    :meth:`grow` extends it and :meth:`refresh` re-maps after another process grew it (old mappings stay
+    valid until :meth:`close`, for views still handed out). The file descriptor stays open (``flock``).
+    """
+
+    def __init__(self, path: str, fd: int, owner: bool, populate: bool) -> None:
+        self.path, self.fd, self.owner, self._populate = path, fd, owner, populate
+        self._old: list[mmap.mmap] = []
+        self.buf: memoryview | None = None
+        self._tensor: Any = None
+        self._map(os.fstat(fd).st_size)
+
+    @classmethod
+    def create(cls, path: str, size: int, *, prefault: bool = True) -> Segment:
+        """Create ``path`` with ``size`` bytes and register it for cleanup (``prefault``: every page now)."""
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        register(path)
+        try:
+            os.ftruncate(fd, size)
+            seg = cls(path, fd, owner=True, populate=prefault)
+        except BaseException:
+            os.close(fd)
+            unlink(path)
+            raise
+        if prefault:
+            seg.tensor.zero_()  # first touch now, not on the hot path
+        return seg
+
+    @classmethod
+    def attach(cls, path: str, *, populate: bool = True) -> Segment:
+        """Map an existing segment (raises ``FileNotFoundError`` naming the path if it is gone); ``populate``
+        maps every page now (``MAP_POPULATE``), else pages map on first touch (sparse files stay sparse)."""
+        fd = os.open(path, os.O_RDWR)
+        try:
+            return cls(path, fd, owner=False, populate=populate)
+        except BaseException:
+            os.close(fd)
+            raise
+
+    def _map(self, size: int) -> None:
+        self.size = size
+        populate = getattr(mmap, "MAP_POPULATE", 0) if self._populate else 0
+        self.mm = mmap.mmap(self.fd, size, flags=mmap.MAP_SHARED | populate)
+        self.buf = memoryview(self.mm)
+        self._tensor = None
+
+    @property
+    def tensor(self) -> Any:
+        """The bytes as a torch ``uint8`` tensor sharing the mapping."""
+        if self._tensor is None:
+            import torch
+
+            self._tensor = torch.frombuffer(self.mm, dtype=torch.uint8)
+        return self._tensor
+
+    def grow(self, size: int) -> None:
+        """Extend the file to ``size`` bytes and map it again."""
+        os.ftruncate(self.fd, size)
+        self.refresh()
+
+    def refresh(self) -> None:
+        """Map again if the file's size changed (another process extended it)."""
+        size = os.fstat(self.fd).st_size
+        if size != self.size:
+            self._old.append(self.mm)
+            try:
+                if self.buf is not None:
+                    self.buf.release()
+            except BufferError:  # slices of it are still alive: it goes with them
+                pass
+            self._map(size)
+
+    def read(self, fmt: str, off: int = 0) -> tuple:
+        return struct.unpack_from(fmt, self.mm, off)
+
+    def write(self, fmt: str, off: int, *vals: Any) -> None:
+        struct.pack_into(fmt, self.mm, off, *vals)
+
+    def close(self, unlink_file: bool = False) -> None:
+        """Unmap (a mapping with views still alive goes with the last of them) and optionally remove the file."""
+        buf, self.buf, self._tensor = self.buf, None, None
+        if buf is not None:
+            try:
+                buf.release()
+            except BufferError:
+                pass
+        for mm in [*self._old, self.mm]:
+            try:
+                mm.close()
+            except BufferError:  # views handed out are still alive; the mapping goes with the last of them
+                pass
+        self._old = []
+        if self.fd >= 0:
+            try:
+                os.close(self.fd)
+            except OSError:
+                pass
+            self.fd = -1
+        if unlink_file:
+            unlink(self.path)
