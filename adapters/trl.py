@@ -20,6 +20,7 @@ from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
 from mrl_plugins.adapters.trl_lifetime import LazyLocalRuntime, State, at_exit, wrap_train
+from mrl_plugins.device.placement import worker_placements as _placements
 from mrl_plugins.errors import ConfigError, PluginError, UnsupportedVersionError, choices
 
 log = logging.getLogger("mrl_plugins.adapters.trl")
@@ -64,73 +65,6 @@ def trainer_kind(trainer: Any) -> str:
     raise PluginError(
         f"mrl_plugins.enable: {type(trainer).__name__} is not supported; valid: {choices(SUPPORTED_TRAINERS)}"
     )
-
-
-def _placements(cfg: Any, device: Any, rank: int = 0, world: int = 1) -> tuple[list[dict], list[int] | None, dict]:
-    """Where each rollout worker of training rank ``rank`` (of ``world``) runs, the cores left to the trainer
-    (CPU), and the placement of a worker that shares the trainer's device (hybrid mode's colocated pool; on
-    CPU: the trainer's cores).
-
-    Every rank has a pool of its own. CPU: the process's cores are split into ``world`` groups, one per rank,
-    each split between its trainer and its workers as for one rank. NPU/CUDA: the first ``world`` devices
-    train (accelerate's local rank -> device), rank ``r``'s dedicated workers take the devices after them:
-    ``world + r * dedicated + j``."""
-    from mrl_plugins.device import allowed_cores, split_cores, visible_devices_env
-
-    rc = cfg.rollout
-    n = rc.workers
-    colocated = n if cfg.mode == "colocate" else (0 if cfg.mode == "disaggregated" else rc.colocated_workers)
-    if device.type == "cpu":
-        cores = sorted(os.sched_getaffinity(0))
-        if world > 1 and rc.engine_cores is None and rc.trainer_cores is None:
-            cores = split_cores(world, cores)[rank] if len(cores) >= world else cores
-        if rc.engine_cores is not None or rc.trainer_cores is not None:
-            valid = set(allowed_cores())
-            for key in ("engine_cores", "trainer_cores"):
-                bad = [c for c in (getattr(rc, key) or []) if c not in valid]
-                if bad:
-                    raise ConfigError(f"rollout.{key}: cores {bad} are not available; valid: {sorted(valid)}")
-        trainer_cores = rc.trainer_cores
-        engine_pool = rc.engine_cores
-        if engine_pool is None:
-            if len(cores) > 1:
-                trainer_cores = trainer_cores or cores[:1]
-                engine_pool = [c for c in cores if c not in trainer_cores] or cores
-            else:
-                engine_pool = cores
-        shared = {"cores": trainer_cores or cores, "threads": rc.engine_threads, "device": "cpu"}
-        if cfg.mode == "hybrid":  # the first `colocated` workers share the trainer's cores, the rest split the others
-            own = n - colocated
-            groups = split_cores(min(own, len(engine_pool)), engine_pool) if own else []
-            places = [dict(shared) for _ in range(colocated)]
-            places += [
-                {"cores": groups[i % len(groups)], "threads": rc.engine_threads, "device": "cpu"} for i in range(own)
-            ]
-            return places, trainer_cores, shared
-        groups = split_cores(min(n, len(engine_pool)), engine_pool) if n else []
-        places = [{"cores": groups[i % len(groups)], "threads": rc.engine_threads, "device": "cpu"} for i in range(n)]
-        return places, trainer_cores, shared
-    env_name = visible_devices_env(device.type)
-    visible = [v.strip() for v in os.environ.get(env_name or "", "").split(",") if v.strip()] if env_name else []
-    base = device.index or 0
-    places = []
-    first_free = max(world, base + 1) + rank * (n - colocated)  # after every training rank's device
-    for i in range(n + 1):  # the last one: the trainer's own device (hybrid's colocated placement)
-        index = base if i < colocated or i == n else first_free + (i - colocated)
-        if visible and index >= len(visible):
-            raise ConfigError(
-                f"rollout.workers: worker {i} needs device {index} but {env_name}={','.join(visible)} "
-                f"lists only {len(visible)}; lower rollout.workers or use mode: colocate/hybrid"
-            )
-        physical = visible[index] if visible else str(index)  # indices are relative to the parent's list
-        places.append(
-            {
-                "env": {env_name: physical} if env_name else {},
-                "device": f"{device.type}:0",
-                "threads": rc.engine_threads,
-            }
-        )
-    return places[:n], None, places[n]
 
 
 def _check_combination(pm: Any, cfg: Any) -> None:

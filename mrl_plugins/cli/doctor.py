@@ -80,6 +80,7 @@ from mrl_plugins.cli.triage import (  # noqa: F401 - re-exported for mrl doctor 
     triage,
 )
 from mrl_plugins.config import MODES, load_yaml
+from mrl_plugins.device.placement import accelerator_indices, colocated_count
 from mrl_plugins.errors import ConfigError, choices
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -105,10 +106,10 @@ def inputs_from_config(cfg: Mapping[str, Any]) -> dict[str, Any]:
     """What doctor uses from a config, following how the TRL adapter places processes.
 
     ``processes`` = 1 trainer + ``rollout.workers`` (0 workers: the engine runs inside the trainer). ``card_plan``:
-    the device index of each process -- the trainer on the configured index (``npu:2`` -> 2, else 0); workers on
-    the same index when colocated (all in ``colocate``, the first ``rollout.colocated_workers`` in ``hybrid``, none
-    in ``disaggregated``), else on the next indices. ``threads_cfg``: (trainer threads or 0 for the default, its
-    source, engine threads): with workers the trainer keeps ``rollout.trainer_threads``, else ``train.threads``.
+    the device index of each process -- the trainer on the configured index (``npu:2`` -> 2, else 0), the workers
+    where the adapter puts them (:func:`mrl_plugins.device.placement.accelerator_indices`, one training rank).
+    ``threads_cfg``: (trainer threads or 0 for the default, its source, engine threads): with workers the
+    trainer keeps ``rollout.trainer_threads``, else ``train.threads``.
     """
     out: dict[str, Any] = {}
     device = str(cfg.get("device", "auto"))
@@ -123,15 +124,12 @@ def inputs_from_config(cfg: Mapping[str, Any]) -> dict[str, Any]:
         raise ConfigError("config: 'rollout' and 'train' must be mappings")
     workers = _int_key(rollout, "workers", "rollout", 0)
     workers = 1 if workers is None else workers
-    colocated = {"colocate": workers, "disaggregated": 0}.get(
-        mode, _int_key(rollout, "colocated_workers", "rollout", 0)
-    )
-    colocated = colocated or 0
+    colocated = colocated_count(mode, workers, _int_key(rollout, "colocated_workers", "rollout", 0) or 0)
     if colocated > workers:
         raise ConfigError(f"rollout.colocated_workers: {colocated} exceeds rollout.workers ({workers})")
     out["processes"] = 1 + workers
     base = _device().parse_device_spec(device)[1] or 0
-    out["card_plan"] = [base] + [base if i < colocated else base + 1 + (i - colocated) for i in range(workers)]
+    out["card_plan"] = [base] + accelerator_indices(mode, workers, colocated, base)[:workers]  # the adapter's rule
     engine = _int_key(rollout, "engine_threads", "rollout", 1) or 1
     if workers:
         out["threads_cfg"] = (
