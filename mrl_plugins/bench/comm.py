@@ -31,33 +31,14 @@ from typing import Any
 
 import torch
 
-SIZES = {"64x1024": (64, 1024), "8x128": (8, 128)}
+from mrl_plugins.cli.bench_args import LINK_HELP
+
+from .payloads import SIZES, make_batch
+
 CASES = {"pickle_queue": ("queue", "raw"), "shm_raw": ("shm", "raw"), "shm_fp16": ("shm", "fp16")}
 #: batches per timed run: (case kind, size) -> count, chosen so a run takes ~0.1-0.4 s here
 _COUNTS = {("queue", "64x1024"): 60, ("queue", "8x128"): 1500, ("shm", "64x1024"): 600, ("shm", "8x128"): 3000}
 _WARMUP = 10
-
-
-def make_batch(b: int, t: int, seed: int = 0) -> dict[str, torch.Tensor]:
-    """A GRPO-like experience batch of ``b`` sequences with ``t`` completion tokens (``t // 4`` prompt tokens)."""
-    g = torch.Generator().manual_seed(seed)
-    p = max(1, t // 4)
-    prompt_mask = torch.ones(b, p, dtype=torch.int64)
-    prompt_mask[:, : p // 8] = 0
-    lengths = torch.randint(t // 2, t + 1, (b,), generator=g)
-    completion_mask = (torch.arange(t)[None, :] < lengths[:, None]).to(torch.int64)
-    logps = -torch.rand(b, t, generator=g) * 12.0
-    logps.view(-1)[:: max(1, (b * t) // 8)] = float("-inf")
-    rewards = torch.randn(b, generator=g)
-    return {
-        "prompt_ids": torch.randint(0, 151_000, (b, p), generator=g),
-        "prompt_mask": prompt_mask,
-        "completion_ids": torch.randint(0, 151_000, (b, t), generator=g),
-        "completion_mask": completion_mask,
-        "old_per_token_logps": logps,
-        "advantages": (rewards - rewards.mean()) / (rewards.std() + 1e-4),
-        "rewards": rewards,
-    }
 
 
 class _PlainQueueProducer:
@@ -259,6 +240,7 @@ def run_bench(reps: int = 5, json_path: str | None = None, quick: bool = False) 
         "targets_met": met,
         "reps": reps,
         "threads_per_process": 1,
+        "where": "loopback: producer and consumer processes on one host",
         "seconds": elapsed,
     }
     _print(result)
@@ -269,7 +251,8 @@ def run_bench(reps: int = 5, json_path: str | None = None, quick: bool = False) 
 
 
 def _print(res: dict[str, Any]) -> None:
-    print(f"comm bench: median of {res['reps']} runs [min-max], 1 thread per process")
+    print(f"comm bench (loopback: shared memory and queues on one host): median of {res['reps']} runs [min-max], "
+          "1 thread per process")  # fmt: skip
     print(f"{'case':<14}{'batch':<9}{'batches/s':>26}{'GB/s (wire)':>22}{'bytes/batch':>13}{'vs pickle':>11}")
     for size in SIZES:
         base = res["cases"]["pickle_queue"][size]["batches_per_s"]["median"]
@@ -288,13 +271,22 @@ def _print(res: dict[str, Any]) -> None:
 
 
 def cli(argv: list[str] | None = None) -> int:
-    """``mrl bench comm [--json PATH] [--reps N] [--quick]``; returns 0 if all targets are met, else 1."""
+    """``mrl bench comm [--json PATH] [--reps N] [--quick] [--link RATE]``; 0 if all targets are met, else 1."""
     ap = argparse.ArgumentParser(prog="mrl bench comm", description=__doc__.split("\n")[0])
     ap.add_argument("--json", metavar="PATH", help="write the results as JSON")
     ap.add_argument("--reps", type=int, default=5, help="timed runs per case (median reported)")
     ap.add_argument("--quick", action="store_true", help="fewer batches and at most 2 reps (smoke run)")
+    ap.add_argument("--link", metavar="RATE", help=LINK_HELP)
     args = ap.parse_args(argv)
-    res = run_bench(reps=args.reps, json_path=args.json, quick=args.quick)
+    if args.link:
+        from .link import comm_link
+
+        res = comm_link(args.link, reps=max(1, min(args.reps, 2) if args.quick else args.reps), quick=args.quick)
+        if args.json:
+            with open(args.json, "w", encoding="utf-8") as f:
+                json.dump(res, f, indent=2)
+    else:
+        res = run_bench(reps=args.reps, json_path=args.json, quick=args.quick)
     return 0 if all(res["targets_met"].values()) else 1
 
 

@@ -41,38 +41,15 @@ from typing import Any
 
 import torch
 
+from mrl_plugins.cli.bench_args import LINK_HELP
 from mrl_plugins.weight_sync.broadcast import BroadcastSender, PerParamSender
 from mrl_plugins.weight_sync.config import WeightSyncConfig
 from mrl_plugins.weight_sync.receiver import DoubleBufferedReceiver
 from mrl_plugins.weight_sync.shm import ShmSender
 
-Shapes = list[tuple[str, tuple[int, ...], torch.dtype]]
+from .payloads import Shapes, make_tensors, qwen_shapes
+
 CASES = ("per_param", "bucketed", "bucketed_no_checksum")
-
-
-def qwen_shapes(
-    vocab: int = 151936, hidden: int = 896, inter: int = 4864, layers: int = 24, kv: int = 128, dtype=torch.bfloat16
-) -> Shapes:
-    """Qwen2-style parameter shapes (tied embeddings: no lm_head)."""
-    out: Shapes = [("model.embed_tokens.weight", (vocab, hidden), dtype)]
-    for i in range(layers):
-        p = f"model.layers.{i}."
-        out += [
-            (p + "self_attn.q_proj.weight", (hidden, hidden), dtype),
-            (p + "self_attn.q_proj.bias", (hidden,), dtype),
-            (p + "self_attn.k_proj.weight", (kv, hidden), dtype),
-            (p + "self_attn.k_proj.bias", (kv,), dtype),
-            (p + "self_attn.v_proj.weight", (kv, hidden), dtype),
-            (p + "self_attn.v_proj.bias", (kv,), dtype),
-            (p + "self_attn.o_proj.weight", (hidden, hidden), dtype),
-            (p + "mlp.gate_proj.weight", (inter, hidden), dtype),
-            (p + "mlp.up_proj.weight", (inter, hidden), dtype),
-            (p + "mlp.down_proj.weight", (hidden, inter), dtype),
-            (p + "input_layernorm.weight", (hidden,), dtype),
-            (p + "post_attention_layernorm.weight", (hidden,), dtype),
-        ]
-    out.append(("model.norm.weight", (hidden,), dtype))
-    return out
 
 
 def small_shapes() -> tuple[Shapes, str]:
@@ -94,15 +71,6 @@ def small_shapes() -> tuple[Shapes, str]:
         f"{next(model.parameters()).dtype}"
     )
     return [(n, tuple(t.shape), t.dtype) for n, t in model.named_parameters()], label
-
-
-def make_tensors(shapes: Shapes) -> list[tuple[str, torch.Tensor]]:
-    out = []
-    for i, (n, s, dt) in enumerate(shapes):
-        t = torch.empty(s, dtype=dt)
-        t.fill_(i % 7) if dt not in (torch.float32, torch.bfloat16, torch.float16) else t.fill_(0.001 * i)
-        out.append((n, t))
-    return out
 
 
 def module_from(named: list[tuple[str, torch.Tensor]]) -> torch.nn.Module:
@@ -348,7 +316,8 @@ def run_bench(reps: int = 5, json_path: str | None = None, quick: bool = False) 
     torch.set_num_threads(1)
     big = qwen_shapes(32000, 896, 4864, 4) if quick else qwen_shapes()
     small, small_src = small_shapes()
-    out: dict[str, Any] = {"reps": reps, "quick": quick, "threads_per_process": 1, "models": {}}
+    out: dict[str, Any] = {"reps": reps, "quick": quick, "threads_per_process": 1, "models": {},
+                           "where": "loopback: both processes on one host"}  # fmt: skip
     # memcpy is sampled between the cases (not once up front) so that the ratios see the same
     # machine conditions as the cases they divide (the machine may be shared)
     mc: list[float] = memcpy_samples(3)
@@ -403,15 +372,25 @@ def _fmt(d: dict[str, float]) -> str:
 
 
 def cli(argv: list[str] | None = None) -> int:
-    """``mrl bench weights [--json PATH] [--reps N] [--quick]``."""
+    """``mrl bench weights [--json PATH] [--reps N] [--quick] [--link RATE]``."""
     ap = argparse.ArgumentParser(prog="mrl bench weights", description=__doc__.splitlines()[0])
     ap.add_argument("--json", metavar="PATH", help="write the results as JSON")
     ap.add_argument("--reps", type=int, default=5, help="repetitions per case (default 5)")
     ap.add_argument("--quick", action="store_true", help="smaller shape list instead of the 0.5B one")
+    ap.add_argument("--link", metavar="RATE", help=LINK_HELP)
     args = ap.parse_args(argv)
     if args.reps < 1:
         ap.error("--reps must be >= 1")
+    if args.link:
+        from .link import weights_link
+
+        res = weights_link(args.link, reps=args.reps, quick=args.quick)
+        if args.json:
+            with open(args.json, "w", encoding="utf-8") as f:
+                json.dump(res, f, indent=2)
+        return 0 if all(res["targets_met"].values()) else 1
     r = run_bench(args.reps, args.json, args.quick)
+    print("loopback (both processes on one host):")
     print(f"memcpy (1 thread)          GB/s {_fmt(r['memcpy_gbps'])}")
     for key, m in r["models"].items():
         print(f"{key}: {m['label']}, {m['tensors']} tensors, {m['bytes'] / 1e6:.0f} MB")

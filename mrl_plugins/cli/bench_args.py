@@ -9,6 +9,11 @@ from __future__ import annotations
 
 import argparse
 
+LINK_HELP = (
+    "instead: between two network namespaces over a veth link shaped to RATE with tc (e.g. 1gbit; needs root); "
+    "see mrl_plugins.bench.link"
+)
+
 
 def comm_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
@@ -18,6 +23,7 @@ def comm_parser() -> argparse.ArgumentParser:
     ap.add_argument("--json", metavar="PATH", help="write the results as JSON")
     ap.add_argument("--reps", type=int, default=5, help="timed runs per case (median reported)")
     ap.add_argument("--quick", action="store_true", help="fewer batches and at most 2 reps (smoke run)")
+    ap.add_argument("--link", metavar="RATE", help=LINK_HELP)
     return ap
 
 
@@ -29,6 +35,7 @@ def weights_parser() -> argparse.ArgumentParser:
     ap.add_argument("--json", metavar="PATH", help="write the results as JSON")
     ap.add_argument("--reps", type=int, default=5, help="repetitions per case (default 5)")
     ap.add_argument("--quick", action="store_true", help="smaller shape list instead of the 0.5B one")
+    ap.add_argument("--link", metavar="RATE", help=LINK_HELP)
     return ap
 
 
