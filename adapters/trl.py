@@ -19,7 +19,7 @@ import weakref
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
-from mrl_plugins.adapters.trl_lifetime import LazyLocalRuntime, State, at_exit, wrap_train
+from mrl_plugins.adapters.trl_lifetime import State, at_exit, wrap_train
 from mrl_plugins.device.placement import worker_placements as _placements
 from mrl_plugins.errors import ConfigError, PluginError, UnsupportedVersionError, choices
 
@@ -98,17 +98,14 @@ def enable(trainer: Any, config: Any = None) -> Any:
     plan = None if pm.is_upstream("rollout") else _plan(trainer, pm, cfg, device)
     if getattr(trainer, "_mrl_state", None) is not None:  # enabled before (a notebook cell run again): start over
         disable(trainer)
-    ctx = StageContext(config=cfg, host=trainer, metrics=StageMetrics())
+    ctx = StageContext(config=cfg, host=trainer, metrics=StageMetrics(), plugins=pm)
     state = State(pm, ctx, kind)
     state.has_workers = plan is not None
     for other in list(State.live):  # one live worker pool per process: the newest enabled trainer's
         if other is not state:
             other.release_pool()
     try:
-        if not pm.is_upstream("rollout"):
-            _install_rollout(trainer, state, device, plan)
-        else:
-            _time_upstream_generation(trainer, state)
+        _install_rollout(trainer, state, device, plan)
         _install_metrics(trainer, state)
         _install_shutdown(trainer, state)
         state.patch(trainer, "_mrl_state", state)
@@ -170,71 +167,39 @@ def enable_from_env(trainer: Any) -> Any:
 
 
 def _install_rollout(trainer: Any, state: State, device: Any, plan: tuple | None) -> None:
+    """Open the selected rollout plugin's runtime (``mrl_rollout_open_runtime``) and put it where TRL generates.
+
+    A runtime with ``replaces_host = False`` (``rollout: upstream``) leaves TRL's generation in place (timed only)."""
+    from mrl_plugins.hookspecs import RolloutSetup
     from mrl_plugins.rollout.engine import SamplingParams
-    from mrl_plugins.rollout.runtime import LocalEngineRuntime, LookaheadLoader, MrlGeneration, PoolRuntime
+    from mrl_plugins.rollout.runtime import LookaheadLoader, MrlGeneration
 
     pm, ctx, cfg = state.pm, state.ctx, state.ctx.config
-    sampling = SamplingParams.from_trainer(trainer)
-    engine_factory = pm.backend("mrl_rollout_register_engines", cfg.rollout.engine).factory
     gen = MrlGeneration(pm, ctx, trainer)
-    model = trainer.accelerator.unwrap_model(trainer.model)
-    seed = int(trainer.args.seed)
-    if plan is None:
-        runtime: Any = LazyLocalRuntime(
-            lambda: LocalEngineRuntime(pm, ctx, model, sampling, engine_factory, seed), gen
-        )  # built when train() begins
-    else:
-        places, trainer_cores, shared = plan
-        score_models = None
-        if cfg.rollout.ref_logps == "engine":  # every worker scores its completions with the reference model
-            score_models = {"ref": trainer.accelerator.unwrap_model(trainer.ref_model)}
-
-        def start_pool() -> Any:  # at train() start or the first generation, not now (see trl_lifetime)
-            from mrl_plugins.rollout.pool import WorkerPool
-
-            pool = WorkerPool(
-                pm, ctx, model, sampling, placements=places, engine_factory=engine_factory, seed=seed,
-                score_models=score_models,
-            )  # fmt: skip
-            if score_models:
-                from mrl_plugins.weight_sync.sources import iter_trainer_weights
-
-                pool.publish(0, iter_trainer_weights(trainer.ref_model, trainer.accelerator), model_id="ref")
-            return pool
-
-        # the warm-up engine runs in the trainer process: always the light 'transformers' one (a vLLM engine
-        # there would take far longer to start than the workers it stands in for)
-        local_factory = pm.backend("mrl_rollout_register_engines", "transformers").factory
-
-        def local_engine() -> Any:  # the trainer's own model answers while the workers start
-            was_training = model.training
-            engine = local_factory(model, None, params=sampling, device=str(device.torch_device), seed=seed)
-            model.train(was_training)  # engines may switch their model to eval mode when built
-            return engine
-
-        balancer = None
-        if cfg.rollout.rebalance:
-
-            def balancer(pool: Any) -> Any:
-                from mrl_plugins.rollout.hybrid import COLOCATED, DEDICATED, HybridBalancer
-
-                rc = cfg.rollout
-                kinds = [COLOCATED if i < rc.colocated_workers else DEDICATED for i in range(rc.workers)]
-                return HybridBalancer(
-                    pool,
-                    places,
-                    kinds,
-                    shared,
-                    window=rc.rebalance_window,
-                    high=rc.rebalance_high,
-                    low=rc.rebalance_low,
-                    metrics=ctx.metrics,
-                )
-
-        runtime = PoolRuntime(
-            pm, ctx, gen, start_pool, local_engine if cfg.rollout.local_warmup else None, balancer_factory=balancer
-        )
-        _add_step_end_callback(trainer, state, runtime.on_step_end)
+    score_models = {}
+    if cfg.rollout.ref_logps == "engine" and plan is not None:  # every worker scores its completions with the ref
+        score_models["ref"] = trainer.accelerator.unwrap_model(trainer.ref_model)
+    setup = RolloutSetup(
+        host=trainer,
+        model=trainer.accelerator.unwrap_model(trainer.model),
+        sampling=SamplingParams.from_trainer(trainer),
+        seed=int(trainer.args.seed),
+        device=device,
+        placements=plan,
+        generation=gen,
+        score_models=score_models,
+    )
+    runtime = pm.rollout_open_runtime(ctx=ctx, setup=setup)
+    state.runtime = runtime
+    if not runtime.replaces_host:
+        _time_upstream_generation(trainer, state)
+        return
+    gen.runtime = runtime
+    on_step_end = getattr(runtime, "on_step_end", None)
+    if on_step_end is not None:
+        _add_step_end_callback(trainer, state, on_step_end)
+    if plan is not None:  # worker processes: the trainer's own cores, and a dataloader the lookahead can peek at
+        trainer_cores = plan[1]
         if trainer_cores and device.type == "cpu":  # applied while train() runs only
             state.budget = (list(trainer_cores), max(1, min(cfg.rollout.trainer_threads, len(trainer_cores))))
         orig_loader = trainer.get_train_dataloader
@@ -244,7 +209,6 @@ def _install_rollout(trainer: Any, state: State, device: Any, plan: tuple | None
             return gen.loader
 
         state.patch(trainer, "get_train_dataloader", get_train_dataloader)
-    ctx.resources["rollout.runtime"] = runtime
     state.generation = gen
     if getattr(trainer, "use_vllm", False):  # built with use_vllm=True: TRL's own engine is replaced, free it
         from mrl_plugins.rollout.vllm_engine import release_trl_vllm

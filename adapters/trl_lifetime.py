@@ -46,6 +46,7 @@ class State:
         self.summary = ""
         self.has_workers = False  # rollout worker processes (a pool) rather than none or an in-process engine
         self._patches: list[tuple[Any, str, Any]] = []
+        self._runtime: Any = None
         State.live.add(self)
 
     # ------------------------------------------------------------------ trainer attributes
@@ -65,7 +66,12 @@ class State:
     # ------------------------------------------------------------------ worker pool
     @property
     def runtime(self) -> Any:
-        return self.ctx.resources.get("rollout.runtime")
+        """The rollout stage's runtime (``mrl_rollout_open_runtime``), owned and closed by this state."""
+        return self._runtime
+
+    @runtime.setter
+    def runtime(self, value: Any) -> None:
+        self._runtime = value
 
     def start(self) -> None:
         """Start the rollout workers (spawn, shared memory), stopping any other trainer's first."""
@@ -87,8 +93,13 @@ class State:
             return
         self.closed = True
         State.live.discard(self)
+        runtime, self._runtime = self._runtime, None
         try:
-            self.pm.shutdown(self.ctx, reason)
+            try:
+                if runtime is not None:
+                    runtime.close()  # the rollout stage's runtime and the ends it opened
+            finally:
+                self.pm.shutdown(self.ctx, reason)
         finally:
             while self.on_shutdown:
                 self.on_shutdown.pop()()
@@ -204,36 +215,3 @@ def at_exit(ref: weakref.ref) -> None:
     st = ref()
     if st is not None:
         st.shutdown("exit")
-
-
-class LazyLocalRuntime:
-    """``rollout.workers: 0``: the in-process engine runtime (its inference copy and shared-memory weight path)
-    built when ``train()`` begins or at the first generation / weight sync, not at ``enable()``."""
-
-    def __init__(self, build: Any, gen: Any) -> None:
-        self._build = build
-        self._gen = gen
-        self.runtime: Any = None
-        gen.publisher = self._publish
-
-    @property
-    def started(self) -> bool:
-        return self.runtime is not None
-
-    def start(self) -> Any:
-        if self.runtime is None:
-            self.runtime = self._build()
-        return self.runtime
-
-    def _publish(self, version: int, named_tensors: Any) -> Any:
-        self.start()
-        gen = self._gen
-        return gen.pm.weight_sync_publish(ctx=gen.ctx, model_id="policy", version=version, named_tensors=named_tensors)
-
-    def generate(self, prompts: list[list[int]], num_generations: int, model_id: str) -> Any:
-        return self.start().generate(prompts, num_generations, model_id)
-
-    def close(self) -> None:
-        runtime, self.runtime = self.runtime, None
-        if runtime is not None:
-            runtime.close()

@@ -1,7 +1,22 @@
-"""The mrl-plugins hook contract (installed as ``mrl_plugins.hookspecs``)."""
+"""The mrl-plugins hook contract (installed as ``mrl_plugins.hookspecs``).
 
-from mrl_plugins.hookspecs import spec
-from mrl_plugins.hookspecs.spec import ADJUSTMENT_HOOKS, PROJECT_NAME, STAGE_HOOKS, hookimpl, hookspec
+:mod:`~mrl_plugins.hookspecs.spec` -- the hooks; :mod:`~mrl_plugins.hookspecs.channels` -- the typed ends the
+stage hooks return (sender, receiver, producer, consumer, runtime) and their capabilities;
+:mod:`~mrl_plugins.hookspecs.types` -- registrations, results and the per-run context.
+"""
+
+from mrl_plugins.hookspecs import channels, spec
+from mrl_plugins.hookspecs.channels import (
+    Capabilities,
+    Experience,
+    ExperienceConsumer,
+    ExperienceProducer,
+    RolloutRuntime,
+    RolloutSetup,
+    WeightReceiver,
+    WeightSender,
+)
+from mrl_plugins.hookspecs.spec import PROJECT_NAME, STAGE_HOOKS, hookimpl, hookspec
 from mrl_plugins.hookspecs.types import (
     REGISTRATION_HOOKS,
     STAGES,
@@ -16,19 +31,27 @@ from mrl_plugins.hookspecs.types import (
 )
 
 __all__ = [
-    "ADJUSTMENT_HOOKS",
     "PROJECT_NAME",
     "REGISTRATION_HOOKS",
     "STAGES",
     "STAGE_HOOKS",
+    "Capabilities",
     "CommCodec",
     "CommTransport",
+    "Experience",
+    "ExperienceConsumer",
+    "ExperienceProducer",
     "PublishReport",
     "RolloutEngine",
     "RolloutResult",
+    "RolloutRuntime",
+    "RolloutSetup",
     "StageContext",
     "SwitchReport",
+    "WeightReceiver",
+    "WeightSender",
     "WeightTransport",
+    "channels",
     "hookimpl",
     "hookspec",
     "spec",

@@ -8,34 +8,43 @@ positional calls); implementations declare the parameters they need by name, as 
   :func:`mrl_shutdown`;
 * registration -- ``mrl_<stage>_register_<things>`` return small named registration objects
   (:mod:`mrl_plugins.hookspecs.types`), collected by the manager and picked by name from config;
-* stage operations -- ``firstresult`` hooks that the manager routes to the plugin selected for
-  that stage (``plugins: {rollout: mrl}``): only the selected provider's implementation runs, plus
-  any hook wrappers (metrics, tracing) registered by other plugins;
-* adjustments -- ``firstresult`` hooks any plugin may answer, whichever plugin runs the stage
+* stage hooks -- ``firstresult`` hooks that the manager routes to the plugin selected for that stage
+  (``plugins: {rollout: mrl}``): only the selected provider's implementation runs, plus any hook
+  wrappers (metrics, tracing) registered by other plugins. Each stage's plugin *opens its own ends*
+  (:mod:`mrl_plugins.hookspecs.channels`: typed protocols with :class:`Capabilities`), on the
+  trainer side and on the worker side; the rollout stage is handed the other stages' ends through
+  these hooks and calls their methods. A plugin selected for a stage implements every hook of
+  :data:`STAGE_HOOKS` for it (checked when it is selected); an answer of ``None`` is an error naming
+  the hook and the plugin;
+* one name-mapping hook any plugin may answer, whichever plugin runs the stage
   (:func:`mrl_weight_sync_map_name`); ``None`` passes to the next plugin, and with no answer the
-  default applies.
+  name is used as it is.
+
+Parameter types are imported under ``TYPE_CHECKING`` only (no import cost, no import circle).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 import pluggy
 
-from mrl_plugins.hookspecs.types import (
-    CommCodec,
-    CommTransport,
-    PublishReport,
-    RolloutEngine,
-    RolloutResult,
-    StageContext,
-    SwitchReport,
-    WeightTransport,
-)
+from mrl_plugins.hookspecs.types import CommCodec, CommTransport, RolloutEngine, StageContext, WeightTransport
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
+
+    from mrl_plugins.config import MrlConfig
+    from mrl_plugins.hookspecs.channels import (
+        Capabilities,
+        ExperienceConsumer,
+        ExperienceProducer,
+        RolloutRuntime,
+        RolloutSetup,
+        WeightReceiver,
+        WeightSender,
+    )
 
 PROJECT_NAME = "mrl_plugins"
 hookspec = pluggy.HookspecMarker(PROJECT_NAME)
@@ -46,7 +55,7 @@ hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
 
 
 @hookspec(historic=True)
-def mrl_configure(config: Any) -> None:
+def mrl_configure(config: MrlConfig) -> None:
     """Receive the validated run configuration.
 
     :param config: the :class:`mrl_plugins.config.MrlConfig` of this run.
@@ -137,7 +146,10 @@ def mrl_comm_register_transports() -> Iterable[CommTransport]:
 def mrl_comm_register_codecs() -> Iterable[CommCodec]:
     """Register experience codecs selectable as ``comm.codec``.
 
-    :return: registration objects (name + factory); duplicate names are an error.
+    :return: registration objects (name + factory); duplicate names are an error. ``factory(config)``
+        (a :class:`mrl_plugins.comm.config.CommConfig`) returns a field codec: a
+        :class:`mrl_plugins.comm.codec.Codec` or a subclass (it chooses the wire dtype of each field);
+        the built-in comm stage builds the selected one through the registry on both ends.
 
     Called once when the manager builds its registry (before ``mrl_configure``).
 
@@ -145,7 +157,7 @@ def mrl_comm_register_codecs() -> Iterable[CommCodec]:
 
         @hookimpl
         def mrl_comm_register_codecs():
-            yield CommCodec(name="int8", factory=Int8Codec)
+            yield CommCodec(name="int8", factory=lambda config: Int8Codec(config.lossless_fields))
     """
 
 
@@ -153,26 +165,24 @@ def mrl_comm_register_codecs() -> Iterable[CommCodec]:
 
 
 @hookspec(firstresult=True)
-def mrl_rollout_generate(
-    ctx: StageContext, prompts: list[list[int]], num_generations: int, model_id: str
-) -> RolloutResult | None:
-    """Generate ``num_generations`` completions per prompt, with per-token sampling logprobs.
+def mrl_rollout_open_runtime(ctx: StageContext, setup: RolloutSetup) -> RolloutRuntime | None:
+    """Build the trainer side of the rollout stage: the object the host calls where it would generate.
 
-    :param ctx: the run's context (``ctx.host`` is the trainer).
-    :param prompts: token ids of each prompt, unpadded.
-    :param num_generations: completions per prompt (TRL's ``num_generations`` for this call).
-    :param model_id: which served model answers (``"policy"`` unless a multi-model pool is used).
-    :return: a :class:`RolloutResult` tagged with the weight version that produced it; ``None``
-        lets the next implementation answer.
+    :param ctx: the run's context (``ctx.host`` is the trainer, ``ctx.backends`` the registrations).
+    :param setup: the policy, sampling settings, seed, device and placement plan
+        (:class:`~mrl_plugins.hookspecs.channels.RolloutSetup`).
+    :return: a :class:`~mrl_plugins.hookspecs.channels.RolloutRuntime`. It opens the other stages' ends
+        through the manager (``ctx.plugins.weight_sync_open_sender(...)``, ``ctx.plugins.comm_open_consumer(...)``
+        on this side; its workers open the receivers and producers) and owns them until ``close()``.
 
-    Called by the adapter wherever TRL would generate (its ``vllm_generation.generate`` seam), once
-    per generation batch. Routed to the plugin selected for ``rollout``.
+    Called once by the adapter at ``enable()``, for the plugin selected for ``rollout``. The runtime's
+    ``generate`` is called once per generation batch, its ``publish`` at the host's weight-sync points.
 
     Example::
 
         @hookimpl
-        def mrl_rollout_generate(ctx, prompts, num_generations, model_id):
-            return ctx.resources["mine.engine"].generate(prompts, num_generations)
+        def mrl_rollout_open_runtime(ctx, setup):
+            return MyRuntime(ctx, setup.model, setup.sampling)  # generate(), publish(), close()
     """
 
 
@@ -180,64 +190,68 @@ def mrl_rollout_generate(
 
 
 @hookspec(firstresult=True)
-def mrl_weight_sync_publish(
-    ctx: StageContext, model_id: str, version: int, named_tensors: Iterable[tuple[str, torch.Tensor]]
-) -> PublishReport | None:
-    """Publish the trainer's weights as ``version`` of ``model_id``.
+def mrl_weight_sync_capabilities(ctx: StageContext) -> Capabilities | None:
+    """What the weight-sync ends this plugin would open under ``ctx.config`` can do, before any is opened.
 
-    :param ctx: the run's context; the sender the adapter built is in ``ctx.resources``.
-    :param model_id: which served model the weights belong to (``"policy"`` for a single model).
-    :param named_tensors: ``(name, tensor)`` pairs, streamed: an implementation must not hold more
-        than one bucket of them at once (ZeRO-3 gathers them one at a time).
-    :param version: strictly increasing per ``model_id``.
-    :return: a :class:`PublishReport`.
+    :param ctx: the trainer process's context (``ctx.config``; ``ctx.plugins`` for registrations).
+    :return: a :class:`~mrl_plugins.hookspecs.channels.Capabilities` (the same flags the opened ends carry).
 
-    Called at TRL's sync points (when the global step changed since the last generation).
+    Called at ``enable()`` by the rollout stage, to refuse what the ends cannot do (workers on other hosts
+    without ``cross_host``, moving workers without ``rejoinable``) before the trainer is touched.
 
     Example::
 
         @hookimpl
-        def mrl_weight_sync_publish(ctx, model_id, version, named_tensors):
-            return ctx.resources["mine.sender"].publish(model_id, version, named_tensors)
+        def mrl_weight_sync_capabilities(ctx):
+            return Capabilities(rejoinable=True)
     """
 
 
 @hookspec(firstresult=True)
-def mrl_weight_sync_receive(ctx: StageContext, model_id: str, timeout: float) -> int | None:
-    """Fetch the newest published version of ``model_id`` into the staging buffer, if it changed.
+def mrl_weight_sync_open_sender(
+    ctx: StageContext, model_id: str, run_id: str, receivers: int, same_process: bool
+) -> WeightSender | None:
+    """Open the trainer side of one model's weight stream.
 
-    :param ctx: the inference process's context (its receiver is in ``ctx.resources``).
-    :param model_id: which served model to refresh.
-    :param timeout: seconds to wait for a transfer in progress before raising ``TimeoutError``.
-    :return: the version now staged, or ``None`` when nothing newer was published. A corrupted or
-        incomplete version raises and leaves the active weights untouched.
+    :param ctx: the trainer process's context.
+    :param model_id: which served model (``"policy"``, ``"ref"`` ...).
+    :param run_id: unique per rollout-stage start (name shared memory, files, groups after it).
+    :param receivers: how many receiving processes will open a receiver from ``receiver_handle()``
+        (a collective transport sizes its group from it: the trainer plus one rank per receiver).
+    :param same_process: the receiver lives in this process (the in-process inference copy).
+    :return: a :class:`~mrl_plugins.hookspecs.channels.WeightSender`, owned (and closed) by the caller.
 
-    Called by the inference side (poll loop, or on a new-version control message).
+    Called by the rollout stage when it starts, once per served model.
 
     Example::
 
         @hookimpl
-        def mrl_weight_sync_receive(ctx, model_id, timeout):
-            return ctx.resources["mine.receiver"].poll(timeout=timeout)
+        def mrl_weight_sync_open_sender(ctx, model_id, run_id, receivers, same_process):
+            return FileSender(ctx.config.weight_sync.directory, model_id, run_id)
     """
 
 
 @hookspec(firstresult=True)
-def mrl_weight_sync_switch(ctx: StageContext, model_id: str) -> SwitchReport | None:
-    """Atomically make the staged version active once in-flight requests on the old one drained.
+def mrl_weight_sync_open_receiver(
+    ctx: StageContext, model: torch.nn.Module, handle: Any, model_id: str, rank: int
+) -> WeightReceiver | None:
+    """Open the inference side of one model's weight stream, loading into ``model``.
 
-    :param ctx: the inference process's context.
-    :param model_id: which served model switches.
-    :return: a :class:`SwitchReport` (one version-log line), or ``None`` if nothing was staged.
+    :param ctx: the inference process's context (a rollout worker's, or the trainer's for an in-process copy).
+    :param model: the inference copy whose parameters receive each version.
+    :param handle: what the sender's ``receiver_handle()`` returned (pickled across processes).
+    :param model_id: which served model.
+    :param rank: this receiver's index among the sender's ``receivers`` (0-based).
+    :return: a :class:`~mrl_plugins.hookspecs.channels.WeightReceiver`, owned (and closed) by the caller.
+        Published names go through :func:`mrl_weight_sync_map_name` (``ctx.plugins.weight_sync_name_map``).
 
-    Called by the inference side after :func:`mrl_weight_sync_receive` staged a new version,
-    between generation requests.
+    Called by each rollout worker at start (and by the in-process engine), once per served model.
 
     Example::
 
         @hookimpl
-        def mrl_weight_sync_switch(ctx, model_id):
-            return ctx.resources["mine.receiver"].switch()
+        def mrl_weight_sync_open_receiver(ctx, model, handle, model_id, rank):
+            return FileReceiver(handle, model)  # poll(), switch(), active(), version
     """
 
 
@@ -251,11 +265,12 @@ def mrl_weight_sync_map_name(model_id: str, name: str) -> str | None:
     :return: the receiving model's parameter name, or ``None`` to leave it to other plugins (with no
         answer at all the name is used as it is).
 
-    Called once per published name and model (the answer is cached) by the double-buffered receivers of
-    the ``mrl`` weight-sync stage: rollout workers and the in-process inference copy, in the process that
-    receives (``weight_sync: upstream`` loads by name, as TRL does). Rollout workers build their own
-    plugin manager, so a plugin must be installed (entry point) to be asked there. A name that maps to
-    no parameter of the receiving model is an error naming it; no version is switched half-received.
+    Asked of every plugin, not only the selected one. Called once per published name and model (the answer
+    is cached) by the double-buffered receivers of the ``mrl`` weight-sync stage: rollout workers and the
+    in-process inference copy, in the process that receives (``weight_sync: upstream`` loads by name, as TRL
+    does). Rollout workers build their own plugin manager, so a plugin must be installed (entry point) to be
+    asked there. A name that maps to no parameter of the receiving model is an error naming it; no version is
+    switched half-received.
 
     Example::
 
@@ -269,102 +284,69 @@ def mrl_weight_sync_map_name(model_id: str, name: str) -> str | None:
 
 
 @hookspec(firstresult=True)
-def mrl_comm_encode(ctx: StageContext, batch: Mapping[str, Any], meta: Mapping[str, Any]) -> bytes | None:
-    """Encode an experience batch (dict of tensors/arrays) into one frame.
+def mrl_comm_capabilities(ctx: StageContext) -> Capabilities | None:
+    """What the experience ends this plugin would open under ``ctx.config`` can do, before any is opened.
 
-    :param ctx: the run's context (``ctx.config.comm`` holds the codec settings).
-    :param batch: field name -> tensor or array (completion ids, logprobs, masks, rewards ...).
-    :param meta: header fields: ``model_id``, ``version`` (weight version), ``seq``.
-    :return: the frame bytes.
+    :param ctx: the trainer process's context (``ctx.config``; ``ctx.plugins`` for registrations).
+    :return: a :class:`~mrl_plugins.hookspecs.channels.Capabilities`.
 
-    Called by the rollout side before a batch goes onto a transport (``mrl_comm_send`` uses it),
-    and by benchmarks on their own.
+    Called at ``enable()`` by the rollout stage (workers on other hosts need ``cross_host``).
 
     Example::
 
         @hookimpl
-        def mrl_comm_encode(ctx, batch, meta):
-            return encode_frame(batch, **meta)
+        def mrl_comm_capabilities(ctx):
+            return Capabilities(rejoinable=True)
     """
 
 
 @hookspec(firstresult=True)
-def mrl_comm_decode(ctx: StageContext, frame: bytes | memoryview) -> Any:
-    """Decode a frame back into ``(meta, batch)`` with the original dtypes restored.
+def mrl_comm_open_consumer(ctx: StageContext, run_id: str, producers: int) -> ExperienceConsumer | None:
+    """Open the trainer side of the experience path for ``producers`` rollout workers.
 
-    :param ctx: the run's context.
-    :param frame: bytes produced by :func:`mrl_comm_encode` of the same plugin (a memoryview of a
-        shared-memory slot is allowed: do not keep it after returning).
-    :return: ``(meta, batch)``.
-    :raise mrl_plugins.comm.FrameError: bad magic, version, layout or checksum.
+    :param ctx: the trainer process's context (``ctx.config.comm`` holds the transport settings).
+    :param run_id: unique per rollout-stage start.
+    :param producers: how many producers will open an end from ``producer_handle(i)``, ``0 <= i < producers``.
+    :return: an :class:`~mrl_plugins.hookspecs.channels.ExperienceConsumer`, owned (and closed) by the caller.
 
-    Called by the trainer side for every received frame (``mrl_comm_receive`` uses it).
+    Called by the rollout stage when it starts its workers.
 
     Example::
 
         @hookimpl
-        def mrl_comm_decode(ctx, frame):
-            return decode_frame(frame)
+        def mrl_comm_open_consumer(ctx, run_id, producers):
+            return ZmqConsumer(ctx.config.comm, run_id, producers)
     """
 
 
 @hookspec(firstresult=True)
-def mrl_comm_send(ctx: StageContext, batch: Mapping[str, Any], meta: Mapping[str, Any], timeout: float) -> int | None:
-    """Send one experience batch towards the trainer.
+def mrl_comm_open_producer(ctx: StageContext, handle: Any, index: int) -> ExperienceProducer | None:
+    """Open the rollout side of the experience path in a worker process.
 
-    :param ctx: the rollout process's context (its producer is in ``ctx.resources``).
-    :param batch: field name -> tensor or array.
-    :param meta: header fields: ``model_id``, ``version``, ``seq``.
-    :param timeout: seconds to block when the transport is full (backpressure) before raising
-        ``TimeoutError`` (:class:`mrl_plugins.errors.StageTimeoutError`).
-    :return: the bytes put on the transport.
+    :param ctx: the worker process's context.
+    :param handle: what the consumer's ``producer_handle(index)`` returned (pickled across processes).
+    :param index: this worker's producer index.
+    :return: an :class:`~mrl_plugins.hookspecs.channels.ExperienceProducer`, owned (and closed) by the caller.
 
-    Called by each rollout worker once per generated batch.
+    Called by each rollout worker at start, once.
 
     Example::
 
         @hookimpl
-        def mrl_comm_send(ctx, batch, meta, timeout):
-            return ctx.resources["mine.producer"].send(batch, meta, timeout=timeout)
+        def mrl_comm_open_producer(ctx, handle, index):
+            return handle.attach()
     """
 
 
-@hookspec(firstresult=True)
-def mrl_comm_receive(ctx: StageContext, timeout: float) -> Any:
-    """Receive the next experience batch.
-
-    :param ctx: the trainer process's context (its consumer is in ``ctx.resources``).
-    :param timeout: seconds to wait for a batch before raising ``TimeoutError``
-        (:class:`mrl_plugins.errors.StageTimeoutError`; a dead producer is reported sooner).
-    :return: ``(meta, batch)`` as decoded by :func:`mrl_comm_decode`.
-
-    Called by the adapter whenever the trainer needs the next generation batch.
-
-    Example::
-
-        @hookimpl
-        def mrl_comm_receive(ctx, timeout):
-            return ctx.resources["mine.consumer"].receive(timeout=timeout)
-    """
-
-
-#: stage-operation hooks per stage; the manager routes these to the selected plugin
+#: the hooks a plugin selected for each stage implements; the manager routes them to that plugin only
 STAGE_HOOKS: dict[str, tuple[str, ...]] = {
-    "rollout": ("mrl_rollout_generate",),
-    "weight_sync": ("mrl_weight_sync_publish", "mrl_weight_sync_receive", "mrl_weight_sync_switch"),
-    "comm": ("mrl_comm_encode", "mrl_comm_decode", "mrl_comm_send", "mrl_comm_receive"),
+    "rollout": ("mrl_rollout_open_runtime",),
+    "weight_sync": (
+        "mrl_weight_sync_capabilities",
+        "mrl_weight_sync_open_sender",
+        "mrl_weight_sync_open_receiver",
+    ),
+    "comm": ("mrl_comm_capabilities", "mrl_comm_open_consumer", "mrl_comm_open_producer"),
 }
 
-#: hooks any plugin may answer (not routed to the selected provider)
-ADJUSTMENT_HOOKS = ("mrl_weight_sync_map_name",)
-
-__all__ = [
-    "ADJUSTMENT_HOOKS",
-    "PROJECT_NAME",
-    "STAGE_HOOKS",
-    "hookimpl",
-    "hookspec",
-    "PublishReport",
-    "RolloutResult",
-    "SwitchReport",
-]
+__all__ = ["PROJECT_NAME", "STAGE_HOOKS", "hookimpl", "hookspec"]

@@ -8,7 +8,7 @@ configuration picks one by name.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -16,6 +16,26 @@ _NAME_RE = re.compile(r"[a-z0-9][a-z0-9_-]*")
 
 #: The three stages of an RL loop that plugins can replace.
 STAGES: tuple[str, ...] = ("rollout", "weight_sync", "comm")
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a stage's ends can do; the defaults are the conservative answer.
+
+    :param rejoinable: an end opened after the first transfer (a restarted or moved worker) joins the stream.
+    :param cross_host: the two ends may run on different hosts (``rollout.remote_workers``).
+    :param zero_copy: received batch fields are views into the transport's memory, valid until
+        :meth:`Experience.release` (the caller copies what it keeps).
+    :param collective: a publish needs every receiver to take part while it runs (a process group):
+        workers are told before the publish, not after, and a dead worker cannot be replaced.
+    :param in_process: the ends live in one process (no handle crosses a process boundary).
+    """
+
+    rejoinable: bool = False
+    cross_host: bool = False
+    zero_copy: bool = False
+    collective: bool = False
+    in_process: bool = False
 
 
 @dataclass(frozen=True)
@@ -47,25 +67,33 @@ class RolloutEngine(_Registration):
 
 @dataclass(frozen=True)
 class WeightTransport(_Registration):
-    """A weight transport (``broadcast``, ``shm``, ``directory``, ...).
+    """A weight transport of the built-in weight-sync stage (``broadcast``, ``shm``, ``directory``, ...).
 
-    ``factory(config: WeightSyncConfig, *, model_id, run_id, **kw)`` returns a sender with
-    ``publish(version, named_tensors)`` and ``receiver_handle()`` (picklable; ``.attach()`` on the inference side).
+    ``factory(config: WeightSyncConfig, *, model_id, run_id, world_size=receivers + 1)`` returns a sender with
+    ``publish(version, named_tensors)`` and ``receiver_handle()`` (picklable; ``.attach()`` on the inference side,
+    ``.attach(rank=rank + 1)`` for a ``collective`` one). ``capabilities`` is what its ends can do (the stage
+    sets it on the ends it opens).
     """
+
+    capabilities: Capabilities = field(default_factory=Capabilities)
 
 
 @dataclass(frozen=True)
 class CommTransport(_Registration):
-    """An experience transport (``shm``, ``queue``, ``torch_distributed``, ...).
+    """An experience transport of the built-in comm stage (``shm``, ``queue``, ``torch_distributed``, ...).
 
     ``factory(config: CommConfig, *, n_producers, run_id)`` returns the consumer (trainer side) with
-    ``receive(timeout)`` and ``producer_handle(i)`` (picklable; ``.attach()`` in the rollout worker).
+    ``receive(timeout)`` and ``producer_handle(i)`` (picklable; ``.attach()`` in the rollout worker). The
+    producer encodes with its ``codec`` attribute, which the stage sets from the ``comm.codec`` registration.
     """
+
+    capabilities: Capabilities = field(default_factory=Capabilities)
 
 
 @dataclass(frozen=True)
 class CommCodec(_Registration):
-    """An experience codec (``raw``, ``fp16``, ...). ``factory(config)`` returns an object with encode/decode."""
+    """An experience codec (``raw``, ``fp16``, ...). ``factory(config: CommConfig)`` returns a field codec
+    (:class:`mrl_plugins.comm.codec.Codec` or a subclass: ``choose(name, tensor, array)`` per field)."""
 
 
 #: registration hook name -> (stage, registration class, what it is called in errors/config)
@@ -126,12 +154,15 @@ class StageContext:
 
     ``config`` is the validated :class:`mrl_plugins.config.MrlConfig`; ``host`` is the trainer
     (or ``None`` outside a trainer); ``metrics`` collects ``mrl/<stage>/...`` numbers that the
-    adapter forwards to TRL's logs; ``resources`` is where a plugin keeps what it built (keyed by
-    its own name) so that ``mrl_shutdown`` can release it.
+    adapter forwards to TRL's logs; ``plugins`` is the process's :class:`~mrl_plugins.manager.MrlPluginManager`
+    (set by the manager on the first stage call): a stage opens the other stages' ends through it
+    (``ctx.plugins.weight_sync_open_sender(...)``) and finds registrations there (``ctx.plugins.backend(...)``);
+    ``resources`` is where a plugin keeps what it built for itself, under its own name, so that
+    ``mrl_shutdown`` can release it (never another stage's objects: those are handed over explicitly).
     """
 
     config: Any
     host: Any = None
     metrics: Any = None
     resources: dict[str, Any] = field(default_factory=dict)
-    backends: Mapping[str, Any] = field(default_factory=dict)
+    plugins: Any = None

@@ -4,8 +4,9 @@
   and ``mrl.rollout`` / ``mrl.weight_sync`` / ``mrl.comm`` (selected as ``mrl``);
 * third-party plugins come from the ``mrl_plugins`` entry-point group (unless autoload is off);
 * blocking (config ``disable``, ``MRL_DISABLED_PLUGINS``, ``--disable``) happens before anything is loaded;
-* per stage, exactly one plugin is selected; its stage-operation hooks are the only ones called
-  for that stage (other plugins' hook wrappers still run);
+* per stage, exactly one plugin is selected and it must implement every hook of that stage
+  (``STAGE_HOOKS``); its hooks are the only ones called for that stage (other plugins' hook wrappers
+  still run), and an unanswered one is an error naming the hook and the plugin;
 * registration hooks are collected into name -> registration tables; one name from two providers
   is an error naming both.
 
@@ -164,6 +165,15 @@ class MrlPluginManager:
         }
         return tuple(s for s in STAGES if any(h in provided for h in STAGE_HOOKS[s]))
 
+    def _missing_hooks(self, plugin: Any, stage: str) -> list[str]:
+        """The stage hooks of ``stage`` that ``plugin`` does not implement (hook wrappers do not count)."""
+        have = {
+            caller.name
+            for caller in (self.pm.get_hookcallers(plugin) or [])
+            if any(impl.plugin is plugin and not _is_wrapper(impl) for impl in caller.get_hookimpls())
+        }
+        return [h for h in STAGE_HOOKS[stage] if h not in have]
+
     def providers(self, stage: str) -> dict[str, Any]:
         return {n: p for n, p in self.pm.list_name_plugin() if p is not None and stage in self.provided_stages(p)}
 
@@ -210,6 +220,13 @@ class MrlPluginManager:
         if missing:
             raise PluginError(f"select: missing stage {missing[0]!r}; every stage needs a plugin: {choices(STAGES)}")
         resolved = {stage: self.resolve(stage, selection[stage]) for stage in STAGES}
+        for stage, name in resolved.items():
+            missing = self._missing_hooks(self.pm.get_plugin(name), stage)
+            if missing:
+                raise PluginError(
+                    f"plugins.{stage}: plugin {name!r} does not implement {choices(missing)}; a plugin selected for "
+                    f"{stage} implements {choices(STAGE_HOOKS[stage])} (see mrl_plugins.hookspecs.spec)"
+                )
         self._selected = resolved
         self._callers.clear()
 
@@ -315,21 +332,63 @@ class MrlPluginManager:
             raise PluginError(f"mrl_shutdown failed in plugin {name!r}: {type(exc).__name__}: {exc}{more}") from exc
 
     # ------------------------------------------------------------------ stage facade
-    def rollout_generate(self, *, ctx: Any, prompts: list[list[int]], num_generations: int, model_id: str = "policy"):
-        return self._caller("rollout", "mrl_rollout_generate")(
-            ctx=ctx, prompts=prompts, num_generations=num_generations, model_id=model_id
-        )
+    def _call(self, stage: str, hook: str, ctx: Any, protocol: type | None = None, **kwargs: Any) -> Any:
+        """Call ``hook`` on the plugin selected for ``stage``; an unanswered hook (``None``) or an answer that is not
+        a ``protocol`` is one PluginError naming the hook and the plugin."""
+        if getattr(ctx, "plugins", None) is None:
+            ctx.plugins = self
+        result = self._caller(stage, hook)(ctx=ctx, **kwargs)
+        name = self._selected[stage]
+        if result is None:
+            raise PluginError(
+                f"plugin {name!r} (selected for {stage}) left {hook} unanswered (returned None); a {stage} plugin "
+                f"implements {choices(STAGE_HOOKS[stage])} (see mrl_plugins.hookspecs.spec)"
+            )
+        if protocol is not None:
+            from mrl_plugins.hookspecs.channels import check_end
 
-    def weight_sync_publish(self, *, ctx: Any, model_id: str, version: int, named_tensors: Iterable[Any]):
-        return self._caller("weight_sync", "mrl_weight_sync_publish")(
-            ctx=ctx, model_id=model_id, version=version, named_tensors=named_tensors
-        )
+            check_end(result, protocol, hook, name)
+        return result
 
-    def weight_sync_receive(self, *, ctx: Any, model_id: str, timeout: float):
-        return self._caller("weight_sync", "mrl_weight_sync_receive")(ctx=ctx, model_id=model_id, timeout=timeout)
+    def rollout_open_runtime(self, *, ctx: Any, setup: Any) -> Any:
+        """The selected rollout plugin's :class:`~mrl_plugins.hookspecs.channels.RolloutRuntime`."""
+        from mrl_plugins.hookspecs.channels import RolloutRuntime
 
-    def weight_sync_switch(self, *, ctx: Any, model_id: str):
-        return self._caller("weight_sync", "mrl_weight_sync_switch")(ctx=ctx, model_id=model_id)
+        return self._call("rollout", "mrl_rollout_open_runtime", ctx, RolloutRuntime, setup=setup)
+
+    def capabilities(self, stage: str, ctx: Any = None) -> Any:
+        """What the selected plugin's ends of ``stage`` (``weight_sync`` or ``comm``) can do, before any is opened."""
+        from mrl_plugins.hookspecs.channels import Capabilities
+        from mrl_plugins.hookspecs.types import StageContext
+
+        if stage not in ("weight_sync", "comm"):
+            raise PluginError(f"capabilities: valid stages are {choices(('weight_sync', 'comm'))}, got {stage!r}")
+        ctx = ctx if ctx is not None else StageContext(config=self.config, plugins=self)
+        caps = self._call(stage, f"mrl_{stage}_capabilities", ctx)
+        if not isinstance(caps, Capabilities):
+            raise PluginError(
+                f"plugin {self._selected[stage]!r}: mrl_{stage}_capabilities returned a {type(caps).__name__}, "
+                f"expected Capabilities"
+            )
+        return caps
+
+    def weight_sync_open_sender(
+        self, *, ctx: Any, model_id: str, run_id: str, receivers: int, same_process: bool = False
+    ) -> Any:
+        from mrl_plugins.hookspecs.channels import WeightSender
+
+        return self._call(
+            "weight_sync", "mrl_weight_sync_open_sender", ctx, WeightSender,
+            model_id=model_id, run_id=run_id, receivers=receivers, same_process=same_process,
+        )  # fmt: skip
+
+    def weight_sync_open_receiver(self, *, ctx: Any, model: Any, handle: Any, model_id: str, rank: int = 0) -> Any:
+        from mrl_plugins.hookspecs.channels import WeightReceiver
+
+        return self._call(
+            "weight_sync", "mrl_weight_sync_open_receiver", ctx, WeightReceiver,
+            model=model, handle=handle, model_id=model_id, rank=rank,
+        )  # fmt: skip
 
     def weight_sync_name_map(self, model_id: str) -> Callable[[str], str] | None:
         """``name -> receiving name`` from :func:`~mrl_plugins.hookspecs.spec.mrl_weight_sync_map_name` (answers
@@ -347,17 +406,17 @@ class MrlPluginManager:
 
         return name_map
 
-    def comm_encode(self, *, ctx: Any, batch: Any, meta: Any):
-        return self._caller("comm", "mrl_comm_encode")(ctx=ctx, batch=batch, meta=meta)
+    def comm_open_consumer(self, *, ctx: Any, run_id: str, producers: int) -> Any:
+        from mrl_plugins.hookspecs.channels import ExperienceConsumer
 
-    def comm_decode(self, *, ctx: Any, frame: Any):
-        return self._caller("comm", "mrl_comm_decode")(ctx=ctx, frame=frame)
+        return self._call(
+            "comm", "mrl_comm_open_consumer", ctx, ExperienceConsumer, run_id=run_id, producers=producers
+        )
 
-    def comm_send(self, *, ctx: Any, batch: Any, meta: Any, timeout: float):
-        return self._caller("comm", "mrl_comm_send")(ctx=ctx, batch=batch, meta=meta, timeout=timeout)
+    def comm_open_producer(self, *, ctx: Any, handle: Any, index: int) -> Any:
+        from mrl_plugins.hookspecs.channels import ExperienceProducer
 
-    def comm_receive(self, *, ctx: Any, timeout: float):
-        return self._caller("comm", "mrl_comm_receive")(ctx=ctx, timeout=timeout)
+        return self._call("comm", "mrl_comm_open_producer", ctx, ExperienceProducer, handle=handle, index=index)
 
 
 def _one_line(exc: BaseException) -> str:

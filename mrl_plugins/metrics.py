@@ -66,3 +66,47 @@ class StageMetrics:
     def snapshot(self) -> dict[str, float]:
         with self._lock:
             return {k if k.startswith("mrl/") else f"mrl/{k}": v for k, v in self.totals.items()}
+
+
+def _emit(metrics: object, counters: Mapping[str, float], gauges: Mapping[str, float] | None = None) -> None:
+    """Counters add to what the log window holds already; gauges replace it (a StageMetrics or a plain dict)."""
+    if metrics is None:
+        return
+    add, gauge = getattr(metrics, "add", None), getattr(metrics, "gauge", None)
+    if callable(add) and callable(gauge):
+        for k, v in counters.items():
+            add(k, v)
+        for k, v in (gauges or {}).items():
+            gauge(k, v)
+    elif isinstance(metrics, dict):
+        for k, v in counters.items():
+            metrics[k] = metrics.get(k, 0.0) + v
+        metrics.update(gauges or {})
+
+
+def record_publish(metrics: object, report: object) -> None:
+    """Counter ``mrl/weights/publish_seconds``: a weight sender's own time for one version (any plugin's report)."""
+    if report is not None:
+        _emit(metrics, {"mrl/weights/publish_seconds": float(getattr(report, "seconds", 0.0))})
+
+
+def record_switch(metrics: object, report: object, stats: Mapping[str, float] | None = None) -> None:
+    """One switch of a weight receiver: counters ``mrl/weights/received_bytes``, ``receive_seconds`` (fetch +
+    switch), ``switches``; gauges ``active_version``, ``switch_ms``, ``fetch_gbps``, ``ignored_versions``."""
+    if report is None:
+        return
+    stats = stats or {}
+    _emit(
+        metrics,
+        {
+            "mrl/weights/received_bytes": float(report.nbytes),
+            "mrl/weights/receive_seconds": float(report.seconds),
+            "mrl/weights/switches": 1.0,
+        },
+        {
+            "mrl/weights/active_version": float(report.to_version),
+            "mrl/weights/switch_ms": float(stats.get("switch_ms", 0.0)),
+            "mrl/weights/fetch_gbps": float(stats.get("fetch_gbps", 0.0)),
+            "mrl/weights/ignored_versions": float(stats.get("ignored_versions", 0.0)),
+        },
+    )

@@ -13,31 +13,43 @@
 
 from __future__ import annotations
 
-import pickle
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from mrl_plugins.errors import PluginError
-from mrl_plugins.hookspecs import PublishReport, RolloutResult, StageContext, SwitchReport, hookimpl
+from mrl_plugins.hookspecs import (
+    Capabilities,
+    PublishReport,
+    RolloutResult,
+    RolloutSetup,
+    StageContext,
+    SwitchReport,
+    hookimpl,
+)
 
 #: fixed backend choices of the upstream stages (cross-process)
 UPSTREAM_WEIGHT_TRANSPORT = "per_param"
 UPSTREAM_COMM_TRANSPORT = "queue"
 UPSTREAM_COMM_CODEC = "raw"
 
+#: the per_param group: one collective per parameter, a new process cannot join it
+_PER_PARAM = Capabilities(collective=True)
+_QUEUE = Capabilities(rejoinable=True)
 
-class UpstreamPlugin:
-    """TRL's own behaviour for rollout, weight sync and communication."""
 
-    # ---------------------------------------------------------------- rollout
-    @hookimpl
-    def mrl_rollout_generate(
-        self, ctx: StageContext, prompts: list[list[int]], num_generations: int, model_id: str
-    ) -> RolloutResult | None:
-        trainer = ctx.host
-        if trainer is None or not hasattr(trainer, "_generate_single_turn"):
-            raise PluginError("rollout 'upstream' runs TRL's own generation and needs a TRL trainer as ctx.host")
+class TrainerGeneration:
+    """``rollout: upstream``: TRL generates with the training model (``replaces_host = False``: the adapter leaves
+    TRL's generation in place, so a run equals vanilla TRL). :meth:`generate` is that same path, callable alone."""
+
+    replaces_host = False
+
+    def __init__(self, trainer: Any) -> None:
+        self.trainer = trainer
+
+    def generate(self, prompts: list[list[int]], num_generations: int, model_id: str) -> RolloutResult:
+        trainer = self.trainer
         flat = [list(p) for p in prompts for _ in range(num_generations)]
         saved = trainer.use_vllm
         trainer.use_vllm = False
@@ -57,21 +69,35 @@ class UpstreamPlugin:
             model_id=model_id,
         )
 
-    # ---------------------------------------------------------------- weight sync
-    @hookimpl
-    def mrl_weight_sync_publish(
-        self, ctx: StageContext, model_id: str, version: int, named_tensors: Iterable[tuple[str, Any]]
-    ) -> PublishReport | None:
-        start = time.perf_counter()
-        sender = _for_model(ctx.resources.get("weight_sync.sender"), model_id)
-        if sender is not None:
-            return sender.publish(version, named_tensors)
-        target = ctx.resources.get("weight_sync.target_model")
-        if target is None:
-            raise PluginError("weight_sync 'upstream': no inference copy to update (ctx.resources has no target)")
+    def publish(self, version: int, named_tensors: Iterable[tuple[str, Any]]) -> None:
+        return None  # it generates with the training model: nothing to sync
+
+    def close(self) -> None:
+        pass
+
+
+class InPlaceSender:
+    """Upstream weight sync into an inference copy in the trainer process: one ``copy_`` per parameter into the
+    live weights (what TRL's colocated vLLM ``load_weights`` does); no staging."""
+
+    capabilities = Capabilities(in_process=True)
+
+    def __init__(self, model_id: str) -> None:
+        self.model_id = model_id
+        self.target: Any = None
+        self.version: int | None = None
+        self._last: tuple[int, float] = (0, 0.0)
+
+    def receiver_handle(self) -> InPlaceHandle:
+        return InPlaceHandle(self)
+
+    def publish(self, version: int, named_tensors: Iterable[tuple[str, Any]]) -> PublishReport:
         import torch
 
-        params = dict(target.named_parameters())
+        if self.target is None:
+            raise PluginError("weight_sync 'upstream': no inference copy to update (no receiver was opened)")
+        start = time.perf_counter()
+        params = dict(self.target.named_parameters())
         nbytes = 0
         with torch.no_grad():
             for name, tensor in named_tensors:
@@ -79,60 +105,112 @@ class UpstreamPlugin:
                     raise PluginError(f"weight_sync 'upstream': parameter {name!r} is not in the inference copy")
                 params[name].copy_(tensor)
                 nbytes += tensor.numel() * tensor.element_size()
-        ctx.resources["upstream.version"] = version
-        return PublishReport(model_id, version, nbytes, time.perf_counter() - start, shards=len(params))
+        self.version = int(version)
+        self._last = (nbytes, time.perf_counter() - start)
+        return PublishReport(self.model_id, int(version), nbytes, self._last[1], shards=len(params))
+
+    def close(self) -> None:
+        self.target = None
+
+
+class InPlaceHandle:
+    """In-process only: binds the receiving model to its :class:`InPlaceSender`."""
+
+    def __init__(self, sender: InPlaceSender) -> None:
+        self.sender = sender
+
+
+class InPlaceReceiver:
+    """The receiving side of :class:`InPlaceSender`: the weights are already live when published; :meth:`poll`
+    reports a version published since the last switch, :meth:`switch` records it."""
+
+    capabilities = InPlaceSender.capabilities
+
+    def __init__(self, model: Any, sender: InPlaceSender, model_id: str) -> None:
+        self.model, self.sender, self.model_id = model, sender, model_id
+        sender.target = model
+        self.version = 0  # the copy starts as the trainer's initial weights
+
+    def poll(self, timeout: float) -> int | None:
+        latest = self.sender.version
+        return latest if latest is not None and latest > self.version else None
+
+    def switch(self, timeout: float | None = None) -> SwitchReport | None:
+        latest = self.sender.version
+        if latest is None or latest <= self.version:
+            return None
+        nbytes, seconds = self.sender._last
+        report = SwitchReport(self.model_id, self.version, latest, nbytes, seconds)
+        self.version = latest
+        return report
+
+    @contextmanager
+    def active(self) -> Iterator[Any]:
+        yield self.model
+
+    def stats(self) -> dict[str, float]:
+        return {"version": float(self.version)}
+
+    def close(self) -> None:
+        pass
+
+
+class UpstreamPlugin:
+    """TRL's own behaviour for rollout, weight sync and communication."""
+
+    # ---------------------------------------------------------------- rollout
+    @hookimpl
+    def mrl_rollout_open_runtime(self, ctx: StageContext, setup: RolloutSetup) -> TrainerGeneration:
+        trainer = setup.host
+        if trainer is None or not hasattr(trainer, "_generate_single_turn"):
+            raise PluginError("rollout 'upstream' runs TRL's own generation and needs a TRL trainer as host")
+        return TrainerGeneration(trainer)
+
+    # ---------------------------------------------------------------- weight sync
+    @hookimpl
+    def mrl_weight_sync_capabilities(self, ctx: StageContext) -> Capabilities:
+        return _PER_PARAM
 
     @hookimpl
-    def mrl_weight_sync_receive(self, ctx: StageContext, model_id: str, timeout: float) -> int | None:
-        loader = _for_model(ctx.resources.get("weight_sync.receiver"), model_id)
-        if loader is None:  # in-process: publish already wrote the live weights
-            return None
-        return loader.poll(timeout)
+    def mrl_weight_sync_open_sender(
+        self, ctx: StageContext, model_id: str, run_id: str, receivers: int, same_process: bool
+    ) -> Any:
+        if same_process:
+            return InPlaceSender(model_id)
+        from mrl_plugins.weight_sync.broadcast import PerParamSender
+
+        sender = PerParamSender(ctx.config.weight_sync, model_id=model_id, run_id=run_id, world_size=receivers + 1)
+        sender.capabilities = _PER_PARAM
+        return sender
 
     @hookimpl
-    def mrl_weight_sync_switch(self, ctx: StageContext, model_id: str) -> SwitchReport | None:
-        loader = _for_model(ctx.resources.get("weight_sync.receiver"), model_id)
-        if loader is None:
-            return None
-        return loader.switch(ctx.config.weight_sync.timeout_s)
+    def mrl_weight_sync_open_receiver(
+        self, ctx: StageContext, model: Any, handle: Any, model_id: str, rank: int
+    ) -> Any:
+        if isinstance(handle, InPlaceHandle):
+            return InPlaceReceiver(model, handle.sender, model_id)
+        from mrl_plugins.weight_sync.plugin import attach_handle
+        from mrl_plugins.weight_sync.receiver import DirectLoader
+
+        loader = DirectLoader(model, attach_handle(handle, rank), model_id)  # into the live weights, no staging
+        loader.capabilities = _PER_PARAM
+        return loader
 
     # ---------------------------------------------------------------- comm
     @hookimpl
-    def mrl_comm_encode(self, ctx: StageContext, batch: Mapping[str, Any], meta: Mapping[str, Any]) -> bytes:
-        return pickle.dumps((dict(meta), _to_numpy(batch)), protocol=pickle.HIGHEST_PROTOCOL)
+    def mrl_comm_capabilities(self, ctx: StageContext) -> Capabilities:
+        return _QUEUE
 
     @hookimpl
-    def mrl_comm_decode(self, ctx: StageContext, frame: bytes | memoryview) -> Any:
-        return pickle.loads(frame)
+    def mrl_comm_open_consumer(self, ctx: StageContext, run_id: str, producers: int) -> Any:
+        from mrl_plugins.comm.queue_transport import queue_factory
+
+        consumer = queue_factory(ctx.config.comm, n_producers=producers, run_id=run_id)  # pickled Python objects
+        consumer.capabilities = _QUEUE
+        return consumer
 
     @hookimpl
-    def mrl_comm_send(
-        self, ctx: StageContext, batch: Mapping[str, Any], meta: Mapping[str, Any], timeout: float
-    ) -> int | None:
-        producer = ctx.resources.get("comm.producer")
-        if producer is None:
-            raise PluginError("comm 'upstream': no producer in this process (ctx.resources['comm.producer'])")
-        return producer.send(batch, meta, timeout=timeout)
-
-    @hookimpl
-    def mrl_comm_receive(self, ctx: StageContext, timeout: float) -> Any:
-        consumer = ctx.resources.get("comm.consumer")
-        if consumer is None:
-            raise PluginError("comm 'upstream': no consumer in this process (ctx.resources['comm.consumer'])")
-        return consumer.receive(timeout=timeout)
-
-
-def _to_numpy(batch: Mapping[str, Any]) -> dict[str, Any]:
-    out = {}
-    for key, value in batch.items():
-        out[key] = value.detach().cpu().numpy() if hasattr(value, "detach") else value
-    return out
-
-
-def _for_model(obj: Any, model_id: str) -> Any:
-    """A per-model resource: the object itself, or its entry in a ``model_id -> object`` dict."""
-    if isinstance(obj, dict):
-        if model_id not in obj:
-            raise PluginError(f"upstream: nothing registered for model_id={model_id!r}; have {sorted(obj)}")
-        return obj[model_id]
-    return obj
+    def mrl_comm_open_producer(self, ctx: StageContext, handle: Any, index: int) -> Any:
+        producer = handle.attach()
+        producer.capabilities = _QUEUE
+        return producer

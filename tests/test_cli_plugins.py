@@ -152,13 +152,21 @@ def test_bad_selection_exit_2_one_line(capsys, args, expected):
 
 
 COMM_PLUG = """
-    from mrl_plugins.hookspecs import hookimpl
+    from mrl_plugins.hookspecs import Capabilities, hookimpl
 
 
     class Plug:
         @hookimpl
-        def mrl_comm_encode(self, ctx, batch, meta):
-            return b"cliplug"
+        def mrl_comm_capabilities(self, ctx):
+            return Capabilities()
+
+        @hookimpl
+        def mrl_comm_open_consumer(self, ctx, run_id, producers):
+            return None
+
+        @hookimpl
+        def mrl_comm_open_producer(self, ctx, handle, index):
+            return None
 
 
     plugin = Plug()

@@ -11,8 +11,9 @@ import pytest
 import torch
 
 from mrl_plugins.comm import ChannelClosedError, CommConfig, PeerDeadError
+from mrl_plugins.comm.codec import Codec
 from mrl_plugins.comm.dist_transport import dist_factory
-from mrl_plugins.comm.plugin import CommPlugin, FrameCodec, comm_metrics
+from mrl_plugins.comm.plugin import CommPlugin, FrameCodec
 from mrl_plugins.comm.segment import shm_dir
 from mrl_plugins.comm.shm_ring import shm_factory
 from mrl_plugins.errors import StageTimeoutError
@@ -110,35 +111,38 @@ def test_torch_distributed_dead_producer_detected():
 
 
 def test_plugin_hooks_through_the_manager(fresh_pm):
-    mgr = fresh_pm()
+    """The comm stage opens both ends through its hooks from the registrations: a shm consumer and producer
+    carrying the transport's capabilities and the configured codec (fp16: the overflow fallback is counted)."""
+    from mrl_plugins.hookspecs import ExperienceConsumer, ExperienceProducer
+
+    mgr = fresh_pm({"comm": {"transport": "shm", "codec": "fp16", "slot_bytes": 1 << 20}})
     assert {"shm", "queue", "torch_distributed"} <= set(mgr.registry("mrl_comm_register_transports"))
     assert {"raw", "fp16", "bf16"} <= set(mgr.registry("mrl_comm_register_codecs"))
     ctx = StageContext(config=mgr.config)
-    factory = mgr.backend("mrl_comm_register_transports", "shm").factory
-    cons = factory(_cfg(slot_bytes=1 << 20), n_producers=1, run_id=RUN)
-    ctx.resources["comm.consumer"] = cons
-    ctx.resources["comm.producer"] = cons.producer_handle(0).attach()
+    cons = mgr.comm_open_consumer(ctx=ctx, run_id=RUN, producers=1)
+    prod = mgr.comm_open_producer(ctx=ctx, handle=cons.producer_handle(0), index=0)
     path = cons.path
     try:
-        frame = mgr.comm_encode(ctx=ctx, batch=_batch(1), meta={"model_id": "policy", "version": 2, "seq": 1})
-        meta, batch = mgr.comm_decode(ctx=ctx, frame=frame)
-        assert meta["seq"] == 1 and torch.equal(batch["completion_ids"], _batch(1)["completion_ids"])
-        assert mgr.comm_send(ctx=ctx, batch=_batch(2), meta={"seq": 2}, timeout=5) > 0
-        meta, batch = mgr.comm_receive(ctx=ctx, timeout=5)
-        assert meta["seq"] == 2 and torch.equal(batch["mask"], _batch(2)["mask"])
-        m = comm_metrics(ctx.resources)
-        assert m["mrl/comm/frames"] == 1 and m["mrl/comm/producer_fallbacks"] == 1 and "mrl/comm/wait_s" in m
-        assert m["mrl/comm/codec_fallbacks"] == 1  # 'big' in the encoded frame
-        assert m["mrl/comm/fallbacks"] == 1  # ... and seen by the shm consumer in the frame it received
+        assert isinstance(cons, ExperienceConsumer) and isinstance(prod, ExperienceProducer)
+        assert cons.capabilities.zero_copy and cons.capabilities.rejoinable and not cons.capabilities.cross_host
+        assert mgr.capabilities("comm") == cons.capabilities == prod.capabilities
+        assert prod.codec.name == "fp16"
+        assert prod.send(_batch(2), {"seq": 2}, timeout=5) > 0
+        got = cons.receive(5)
+        assert got.meta["seq"] == 2 and torch.equal(got.batch["mask"], _batch(2)["mask"])
+        got.release()
+        assert cons.stats()["frames"] == 1 and prod.stats()["fallbacks"] == 1  # 'big' does not fit fp16
+        assert cons.stats()["fallbacks"] == 1  # ... and seen by the consumer in the frame it received
     finally:
-        mgr.shutdown(ctx, "normal")
-    assert ctx.resources == {} and not os.path.exists(path)
+        prod.close()
+        cons.close()
+    assert not os.path.exists(path)
 
 
-def test_codec_registration_builds_frame_codecs():
+def test_codec_registration_builds_field_codecs():
     regs = {r.name: r for r in CommPlugin().mrl_comm_register_codecs()}
-    codec = regs["bf16"].factory(_cfg(lossless_fields=["logps"]))
-    assert isinstance(codec, FrameCodec) and codec.name == "bf16"
+    codec = FrameCodec(_cfg(), regs["bf16"].factory(_cfg(lossless_fields=["logps"])))
+    assert isinstance(codec.codec, Codec) and codec.name == "bf16"
     _, out = codec.decode(codec.encode(_batch(0), {}))
     assert torch.equal(out["logps"], _batch(0)["logps"])  # kept lossless by name
     shm = shm_factory(_cfg(), n_producers=1, run_id=RUN)

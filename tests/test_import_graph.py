@@ -1,5 +1,6 @@
 """No import circles among the package's modules (function-level imports count too: a lazy import still ties
-two modules together), and no package module imports the CLI."""
+two modules together; imports under ``if TYPE_CHECKING:`` do not, they never run -- the hook specs' parameter
+types), and no package module imports the CLI."""
 
 from __future__ import annotations
 
@@ -28,7 +29,17 @@ def _modules() -> dict[str, Path]:
 def _imports(name: str, path: Path, known: set[str]) -> set[str]:
     pkg = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
     found = set()
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    tree = ast.parse(path.read_text(), str(path))
+    typing_only = {
+        id(n)
+        for block in ast.walk(tree)
+        if isinstance(block, ast.If) and getattr(block.test, "id", getattr(block.test, "attr", "")) == "TYPE_CHECKING"
+        for stmt in block.body
+        for n in ast.walk(stmt)
+    }
+    for node in ast.walk(tree):
+        if id(node) in typing_only:
+            continue
         if isinstance(node, ast.Import):
             targets = [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom):

@@ -106,7 +106,7 @@ def test_hybrid_grpo_run_rebalances_and_trains(tmp_path):
     rollout = {"workers": 2, "colocated_workers": 1, "rebalance": True, "rebalance_window": 2}
     rollout |= {"rebalance_low": 0.98, "rebalance_high": 0.99}
     mrl_plugins.enable(trainer, {"mode": "hybrid", "rollout": rollout})
-    pool = trainer._mrl_state.ctx.resources["rollout.runtime"].pool
+    pool = trainer._mrl_state.runtime.pool
     deadline = time.monotonic() + 120
     while not pool.ready and time.monotonic() < deadline:  # tiny steps would all finish during the warm-up
         time.sleep(0.05)

@@ -81,7 +81,7 @@ def test_dead_remote_worker_is_a_clear_error_within_the_timeout(tmp_path):
 def test_remote_workers_need_transports_that_reach_other_hosts():
     from mrl_plugins.errors import ConfigError
 
-    with pytest.raises(ConfigError, match=r"remote_workers: workers on other hosts need comm.transport in"):
+    with pytest.raises(ConfigError, match=r"remote_workers: .* need comm and weight-sync ends that reach other hosts"):
         make_pool({"rollout": {"remote_workers": 1}}, placements=[])
     with pytest.raises(ConfigError, match="rollout.rendezvous: expected HOST:PORT"):
         make_pool({"rollout": {"remote_workers": 1, "rendezvous": "nohost"}}, placements=[])
@@ -106,7 +106,7 @@ def test_grpo_trains_with_a_remote_worker(tmp_path):
             "weight_sync": {"transport": "directory", "directory": str(tmp_path / "weights")},
         },
     )
-    proc = _start_worker(trainer._mrl_state.ctx.resources["rollout.runtime"].pool)
+    proc = _start_worker(trainer._mrl_state.runtime.pool)
     try:
         trainer.train()  # shuts the pool down at its end: the worker takes its stop
         out, _ = proc.communicate(timeout=60)

@@ -165,8 +165,8 @@ def test_peft_policy_generates_with_the_merged_trained_weights(tmp_path, workers
     monkeypatch.setattr(sources, "iter_trainer_weights", recording)
     mrl_plugins.enable(trainer, {"rollout": {"workers": workers, "local_warmup": False, "pipeline": "sync"}})
     if workers == 0:  # built when train() begins: build it now to look at the inference copy
-        trainer._mrl_state.ctx.resources["rollout.runtime"].start()
-    served = trainer._mrl_state.ctx.resources["weight_sync.receiver"].model if workers == 0 else None
+        trainer._mrl_state.runtime.start()
+    served = trainer._mrl_state.runtime.runtime.receiver.model if workers == 0 else None
     trainer.train()
     assert len(published) == 3
     last = published[-1]
@@ -282,7 +282,7 @@ def test_worker_pool_async_trains_and_cleans_up(tmp_path, kind):
     cfg = load_yaml("colocate")
     cfg["rollout"]["local_warmup"] = False  # every batch from the worker process
     mrl_plugins.enable(trainer, load_config(cfg))
-    pool = trainer._mrl_state.ctx.resources["rollout.runtime"].pool
+    pool = trainer._mrl_state.runtime.pool
     pids = list(pool.pids)
     assert pids and all(psutil.pid_exists(p) for p in pids)
     trainer.train()

@@ -92,7 +92,7 @@ def test_process_state_changes_only_while_training(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "mrl-plugins: rollout=mrl (1 worker, cores [1]; trainer cores [0]), weight_sync=shm, comm=shm/fp16" in err
     assert _process_state() == before
-    runtime = trainer._mrl_state.ctx.resources["rollout.runtime"]
+    runtime = trainer._mrl_state.runtime
     assert not runtime.started
     assert {p.pid for p in psutil.Process().children(recursive=True)} == children  # nothing spawned yet
 
@@ -131,7 +131,7 @@ def test_untrained_trainer_releases_workers_when_collected(tmp_path):
     trainer = _trainer(tmp_path)
     before = _process_state()
     mrl_plugins.enable(trainer, _colocate())
-    pool = trainer._mrl_state.ctx.resources["rollout.runtime"].pool  # first use: starts it
+    pool = trainer._mrl_state.runtime.pool  # first use: starts it
     pids, run_id = list(pool.pids), pool.run_id
     assert pids and _shm(run_id)
     del pool, trainer
@@ -154,13 +154,13 @@ def test_second_enable_stops_the_first_pool(tmp_path):
     first = _trainer(tmp_path / "a")
     original_train = first.train
     mrl_plugins.enable(first, _colocate())
-    pool = first._mrl_state.ctx.resources["rollout.runtime"].pool
+    pool = first._mrl_state.runtime.pool
     pids, run_id = list(pool.pids), pool.run_id
     second = _trainer(tmp_path / "b")
     mrl_plugins.enable(second, _colocate())
     assert all(_gone(p) for p in pids) and _shm(run_id) == []
-    assert not first._mrl_state.ctx.resources["rollout.runtime"].started
-    again = second._mrl_state.ctx.resources["rollout.runtime"].pool
+    assert not first._mrl_state.runtime.started
+    again = second._mrl_state.runtime.pool
     pids, run_id = list(again.pids), again.run_id
     mrl_plugins.enable(second, _colocate())  # the same trainer again (a notebook cell run twice)
     assert all(_gone(p) for p in pids) and _shm(run_id) == []
@@ -199,7 +199,7 @@ def test_run_shorter_than_worker_start_warns_and_does_not_wait(tmp_path, caplog)
 
     trainer = _trainer(tmp_path, steps=1)
     mrl_plugins.enable(trainer, _colocate())
-    runtime = trainer._mrl_state.ctx.resources["rollout.runtime"]
+    runtime = trainer._mrl_state.runtime
     seen = {}
 
     class End(TrainerCallback):
@@ -228,7 +228,7 @@ def test_warmup_engine_is_transformers_whatever_the_rollout_engine(tmp_path, ins
     install_dist("slowplug", {"slowplug": "tests.pool_helpers:slow_engine_plugin"}, {})
     trainer = _trainer(tmp_path)
     mrl_plugins.enable(trainer, _colocate(engine="slow"))
-    runtime = trainer._mrl_state.ctx.resources["rollout.runtime"]
+    runtime = trainer._mrl_state.runtime
     assert isinstance(runtime._local_factory(), TransformersEngine)
     assert not runtime.started
 
@@ -247,7 +247,7 @@ SCRIPT = textwrap.dedent(
     cfg = load_config({"train": {"model": "tiny", "steps": 500, "output_dir": sys.argv[1]}})
     trainer = build_trainer(cfg, enable_plugins=False, output_dir=sys.argv[1])
     mrl_plugins.enable(trainer, {"rollout": {"local_warmup": False}})
-    runtime = trainer._mrl_state.ctx.resources["rollout.runtime"]
+    runtime = trainer._mrl_state.runtime
 
     class Report(TrainerCallback):
         def on_step_end(self, args, state, control, **kwargs):

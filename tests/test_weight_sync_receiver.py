@@ -6,12 +6,11 @@ import logging
 import threading
 import time
 
-import pluggy
 import pytest
 import torch
 
 from mrl_plugins.errors import StageTimeoutError
-from mrl_plugins.hookspecs import StageContext, hookimpl, spec
+from mrl_plugins.hookspecs import StageContext, hookimpl
 from mrl_plugins.metrics import StageMetrics
 from mrl_plugins.weight_sync import (
     DirectorySender,
@@ -24,7 +23,7 @@ from mrl_plugins.weight_sync import (
     iter_trainer_weights,
     should_publish,
 )
-from mrl_plugins.weight_sync.plugin import RECEIVER_KEY, SENDER_KEY, WeightSyncPlugin
+from mrl_plugins.weight_sync.plugin import WeightSyncPlugin
 from mrl_plugins.weight_sync.shm import TABLE_OFF
 from mrl_plugins.weight_sync.sources import peft_base_name
 
@@ -287,48 +286,56 @@ def test_sources_peft_merge_and_unmerge():
     assert adapters and all("lora_" in n for n in adapters)
 
 
-def test_plugin_hooks_route_to_resources(shm):
-    pm = pluggy.PluginManager("mrl_plugins")
-    pm.add_hookspecs(spec)
-    plugin = WeightSyncPlugin()
-    pm.register(plugin, name="mrl")
-    regs = [r for rs in pm.hook.mrl_weight_sync_register_transports() for r in rs]
-    assert {r.name for r in regs} == {"shm", "directory", "broadcast", "per_param"}
+def test_plugin_opens_both_ends_and_the_caller_counts_their_reports(fresh_pm):
+    """``mrl_weight_sync_open_sender``/``_open_receiver`` of the built-in stage build a shm sender and a
+    double-buffered receiver carrying the transport's capabilities; the weight metrics come from the reports."""
+    from mrl_plugins.hookspecs import WeightReceiver, WeightSender
+    from mrl_plugins.metrics import record_publish, record_switch
+
+    mgr = fresh_pm({"weight_sync": {"transport": "shm", "timeout_s": 5, "chunk_bytes": 512}})
+    regs = mgr.registry("mrl_weight_sync_register_transports")
+    assert {"shm", "directory", "broadcast", "per_param"} <= set(regs)
+    assert regs["broadcast"].capabilities.collective and not regs["broadcast"].capabilities.rejoinable
+    assert regs["directory"].capabilities.cross_host and regs["directory"].capabilities.rejoinable
     model = make_model()
-    s = shm()
-    recv = DoubleBufferedReceiver(model, s.receiver_handle().attach())
+    ctx = StageContext(config=mgr.config)
+    s = mgr.weight_sync_open_sender(ctx=ctx, model_id="policy", run_id="rx", receivers=1, same_process=True)
+    recv = mgr.weight_sync_open_receiver(ctx=ctx, model=model, handle=s.receiver_handle(), model_id="policy")
+    assert isinstance(s, WeightSender) and isinstance(recv, WeightReceiver) and isinstance(s, ShmSender)
+    assert s.capabilities == recv.capabilities == mgr.capabilities("weight_sync") == regs["shm"].capabilities
     metrics = StageMetrics()
-    ctx = StageContext(config=None, metrics=metrics, resources={SENDER_KEY: {"policy": s}, RECEIVER_KEY: recv})
-    for v in (2, 3, 4):  # three switches inside one log window
-        rep = pm.hook.mrl_weight_sync_publish(ctx=ctx, model_id="policy", version=v, named_tensors=filled(model, v))
-        assert rep.version == v and rep.nbytes == recv.param_bytes
-        assert pm.hook.mrl_weight_sync_receive(ctx=ctx, model_id="policy", timeout=2.0) == v
-        sw = pm.hook.mrl_weight_sync_switch(ctx=ctx, model_id="policy")
-        assert sw.to_version == v and values(model) == {float(v)}
-    logged = metrics.flush()
-    # counters: what happened in the window (not running totals added up again); gauges: the last value
-    assert logged["mrl/weights/switches"] == 3 and logged["mrl/weights/received_bytes"] == 3 * recv.param_bytes
-    assert logged["mrl/weights/active_version"] == 4 and logged["mrl/weights/ignored_versions"] == 0
-    assert 0 < logged["mrl/weights/receive_seconds"] < 30 and logged["mrl/weights/publish_seconds"] > 0
-    s.publish(5, filled(model, 5.0))
-    pm.hook.mrl_weight_sync_receive(ctx=ctx, model_id="policy", timeout=2.0)
-    pm.hook.mrl_weight_sync_switch(ctx=ctx, model_id="policy")
-    assert metrics.flush()["mrl/weights/switches"] == 1  # the next window starts from zero
-    plain: dict[str, float] = {}  # a plain mapping accumulates the same way
-    ctx.metrics = plain
-    for v in (6, 7):
-        s.publish(v, filled(model, v))
-        pm.hook.mrl_weight_sync_receive(ctx=ctx, model_id="policy", timeout=2.0)
-        pm.hook.mrl_weight_sync_switch(ctx=ctx, model_id="policy")
-    assert plain["mrl/weights/switches"] == 2 and plain["mrl/weights/active_version"] == 7
-    with pytest.raises(Exception, match="no sender for model_id='reference'"):
-        pm.hook.mrl_weight_sync_publish(ctx=ctx, model_id="reference", version=1, named_tensors=[])
-    pm.hook.mrl_shutdown(ctx=ctx, reason="normal")
-    assert ctx.resources == {} and s._closed
+    try:
+        for v in (2, 3, 4):  # three switches inside one log window
+            rep = s.publish(v, filled(model, v))
+            record_publish(metrics, rep)
+            assert rep.version == v and rep.nbytes == recv.param_bytes
+            assert recv.poll(2.0) == v
+            sw = recv.switch(5)
+            record_switch(metrics, sw, recv.stats())
+            assert sw.to_version == v and values(model) == {float(v)}
+        logged = metrics.flush()
+        # counters: what happened in the window (not running totals added up again); gauges: the last value
+        assert logged["mrl/weights/switches"] == 3 and logged["mrl/weights/received_bytes"] == 3 * recv.param_bytes
+        assert logged["mrl/weights/active_version"] == 4 and logged["mrl/weights/ignored_versions"] == 0
+        assert 0 < logged["mrl/weights/receive_seconds"] < 30 and logged["mrl/weights/publish_seconds"] > 0
+        s.publish(5, filled(model, 5.0))
+        recv.poll(2.0)
+        record_switch(metrics, recv.switch(5), recv.stats())
+        assert metrics.flush()["mrl/weights/switches"] == 1  # the next window starts from zero
+        plain: dict[str, float] = {}  # a plain mapping accumulates the same way
+        for v in (6, 7):
+            s.publish(v, filled(model, v))
+            recv.poll(2.0)
+            record_switch(plain, recv.switch(5), recv.stats())
+        assert plain["mrl/weights/switches"] == 2 and plain["mrl/weights/active_version"] == 7
+    finally:
+        recv.close()
+        s.close()
+    assert s._closed
 
 
 def test_hookimpl_marker_is_the_projects():
-    assert getattr(WeightSyncPlugin.mrl_weight_sync_publish, "mrl_plugins_impl", None) is not None
+    assert getattr(WeightSyncPlugin.mrl_weight_sync_open_sender, "mrl_plugins_impl", None) is not None
     assert hookimpl is not None
 
 

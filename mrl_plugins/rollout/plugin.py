@@ -5,8 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 from typing import Any
 
-from mrl_plugins.errors import PluginError
-from mrl_plugins.hookspecs import RolloutEngine, RolloutResult, StageContext, hookimpl
+from mrl_plugins.hookspecs import RolloutEngine, RolloutSetup, StageContext, hookimpl
 
 
 def engine_registrations() -> Iterator[Any]:
@@ -30,27 +29,15 @@ def engine_registrations() -> Iterator[Any]:
 
 
 class RolloutPlugin:
-    """Engines (``transformers``, ``vllm``), the in-process/worker-pool runtime and the async pipeline.
-
-    Keys in ``ctx.resources``: ``rollout.runtime`` -- a :class:`~mrl_plugins.rollout.runtime.LocalEngineRuntime`
-    or :class:`~mrl_plugins.rollout.runtime.PoolRuntime`, built by the adapter.
-    """
+    """Engines (``transformers``, ``vllm``) and the runtime: an in-process engine or a pool of worker processes
+    (:mod:`mrl_plugins.rollout.build`), which opens the weight-sync and comm stages' ends through their hooks."""
 
     @hookimpl
     def mrl_rollout_register_engines(self) -> Iterable[RolloutEngine]:
         return list(engine_registrations())
 
     @hookimpl
-    def mrl_rollout_generate(
-        self, ctx: StageContext, prompts: list[list[int]], num_generations: int, model_id: str
-    ) -> RolloutResult | None:
-        runtime = ctx.resources.get("rollout.runtime")
-        if runtime is None:
-            raise PluginError("rollout 'mrl': no runtime in ctx.resources['rollout.runtime'] (enable() builds it)")
-        return runtime.generate(prompts, num_generations, model_id)
+    def mrl_rollout_open_runtime(self, ctx: StageContext, setup: RolloutSetup) -> Any:
+        from .build import open_runtime
 
-    @hookimpl
-    def mrl_shutdown(self, ctx: StageContext, reason: str) -> None:
-        runtime: Any = ctx.resources.pop("rollout.runtime", None)
-        if runtime is not None:
-            runtime.close()
+        return open_runtime(ctx, setup)

@@ -36,49 +36,62 @@ from typing import Any
 from mrl_plugins.comm.base import ChannelClosedError
 from mrl_plugins.errors import MrlError, StageTimeoutError
 from mrl_plugins.hookspecs import RolloutResult, StageContext
+from mrl_plugins.metrics import record_publish
 
 from .lifecycle import ReadyClock, finalizer, release, spawn_quiet
 from .worker import REQ_STOP, REQ_WEIGHTS, ServedModel, WorkerSpec, budget_metrics, worker_main
 
 log = logging.getLogger("mrl_plugins.rollout")
 
-REMOTE_COMM = ("torch_distributed",)  # experience paths that reach other hosts
-REMOTE_WEIGHTS = ("directory",)  # weight paths verified to reach other hosts (broadcast: not yet)
-#: weight transports through a dedicated collective group: the trainer (rank 0) and one rank per worker (i + 1),
-#: formed at the first transfer; a new process cannot rejoin it (no restarts, no moves)
-COLLECTIVE_WEIGHTS = ("broadcast", "per_param")
 
-
-def _no_rejoin(ws_name: str) -> str:
-    """Why a collective weight transport cannot take a restarted worker (one wording for every refusal)."""
+def _no_rejoin(what: str) -> str:
+    """Why an end that is not ``rejoinable`` cannot take a restarted worker (one wording for every refusal)."""
     return (
-        f"weight_sync.transport {ws_name!r} (the 'upstream' weight sync is 'per_param') keeps the group formed at "
-        "its first transfer, which a new process cannot rejoin; use 'shm' or 'directory'"
+        f"{what} keeps the group formed at its first transfer, which a new process cannot rejoin (its ends are not "
+        "rejoinable); use weight_sync.transport 'shm' or 'directory' and comm.transport 'shm' or 'queue'"
     )
 
 
-def check_pool_config(pm: Any, cfg: Any, n_local: int) -> tuple[str, str]:
-    """What a pool of ``n_local`` local workers (plus ``rollout.remote_workers``) refuses under ``cfg``, checked
-    before anything is started (the adapter asks at ``enable()``); returns the comm and weight transports."""
-    from mrl_plugins.errors import ConfigError, choices
+def _stage_names(pm: Any, cfg: Any) -> tuple[str, str]:
+    """How the comm and weight-sync ends are named in errors: the plugin and, for ``mrl``, its transport."""
     from mrl_plugins.upstream import UPSTREAM_COMM_TRANSPORT, UPSTREAM_WEIGHT_TRANSPORT
+
+    def name(stage: str, transport: str, upstream: str) -> str:
+        plugin = pm.selected.get(stage, "")
+        if plugin == "upstream":
+            return f"the 'upstream' {stage} ({upstream})"
+        if plugin == f"mrl.{stage}":
+            return f"{stage}.transport {transport!r}"
+        return f"plugins.{stage} {plugin!r}"
+
+    return (
+        name("comm", cfg.comm.transport, UPSTREAM_COMM_TRANSPORT),
+        name("weight_sync", cfg.weight_sync.transport, UPSTREAM_WEIGHT_TRANSPORT),
+    )
+
+
+def check_pool_config(pm: Any, cfg: Any, n_local: int) -> tuple[Any, Any]:
+    """What a pool of ``n_local`` local workers (plus ``rollout.remote_workers``) refuses under ``cfg``, decided by
+    the selected comm and weight-sync plugins' capabilities and checked before anything is started (the adapter
+    asks at ``enable()``); returns those capabilities ``(comm, weight_sync)``."""
+    from mrl_plugins.errors import ConfigError
 
     remote = cfg.rollout.remote_workers
     if n_local + remote < 1:
         raise ConfigError("rollout.workers: a worker pool needs at least one worker (local or remote)")
-    comm_name = UPSTREAM_COMM_TRANSPORT if pm.is_upstream("comm") else cfg.comm.transport
-    ws_name = UPSTREAM_WEIGHT_TRANSPORT if pm.is_upstream("weight_sync") else cfg.weight_sync.transport
-    if remote and (comm_name not in REMOTE_COMM or ws_name not in REMOTE_WEIGHTS):
+    ctx = StageContext(config=cfg, plugins=pm)
+    comm, ws = pm.capabilities("comm", ctx), pm.capabilities("weight_sync", ctx)
+    comm_name, ws_name = _stage_names(pm, cfg)
+    if remote and not (comm.cross_host and ws.cross_host):
         raise ConfigError(
-            f"rollout.remote_workers: workers on other hosts need comm.transport in {choices(REMOTE_COMM)} "
-            f"and weight_sync.transport in {choices(REMOTE_WEIGHTS)} (plugins 'mrl'); got {comm_name!r} and "
-            f"{ws_name!r}"
+            f"rollout.remote_workers: workers on other hosts need comm and weight-sync ends that reach other hosts "
+            f"(cross_host: comm.transport 'torch_distributed', weight_sync.transport 'directory'); {comm_name} "
+            f"{'does' if comm.cross_host else 'does not'}, {ws_name} {'does' if ws.cross_host else 'does not'}"
         )
-    if ws_name in COLLECTIVE_WEIGHTS and cfg.rollout.rebalance:
-        raise ConfigError(f"rollout.rebalance moves (restarts) workers: {_no_rejoin(ws_name)}, or rebalance: false")
-    pm.backend("mrl_comm_register_transports", comm_name)  # unknown names: one error now, not at train()
-    pm.backend("mrl_weight_sync_register_transports", ws_name)
-    return comm_name, ws_name
+    if cfg.rollout.rebalance and not (ws.rejoinable and comm.rejoinable):
+        what = ws_name if not ws.rejoinable else comm_name
+        raise ConfigError(f"rollout.rebalance moves (restarts) workers: {_no_rejoin(what)}, or rebalance: false")
+    return comm, ws
 
 
 class WorkerDiedError(MrlError):
@@ -131,7 +144,7 @@ class WorkerPool:
         self.started_at = time.monotonic()
         remote = cfg.rollout.remote_workers
         self.n = len(placements) + remote
-        comm_name, ws_name = check_pool_config(pm, cfg, len(placements))
+        comm_caps, ws_caps = check_pool_config(pm, cfg, len(placements))
         scheduled = {"policy": model, **(extra_models or {})}
         self.score_with = tuple(score_models or ())
         clash = [m for m in self.score_with if m in scheduled]
@@ -163,16 +176,21 @@ class WorkerPool:
         self._restarts = 0
         self.budgets: dict[int, dict] = {}  # worker -> {"budget": AppliedBudget.as_dict(), "memory": {...}}
         self._closed = False
-        self._ws_name = ws_name
-        collective = ws_name in COLLECTIVE_WEIGHTS
-        comm_factory = pm.backend("mrl_comm_register_transports", comm_name).factory
-        ws_factory = pm.backend("mrl_weight_sync_register_transports", ws_name).factory
-        self.consumer = comm_factory(cfg.comm, n_producers=self.n, run_id=self.run_id)
-        ctx.resources["comm.consumer"] = self.consumer
-        group = {"world_size": self.n + 1} if collective else {}  # the trainer plus one rank per worker
-        self.senders = {m: ws_factory(cfg.weight_sync, model_id=m, run_id=self.run_id, **group) for m in self.models}
+        self._comm_caps, self._ws_caps = comm_caps, ws_caps
+        self._names = _stage_names(pm, cfg)
+        # the other stages' ends, opened through their plugins' hooks and owned by this pool
+        self.consumer = pm.comm_open_consumer(ctx=ctx, run_id=self.run_id, producers=self.n)
+        self.senders: dict[str, Any] = {}
+        try:
+            for m in self.models:
+                self.senders[m] = pm.weight_sync_open_sender(
+                    ctx=ctx, model_id=m, run_id=self.run_id, receivers=self.n, same_process=False
+                )
+        except BaseException:
+            for end in (*self.senders.values(), self.consumer):
+                end.close()
+            raise
         self.sender = self.senders["policy"]
-        ctx.resources["weight_sync.sender"] = self.sender if len(self.senders) == 1 else self.senders
         served = {
             m: ServedModel(mod.config.to_dict(), type(mod).__name__, self.senders[m].receiver_handle())
             for m, mod in self.models.items()
@@ -210,7 +228,6 @@ class WorkerPool:
                 env=place.get("env", {}),
                 device=place.get("device", "cpu"),
                 seed=seed,
-                direct_weights=pm.is_upstream("weight_sync"),
                 log_level=logging.getLogger("mrl_plugins").getEffectiveLevel(),
             )
             self._specs.append(spec)
@@ -290,10 +307,11 @@ class WorkerPool:
                 raise WorkerDiedError(f"{why} (remote workers are not restarted: start `mrl worker` again)")
         for i, proc in enumerate(self._procs):
             if proc is not None and not proc.is_alive():
-                if self._ws_name in COLLECTIVE_WEIGHTS:
+                why = self._not_rejoinable()
+                if why is not None:
                     raise WorkerDiedError(
                         f"rollout worker {i} (pid {proc.pid}) died with exit code {proc.exitcode}; it is not "
-                        f"restarted: {_no_rejoin(self._ws_name)}"
+                        f"restarted: {why}"
                     )
                 if self._restarts < self.cfg.rollout.restart_workers:
                     self._restarts += 1
@@ -307,6 +325,16 @@ class WorkerPool:
                     f"rollout worker {i} (pid {proc.pid}) died with exit code {proc.exitcode}; "
                     f"set rollout.restart_workers > 0 to restart dead workers"
                 )
+
+    def _not_rejoinable(self) -> str | None:
+        """Why a worker cannot be replaced by a new process (its ends are not rejoinable), or None."""
+        for ends, caps, what in (
+            ([*self.senders.values()], self._ws_caps, self._names[1]),
+            ([self.consumer], self._comm_caps, self._names[0]),
+        ):
+            if not all(getattr(e, "capabilities", caps).rejoinable for e in ends):
+                return _no_rejoin(what)
+        return None
 
     def _send(self, w: int, t: _Ticket, chunk: int, prompts: list[list[int]]) -> None:
         t.chunks[chunk] = (w, prompts)
@@ -335,8 +363,9 @@ class WorkerPool:
             raise ConfigError(f"move_worker: worker {i} runs on another host; restart its `mrl worker` instead")
         if i in self._draining or self.n - len(self._draining) < 2:
             raise ConfigError("move_worker: needs another active worker to serve while this one moves")
-        if self._ws_name in COLLECTIVE_WEIGHTS:
-            raise ConfigError(f"move_worker restarts the worker: {_no_rejoin(self._ws_name)}")
+        why = self._not_rejoinable()
+        if why is not None:
+            raise ConfigError(f"move_worker restarts the worker: {why}")
         timeout = self.cfg.rollout.start_timeout_s if timeout is None else timeout
         deadline = time.monotonic() + timeout
         self._draining.add(i)
@@ -398,12 +427,11 @@ class WorkerPool:
             self._switching[model_id] = (int(version), time.monotonic() + self.cfg.weight_sync.timeout_s)
         # every worker gets a notice: idle ones fetch at once instead of at their next poll. A collective transport
         # needs them to join while the publish runs (notice first); the others read a finished version (after)
-        collective = self._ws_name in COLLECTIVE_WEIGHTS
+        collective = self.senders[model_id].capabilities.collective
         if collective:
             self._notify(model_id, version)
-        report = self.pm.weight_sync_publish(
-            ctx=self.ctx, model_id=model_id, version=version, named_tensors=named_tensors
-        )
+        report = self.senders[model_id].publish(version, named_tensors)
+        record_publish(self.ctx.metrics, report)
         if not collective:
             self._notify(model_id, version)
         return report
@@ -521,15 +549,14 @@ class WorkerPool:
         self._drain_events()
         self._dispatch()
         try:
-            got = self.pm.comm_receive(ctx=self.ctx, timeout=wait)
+            got = self.consumer.receive(wait)
         except (TimeoutError, ChannelClosedError):
             # dead or closed producers: the callers' _check_workers() raises or restarts them
             time.sleep(0.05)
             return
-        meta, batch = _unpack(got)
-        entry = (meta, {k: _own(v) for k, v in batch.items()})
-        if hasattr(got, "release"):
-            got.release()
+        meta = dict(got.meta)
+        entry = (meta, {k: _own(v) for k, v in got.batch.items()})
+        got.release()
         key = (int(meta["seq"]), int(meta["chunk"]))
         w = int(meta.get("worker", -1))
         if 0 <= w < self.n:
@@ -643,13 +670,6 @@ def _main_not_reimported() -> Iterator[None]:
     finally:
         if main is not None:
             main.__dict__.update(saved)
-
-
-def _unpack(got: Any) -> tuple[dict, dict]:
-    if hasattr(got, "meta") and hasattr(got, "batch"):
-        return dict(got.meta), dict(got.batch)
-    meta, batch = got
-    return dict(meta), dict(batch)
 
 
 def _own(value: Any) -> Any:

@@ -78,7 +78,8 @@ class LookaheadLoader:
 
 
 class MrlGeneration:
-    """Stands in for ``trainer.vllm_generation``; routes through the selected stage plugins."""
+    """Stands in for ``trainer.vllm_generation``; calls the rollout stage's runtime (``runtime``, set by the adapter
+    from ``mrl_rollout_open_runtime``)."""
 
     def __init__(self, pm: Any, ctx: StageContext, trainer: Any) -> None:
         self.pm = pm
@@ -90,8 +91,7 @@ class MrlGeneration:
         self.version = -1
         self.metrics = ctx.metrics
         self.last_result: RolloutResult | None = None  # the latest generation (its ``scores`` feed ref_logps)
-        # ``publisher(version, named_tensors)``: a worker pool's publish (notices, switch bookkeeping); None: the hook
-        self.publisher: Any = None
+        self.runtime: Any = None  # a RolloutRuntime: generate() and publish()
 
     # ---------------------------------------------------------------- TRL interface
     def sync_weights(self) -> None:
@@ -107,10 +107,7 @@ class MrlGeneration:
         accelerator = getattr(self.trainer, "accelerator", None)
         t0 = time.perf_counter()
         tensors = iter_trainer_weights(self.trainer.model_wrapped, accelerator)
-        if self.publisher is not None:
-            rep = self.publisher(version, tensors)
-        else:
-            rep = self.pm.weight_sync_publish(ctx=self.ctx, model_id="policy", version=version, named_tensors=tensors)
+        rep = self.runtime.publish(version, tensors)
         self.version = version
         self.metrics.add("time/weight_sync_s", time.perf_counter() - t0)
         if rep is not None:
@@ -124,7 +121,7 @@ class MrlGeneration:
             raise PluginError("mrl rollout: image prompts are not supported; set plugins.rollout: upstream")
         with profiler or nullcontext():
             t0 = time.perf_counter()
-            result = self.pm.rollout_generate(ctx=self.ctx, prompts=prompts, num_generations=1, model_id="policy")
+            result = self.runtime.generate(prompts, 1, "policy")
             self.metrics.add("time/generate_s", time.perf_counter() - t0)
         self.last_result = result
         self.metrics.gauge("rollout/staleness", max(0, self.version - result.weight_version))
@@ -134,6 +131,8 @@ class MrlGeneration:
 
 class LocalEngineRuntime:
     """``rollout.workers: 0``: an engine on an inference copy inside the trainer process."""
+
+    replaces_host = True
 
     def __init__(self, pm: Any, ctx: StageContext, model: Any, sampling: Any, engine_factory: Any, seed: int) -> None:
         import torch
@@ -147,52 +146,42 @@ class LocalEngineRuntime:
             self.model, None, params=sampling, device=str(_device_of(model)), seed=seed,
             **({"options": options} if options else {}),
         )  # fmt: skip
-        cfg = ctx.config
-        if pm.is_upstream("weight_sync"):
-            ctx.resources["weight_sync.target_model"] = self.model
-            self.receiver = None
-        else:
-            from mrl_plugins.weight_sync.receiver import DoubleBufferedReceiver
-
-            sender = pm.backend("mrl_weight_sync_register_transports", cfg.weight_sync.transport).factory(
-                cfg.weight_sync, model_id="policy", run_id=f"local{id(self):x}"
-            )
-            ctx.resources["weight_sync.sender"] = sender
-            self.receiver = DoubleBufferedReceiver(
-                self.model,
-                sender.receiver_handle().attach(),
-                staging=cfg.weight_sync.staging,
-                name_map=pm.weight_sync_name_map("policy"),
-            )
-            ctx.resources["weight_sync.receiver"] = self.receiver
+        # the weight-sync stage's ends, opened through its plugin's hooks: the receiver loads into this copy
+        self.sender = pm.weight_sync_open_sender(
+            ctx=ctx, model_id="policy", run_id=f"local{id(self):x}", receivers=1, same_process=True
+        )
+        self.receiver = pm.weight_sync_open_receiver(
+            ctx=ctx, model=self.model, handle=self.sender.receiver_handle(), model_id="policy", rank=0
+        )
         self._torch = torch
 
+    def publish(self, version: int, named_tensors: Any) -> Any:
+        from mrl_plugins.metrics import record_publish
+
+        report = self.sender.publish(version, named_tensors)
+        record_publish(self.ctx.metrics, report)
+        return report
+
     def generate(self, prompts: list[list[int]], num_generations: int, model_id: str) -> RolloutResult:
-        staged = self.pm.weight_sync_receive(
-            ctx=self.ctx, model_id=model_id, timeout=self.ctx.config.weight_sync.timeout_s
-        )
+        from mrl_plugins.metrics import record_switch
+
+        timeout = self.ctx.config.weight_sync.timeout_s
+        staged = self.receiver.poll(timeout)
         if staged is not None:
-            report = self.pm.weight_sync_switch(ctx=self.ctx, model_id=model_id)
+            report = self.receiver.switch(timeout)
+            record_switch(self.ctx.metrics, report, self.receiver.stats())
             if getattr(self.engine, "applies_weights", False):  # vLLM: its own copy gets the switched version
                 self.engine.apply_weights(version=int(report.to_version) if report is not None else int(staged))
                 self.ctx.metrics.gauge("weights/engine_apply_ms", self.engine.last_apply_ms)
-        elif getattr(self.engine, "applies_weights", False) and self.receiver is None:
-            version = self.ctx.resources.get("upstream.version", 0)  # upstream sync loaded the copy in place
-            if version != self.engine.weight_version:
-                self.engine.apply_weights(version=version)
-        active = self.receiver.active() if self.receiver is not None else nullcontext(self.model)
-        with active:
-            version = (
-                self.receiver.version if self.receiver is not None else self.ctx.resources.get("upstream.version", 0)
-            )
+        with self.receiver.active():
+            version = self.receiver.version
             out = self.engine.generate(prompts, num_generations)
         flat = [list(p) for p in prompts for _ in range(num_generations)]
         return RolloutResult(flat, out.completion_ids, out.logprobs, int(version), model_id)
 
     def close(self) -> None:
-        sender = self.ctx.resources.pop("weight_sync.sender", None)
-        if sender is not None:
-            sender.close()
+        for end in (self.receiver, self.sender):
+            end.close()
         close = getattr(self.engine, "close", None)
         if callable(close):
             close()
@@ -222,7 +211,6 @@ class PoolRuntime:
         self.pm, self.ctx, self.gen = pm, ctx, gen
         self._pool_factory = pool_factory
         self._balancer_factory = balancer_factory
-        gen.publisher = self._publish  # every sync goes through the pool: its workers get a notice
         self.cfg = ctx.config.rollout
         self._pool: Any = None
         self.balancer: Any = None  # hybrid mode: a HybridBalancer moving workers between the pools
@@ -279,15 +267,16 @@ class PoolRuntime:
                     "" if self._local_count == 1 else "s",
                 )  # fmt: skip
         finally:
-            for key, obj in (("comm.consumer", pool.consumer), ("weight_sync.sender", pool.sender)):
-                if self.ctx.resources.get(key) is obj:
-                    del self.ctx.resources[key]
-            if self.ctx.resources.get("weight_sync.sender") is getattr(pool, "senders", None):
-                del self.ctx.resources["weight_sync.sender"]
-            pool.close()
+            pool.close()  # the workers and the ends the pool opened
 
     def close(self) -> None:
         self.release()
+
+    replaces_host = True  # a RolloutRuntime (mrl_plugins.hookspecs.channels): TRL generates through it
+
+    def publish(self, version: int, named_tensors: Any) -> Any:
+        """Every sync goes through the pool: its workers get a notice."""
+        return self._publish(version, named_tensors)
 
     def _publish(self, version: int, named_tensors: Any) -> Any:
         return self.pool.publish(version, named_tensors)

@@ -1,7 +1,8 @@
 """The worker side of a rollout worker pool: :func:`worker_main` runs in every worker process.
 
-A worker builds its models from their configs, attaches to each model's weight stream (double-buffered
-receiver, names mapped through ``mrl_weight_sync_map_name``) and to the experience path, then serves
+A worker builds its models from their configs, opens each model's weight receiver
+(``mrl_weight_sync_open_receiver`` of the selected weight-sync plugin, from the handle its sender gave the pool)
+and its experience producer (``mrl_comm_open_producer`` of the selected comm plugin), then serves
 requests from its queue: it switches to the version a request needs (``min_version``), generates,
 optionally scores the completions with further models, and sends the answer through the comm stage.
 A publish notice (``REQ_WEIGHTS``) makes it fetch the new version at once; between requests it also
@@ -54,15 +55,7 @@ class WorkerSpec:
     env: dict = field(default_factory=dict)
     device: str = "cpu"
     seed: int = 0
-    direct_weights: bool = False  # upstream weight sync: load into live params, no staging
     log_level: int = logging.WARNING  # the trainer's level for "mrl_plugins" (version-switch lines at INFO)
-
-
-def _attach_weights(handle: Any, index: int) -> Any:
-    """The receiving end of a weight stream; in a collective group (broadcast, per_param) worker i is rank i + 1."""
-    from mrl_plugins.weight_sync.broadcast import BroadcastHandle
-
-    return handle.attach(rank=index + 1) if isinstance(handle, BroadcastHandle) else handle.attach()
 
 
 def _build_model(spec: ServedModel) -> Any:
@@ -95,7 +88,7 @@ def worker_main(
         if events is not None:
             events.put(("budget", spec.index, "", applied.as_dict() | {"pid": os.getpid()}))
         pm = get_plugin_manager(spec.config)
-        ctx = StageContext(config=spec.config)
+        ctx = StageContext(config=spec.config, plugins=pm)
         timeline_dir = os.environ.get("MRL_TIMELINE_DIR")
         timeline = (
             open(os.path.join(timeline_dir, f"worker-{spec.index}-{os.getpid()}.jsonl"), "a", encoding="utf-8")  # noqa: SIM115
@@ -106,24 +99,11 @@ def worker_main(
         engines: dict[str, Any] = {}
         for mid, served in spec.models.items():
             model = _build_model(served)
-            receiver_end = _attach_weights(served.weight_handle, spec.index)
-            if spec.direct_weights:
-                from mrl_plugins.weight_sync.receiver import DirectLoader
-
-                receivers[mid] = DirectLoader(model, receiver_end, mid)
-            else:
-                from mrl_plugins.weight_sync.receiver import DoubleBufferedReceiver
-
-                receivers[mid] = DoubleBufferedReceiver(
-                    model,
-                    receiver_end,
-                    model_id=mid,
-                    staging=spec.config.weight_sync.staging,
-                    name_map=pm.weight_sync_name_map(mid),
-                )
+            receivers[mid] = pm.weight_sync_open_receiver(
+                ctx=ctx, model=model, handle=served.weight_handle, model_id=mid, rank=spec.index
+            )
             engines[mid] = build_engine(spec, model)
-        ctx.resources["weight_sync.receiver"] = receivers
-        ctx.resources["comm.producer"] = spec.comm_handle.attach()
+        producer = pm.comm_open_producer(ctx=ctx, handle=spec.comm_handle, index=spec.index)
         reserve = _memory_reservation(spec, device, engines.get("policy"), events)
         if ready is not None:
             ready.set()  # models built, weights and experience paths attached
@@ -138,7 +118,7 @@ def worker_main(
 
         def pull(model_ids: Any = receivers) -> None:
             for mid in model_ids:
-                version = _pull_weights(pm, ctx, mid, timeout)
+                version = _pull_weights(receivers[mid], spec.config.weight_sync.timeout_s, timeout)
                 if version is not None:
                     _apply_to_engine(engines[mid], version)  # between requests: nothing in flight
                     if mid == "policy":
@@ -216,7 +196,7 @@ def worker_main(
                 "gen_us": int(gen_s * 1e6),
                 "apply_us": int(getattr(engine, "last_apply_ms", 0.0) * 1e3),
             }
-            pm.comm_send(ctx=ctx, batch=batch, meta=meta, timeout=timeout)
+            producer.send(batch, meta, timeout=timeout)
     except BaseException as exc:  # noqa: BLE001 - report to the trainer, then exit non-zero
         try:
             errors.put((spec.index, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"), timeout=2)
@@ -226,10 +206,12 @@ def worker_main(
     finally:
         if locals().get("timeline") is not None:
             locals()["timeline"].close()
-        for engine in locals().get("engines", {}).values():
-            close = getattr(engine, "close", None)
+        for end in [*locals().get("engines", {}).values(), *locals().get("receivers", {}).values()]:
+            close = getattr(end, "close", None)
             if callable(close):
                 close()
+        if locals().get("producer") is not None:
+            locals()["producer"].close()
 
 
 def apply_worker_budget(spec: WorkerSpec) -> tuple[Any, Any]:
@@ -302,12 +284,12 @@ def _apply_to_engine(engine: Any, version: int) -> None:
         engine.apply_weights(version=version)
 
 
-def _pull_weights(pm: Any, ctx: StageContext, model_id: str, timeout: float) -> int | None:
-    """Fetch and switch to a newer version of ``model_id`` if one is published; returns it (or None)."""
-    staged = pm.weight_sync_receive(ctx=ctx, model_id=model_id, timeout=timeout)
+def _pull_weights(receiver: Any, switch_timeout: float, timeout: float) -> int | None:
+    """Fetch and switch to a newer version of the receiver's model if one is published; returns it (or None)."""
+    staged = receiver.poll(timeout)
     if staged is None:
         return None
-    report = pm.weight_sync_switch(ctx=ctx, model_id=model_id)  # the receiver logs one line per switch
+    report = receiver.switch(switch_timeout)  # the receiver logs one line per switch
     return int(report.to_version) if report is not None else int(staged)
 
 

@@ -1,148 +1,113 @@
-"""The built-in weight-sync plugin (registered by the manager under the plugin name ``"mrl"``).
+"""The built-in weight-sync stage plugin (registered as ``mrl.weight_sync``, selected as ``plugins.weight_sync: mrl``).
 
-Resources it uses in ``ctx.resources`` (built by the adapter/lead from the selected transport):
+Transports ``shm``, ``directory``, ``broadcast`` and ``per_param``, each registered with what its ends can do
+(:class:`~mrl_plugins.hookspecs.channels.Capabilities`). It opens the weight stream's ends from the registration
+``weight_sync.transport`` names (third-party transports included):
 
-* ``"weight_sync.sender"``: a sender (``publish(version, named_tensors)``), or a dict
-  ``model_id -> sender`` when several models are published;
-* ``"weight_sync.receiver"``: a :class:`~mrl_plugins.weight_sync.receiver.DoubleBufferedReceiver`, or a
-  dict ``model_id -> receiver``;
-* ``"weight_sync.poller"`` (optional): a :class:`~mrl_plugins.weight_sync.receiver.VersionPoller` or a
-  dict of them; stopped at shutdown.
+* :func:`~mrl_plugins.hookspecs.spec.mrl_weight_sync_open_sender` (trainer): the transport's sender; a
+  ``collective`` transport gets a group of the trainer plus one rank per receiver;
+* :func:`~mrl_plugins.hookspecs.spec.mrl_weight_sync_open_receiver` (worker or in-process copy): a
+  :class:`~mrl_plugins.weight_sync.receiver.DoubleBufferedReceiver` over the transport's receiving end, with names
+  mapped through :func:`~mrl_plugins.hookspecs.spec.mrl_weight_sync_map_name`.
 
-Metrics (into ``ctx.metrics``: a :class:`~mrl_plugins.metrics.StageMetrics`, whose counters sum between
-TRL log steps and whose gauges keep the last value, or a plain mutable mapping):
-
-* each publish: counter ``mrl/weights/publish_seconds`` (the transport's own time);
-* each switch: counters ``mrl/weights/received_bytes``, ``mrl/weights/receive_seconds`` (fetch into
-  staging + switch) and ``mrl/weights/switches``; gauges ``mrl/weights/active_version``,
-  ``mrl/weights/switch_ms``, ``mrl/weights/fetch_gbps`` and ``mrl/weights/ignored_versions``.
-
-The published bytes and version (``mrl/weights/bytes``, ``mrl/weights/version``) are counted by the
-caller of the publish hook (the TRL runtime), whichever plugin serves it.
+The caller owns and closes the ends; the weight metrics (``mrl/weights/...``) are counted by the caller from the
+reports (:func:`mrl_plugins.metrics.record_publish`, :func:`~mrl_plugins.metrics.record_switch`), whichever plugin
+serves the stage.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, MutableMapping
+from collections.abc import Iterator
 from typing import Any
 
-import torch
+from mrl_plugins.errors import ConfigError
+from mrl_plugins.hookspecs import Capabilities, StageContext, WeightTransport, hookimpl
 
-from mrl_plugins.errors import PluginError, choices
-from mrl_plugins.hookspecs import PublishReport, StageContext, SwitchReport, WeightTransport, hookimpl
-
-from .broadcast import BroadcastSender, PerParamSender
+from .broadcast import BroadcastHandle, BroadcastSender, PerParamSender
 from .directory import DirectorySender
 from .shm import ShmSender
 
-SENDER_KEY = "weight_sync.sender"
-RECEIVER_KEY = "weight_sync.receiver"
-POLLER_KEY = "weight_sync.poller"
+TRANSPORTS = "mrl_weight_sync_register_transports"
 
 
-def _pick(ctx: StageContext, key: str, model_id: str) -> Any:
-    obj = ctx.resources.get(key)
-    if obj is None:
-        raise PluginError(f"weight_sync: ctx.resources[{key!r}] is not set (the adapter builds it)")
-    if isinstance(obj, dict):
-        if model_id not in obj:
-            raise PluginError(f"weight_sync: no {key.split('.')[-1]} for model_id={model_id!r}; have {choices(obj)}")
-        return obj[model_id]
-    return obj
+def _transport(ctx: StageContext) -> Any:
+    return ctx.plugins.backend(TRANSPORTS, ctx.config.weight_sync.transport)
 
 
-def _close_all(obj: Any, method: str) -> None:
-    for o in obj.values() if isinstance(obj, dict) else [obj]:
-        fn = getattr(o, method, None)
-        if fn is not None:
-            try:
-                fn()
-            except Exception:  # noqa: BLE001 - shutdown must not raise for resources already gone
-                pass
+def open_transport_sender(reg: Any, config: Any, model_id: str, run_id: str, receivers: int) -> Any:
+    """The sender of registration ``reg`` (a collective one sized for ``receivers``), carrying its capabilities."""
+    group = {"world_size": receivers + 1} if reg.capabilities.collective else {}
+    sender = reg.factory(config, model_id=model_id, run_id=run_id, **group)
+    sender.capabilities = reg.capabilities
+    return sender
+
+
+def attach_handle(handle: Any, rank: int) -> Any:
+    """The receiving end of a transport handle; in a collective group receiver ``rank`` is group rank ``rank + 1``."""
+    return handle.attach(rank=rank + 1) if isinstance(handle, BroadcastHandle) else handle.attach()
 
 
 class WeightSyncPlugin:
-    """Transports ``shm``, ``directory``, ``broadcast`` and ``per_param`` plus the three stage operations."""
+    """Transports ``shm``, ``directory``, ``broadcast``, ``per_param`` and the two ends built from them."""
 
     @hookimpl
     def mrl_weight_sync_register_transports(self) -> Iterator[WeightTransport]:
-        yield WeightTransport(name="shm", factory=ShmSender, description="shared memory on one host, double-buffered")
+        yield WeightTransport(
+            name="shm",
+            factory=ShmSender,
+            description="shared memory on one host, double-buffered",
+            capabilities=Capabilities(rejoinable=True),
+        )
         yield WeightTransport(
             name="directory",
             factory=DirectorySender,
             description="safetensors files + atomic manifest (local or shared filesystem)",
+            capabilities=Capabilities(rejoinable=True, cross_host=True),
         )
         yield WeightTransport(
             name="broadcast",
             factory=BroadcastSender,
             description="bucketed torch.distributed broadcast on a dedicated group",
+            capabilities=Capabilities(collective=True),
         )
         yield WeightTransport(
             name="per_param",
             factory=PerParamSender,
             description="one torch.distributed broadcast per parameter (baseline)",
+            capabilities=Capabilities(collective=True),
         )
 
     @hookimpl
-    def mrl_weight_sync_publish(
-        self, ctx: StageContext, model_id: str, version: int, named_tensors: Iterable[tuple[str, torch.Tensor]]
-    ) -> PublishReport | None:
-        report = _pick(ctx, SENDER_KEY, model_id).publish(version, named_tensors)
-        _emit(ctx, {"mrl/weights/publish_seconds": report.seconds})
-        return report
+    def mrl_weight_sync_capabilities(self, ctx: StageContext) -> Capabilities:
+        return _transport(ctx).capabilities
 
     @hookimpl
-    def mrl_weight_sync_receive(self, ctx: StageContext, model_id: str, timeout: float) -> int | None:
-        return _pick(ctx, RECEIVER_KEY, model_id).poll(timeout)
-
-    @hookimpl
-    def mrl_weight_sync_switch(self, ctx: StageContext, model_id: str) -> SwitchReport | None:
-        receiver = _pick(ctx, RECEIVER_KEY, model_id)
-        report = receiver.switch(getattr(getattr(ctx.config, "weight_sync", None), "timeout_s", None))
-        if report is not None:
-            stats = receiver.stats()
-            _emit(
-                ctx,
-                {
-                    "mrl/weights/received_bytes": float(report.nbytes),
-                    "mrl/weights/receive_seconds": report.seconds,
-                    "mrl/weights/switches": 1.0,
-                },
-                {
-                    "mrl/weights/active_version": float(report.to_version),
-                    "mrl/weights/switch_ms": stats.get("switch_ms", 0.0),
-                    "mrl/weights/fetch_gbps": stats.get("fetch_gbps", 0.0),
-                    "mrl/weights/ignored_versions": stats.get("ignored_versions", 0.0),
-                },
+    def mrl_weight_sync_open_sender(
+        self, ctx: StageContext, model_id: str, run_id: str, receivers: int, same_process: bool
+    ) -> Any:
+        reg = _transport(ctx)
+        if same_process and reg.capabilities.collective:
+            raise ConfigError(
+                f"weight_sync.transport {reg.name!r} sends through a process group, which an inference copy in the "
+                f"trainer process cannot join; use 'shm' (or rollout.workers >= 1)"
             )
-        return report
+        return open_transport_sender(reg, ctx.config.weight_sync, model_id, run_id, receivers)
 
     @hookimpl
-    def mrl_shutdown(self, ctx: StageContext, reason: str) -> None:
-        poller = ctx.resources.pop(POLLER_KEY, None)
-        if poller is not None:
-            _close_all(poller, "stop")
-        for key in (RECEIVER_KEY, SENDER_KEY):
-            obj = ctx.resources.pop(key, None)
-            if obj is not None:
-                _close_all(obj, "close")
+    def mrl_weight_sync_open_receiver(
+        self, ctx: StageContext, model: Any, handle: Any, model_id: str, rank: int
+    ) -> Any:
+        from .receiver import DoubleBufferedReceiver
+
+        receiver = DoubleBufferedReceiver(
+            model,
+            attach_handle(handle, rank),
+            model_id=model_id,
+            staging=ctx.config.weight_sync.staging,
+            name_map=ctx.plugins.weight_sync_name_map(model_id),
+        )
+        receiver.capabilities = _transport(ctx).capabilities
+        return receiver
 
 
-def _emit(ctx: StageContext, counters: dict[str, float], gauges: dict[str, float] | None = None) -> None:
-    """Counters add to what the log window holds already; gauges replace it."""
-    m = ctx.metrics
-    if m is None:
-        return
-    add, gauge = getattr(m, "add", None), getattr(m, "gauge", None)
-    if callable(add) and callable(gauge):
-        for k, v in counters.items():
-            add(k, v)
-        for k, v in (gauges or {}).items():
-            gauge(k, v)
-    elif isinstance(m, MutableMapping):
-        for k, v in counters.items():
-            m[k] = m.get(k, 0.0) + v
-        m.update(gauges or {})
-
-
-__all__ = ["POLLER_KEY", "RECEIVER_KEY", "SENDER_KEY", "WeightSyncPlugin"]
+__all__ = ["WeightSyncPlugin", "attach_handle", "open_transport_sender"]

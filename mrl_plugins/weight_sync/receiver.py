@@ -356,6 +356,11 @@ class DirectLoader:
     def stats(self) -> dict[str, float]:
         return {"version": self.version}
 
+    def close(self) -> None:
+        close = getattr(self.tr, "close", None)
+        if close is not None:
+            close()
+
 
 class PollInterval:
     """Seconds between version polls: ``fixed``, or automatic.

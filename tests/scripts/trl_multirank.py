@@ -24,7 +24,7 @@ def main() -> None:
     cfg = load_config({"train": {"model": "tiny", "trainer": kind, "steps": 4, "output_dir": out_dir}})
     trainer = build_trainer(cfg, enable_plugins=False, output_dir=out_dir)
     mrl_plugins.enable(trainer, {"mode": mode, "rollout": rollout})
-    pool = getattr(trainer._mrl_state.ctx.resources["rollout.runtime"], "pool", None)
+    pool = getattr(trainer._mrl_state.runtime, "pool", None)
     trainer.train()  # shuts the plugins down at its end
     result = {
         "rank": trainer.accelerator.process_index,

@@ -1,0 +1,243 @@
+"""The typed ends each stage builds: what the ``mrl_<stage>_open_*`` hooks return (after veRL's
+``checkpoint_engine/base.py``: one small interface per role, its lifecycle and its capabilities stated).
+
+Which side builds what (``T``: the trainer process, ``W``: a rollout worker or the trainer's in-process
+inference copy)::
+
+    stage        hook                                  side  returns
+    -----------  ------------------------------------  ----  -------------------------------------------
+    rollout      mrl_rollout_open_runtime              T     RolloutRuntime (generate, publish, close)
+    weight_sync  mrl_weight_sync_open_sender           T     WeightSender   (publish, receiver_handle)
+    weight_sync  mrl_weight_sync_open_receiver         W     WeightReceiver (poll, switch, active)
+    comm         mrl_comm_open_consumer                T     ExperienceConsumer (receive, producer_handle)
+    comm         mrl_comm_open_producer                W     ExperienceProducer (send)
+
+A weight version travels ``RolloutRuntime.publish -> WeightSender.publish -> (transport) ->
+WeightReceiver.poll (staging) -> WeightReceiver.switch (active)``; a batch travels
+``ExperienceProducer.send -> (transport) -> ExperienceConsumer.receive -> Experience``. A *handle*
+(``receiver_handle()``, ``producer_handle(i)``) is the small picklable object that crosses to the worker
+process, where the other end is opened from it.
+
+Callers decide by :class:`Capabilities`, never by a backend's name: the rollout stage asks
+``sender.capabilities.rejoinable`` before restarting a worker, ``cross_host`` before accepting workers
+on other hosts, ``collective`` for the order of a publish and its notices.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from contextlib import AbstractContextManager
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+from mrl_plugins.hookspecs.types import Capabilities
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
+    from mrl_plugins.hookspecs.types import PublishReport, RolloutResult, SwitchReport
+
+
+# --------------------------------------------------------------------------- weight sync
+
+
+@runtime_checkable
+class WeightSender(Protocol):
+    """Trainer side of one model's weight stream (``mrl_weight_sync_open_sender``).
+
+    Lifecycle: opened once per served model when the rollout stage starts; :meth:`publish` once per
+    version (strictly increasing); :meth:`receiver_handle` any number of times (one per worker, also
+    for a restarted one when ``capabilities.rejoinable``); :meth:`close` once (idempotent, releases
+    shared memory / groups / files).
+    """
+
+    capabilities: Capabilities
+
+    def publish(self, version: int, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> PublishReport:
+        """Send ``version``; ``named_tensors`` is streamed (hold one bucket at most: ZeRO-3 gathers lazily)."""
+        ...
+
+    def receiver_handle(self) -> Any:
+        """A picklable handle a receiver is opened from (``mrl_weight_sync_open_receiver``)."""
+        ...
+
+    def close(self) -> None: ...
+
+
+@runtime_checkable
+class WeightReceiver(Protocol):
+    """Inference side of one model's weight stream (``mrl_weight_sync_open_receiver``).
+
+    Lifecycle: opened once per served model in each worker (and for the in-process inference copy);
+    :meth:`poll` between requests fetches a newer version into staging, :meth:`switch` makes it active
+    once the requests inside :meth:`active` drained; :meth:`close` once. ``version`` is the active
+    version (-1 before the first switch).
+    """
+
+    capabilities: Capabilities
+    version: int
+
+    def poll(self, timeout: float) -> int | None:
+        """Stage the newest published version if it is newer; return it, or ``None`` when nothing is new."""
+        ...
+
+    def switch(self, timeout: float | None = None) -> SwitchReport | None:
+        """Make the staged version active (``None``: nothing staged)."""
+        ...
+
+    def active(self) -> AbstractContextManager[Any]:
+        """Context for one request: the active weights cannot switch under it."""
+        ...
+
+    def stats(self) -> Mapping[str, float]: ...
+
+    def close(self) -> None: ...
+
+
+# --------------------------------------------------------------------------- comm
+
+
+@runtime_checkable
+class Experience(Protocol):
+    """One received batch: ``meta`` (``model_id``, ``version``, ``seq`` ...) and ``batch`` (field -> tensor).
+
+    With ``capabilities.zero_copy`` the fields are views into the transport: copy what you keep, then
+    :meth:`release` (idempotent; also for transports that copy, so callers need not know).
+    """
+
+    meta: Mapping[str, Any]
+    batch: Mapping[str, Any]
+
+    def release(self) -> None: ...
+
+
+@runtime_checkable
+class ExperienceConsumer(Protocol):
+    """Trainer side of the experience path (``mrl_comm_open_consumer``): N producers -> 1 consumer.
+
+    Lifecycle: opened once when the rollout stage starts, for a fixed number of producers;
+    :meth:`producer_handle` once per producer index (again for a restarted worker when
+    ``capabilities.rejoinable``); :meth:`receive` as often as the trainer needs a batch; :meth:`close` once.
+    """
+
+    capabilities: Capabilities
+
+    def producer_handle(self, index: int) -> Any:
+        """A picklable handle producer ``index`` is opened from (``mrl_comm_open_producer``)."""
+        ...
+
+    def receive(self, timeout: float | None = None) -> Experience:
+        """The next batch from any producer; ``TimeoutError`` after ``timeout`` s, sooner for a dead producer.
+
+        Raises :class:`mrl_plugins.comm.base.ChannelClosedError` when every producer closed its end."""
+        ...
+
+    def stats(self) -> Mapping[str, float]: ...
+
+    def close(self) -> None: ...
+
+
+@runtime_checkable
+class ExperienceProducer(Protocol):
+    """Rollout side of the experience path (``mrl_comm_open_producer``), one per worker.
+
+    Lifecycle: opened once per worker process from its handle; :meth:`send` once per generated batch
+    (blocks at most ``timeout`` s when the consumer is behind: backpressure); :meth:`close` once.
+    """
+
+    capabilities: Capabilities
+
+    def send(self, batch: Mapping[str, Any], meta: Mapping[str, Any], timeout: float | None = None) -> int:
+        """Put one batch on the transport; returns the bytes sent."""
+        ...
+
+    def close(self) -> None: ...
+
+
+# --------------------------------------------------------------------------- rollout
+
+
+@runtime_checkable
+class RolloutRuntime(Protocol):
+    """Trainer side of the rollout stage (``mrl_rollout_open_runtime``): what the host calls where it generates.
+
+    Lifecycle: opened at ``enable()``; may start processes lazily (optional ``start()``/``release()``,
+    called when ``train()`` begins and ends); :meth:`publish` at the host's weight-sync points,
+    :meth:`generate` once per generation batch; :meth:`close` once. ``replaces_host = False`` (the
+    ``upstream`` runtime) tells the adapter to leave the host's own generation in place.
+    """
+
+    replaces_host: bool
+
+    def generate(self, prompts: list[list[int]], num_generations: int, model_id: str) -> RolloutResult:
+        """``num_generations`` completions per prompt with per-token sampling logprobs and their weight version."""
+        ...
+
+    def publish(self, version: int, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> PublishReport | None:
+        """Hand the trainer's weights to the inference side as ``version`` (``None``: nothing to sync)."""
+        ...
+
+    def close(self) -> None: ...
+
+
+@dataclass
+class RolloutSetup:
+    """What the host hands the rollout stage (``mrl_rollout_open_runtime``).
+
+    :param host: the trainer.
+    :param model: the policy to serve (unwrapped from DDP/accelerate).
+    :param sampling: the host's sampling settings (:class:`mrl_plugins.rollout.engine.SamplingParams`).
+    :param seed: the run's seed.
+    :param device: the device the trainer runs on (:mod:`mrl_plugins.device`).
+    :param placements: ``(worker placements, trainer cores, shared placement)`` from the adapter's
+        placement plan, or ``None`` for no worker processes (``rollout.workers: 0``).
+    :param generation: the host-side generation object (reads the lookahead loader, holds the version).
+    :param score_models: further models every worker holds to score completions (``{"ref": ref_model}``).
+    """
+
+    host: Any
+    model: Any
+    sampling: Any
+    seed: int = 0
+    device: Any = None
+    placements: Any = None
+    generation: Any = None
+    score_models: dict[str, Any] = field(default_factory=dict)
+
+
+def check_end(obj: Any, protocol: type, hook: str, plugin: str) -> Any:
+    """``obj`` if it satisfies ``protocol`` (methods and attributes present), else a PluginError naming both."""
+    if not isinstance(obj, protocol):
+        from mrl_plugins.errors import PluginError
+
+        missing = [
+            n for n in getattr(protocol, "__protocol_attrs__", _protocol_attrs(protocol)) if not hasattr(obj, n)
+        ]
+        raise PluginError(
+            f"plugin {plugin!r}: {hook} returned a {type(obj).__name__}, which is not a {protocol.__name__} "
+            f"(missing: {', '.join(sorted(missing)) or '?'}; see mrl_plugins.hookspecs.channels)"
+        )
+    return obj
+
+
+def _protocol_attrs(protocol: type) -> list[str]:
+    names = set()
+    for base in protocol.__mro__:
+        if base in (Protocol, object) or base.__name__ == "Generic":
+            continue
+        names |= {n for n in vars(base) if not n.startswith("_")}
+        names |= set(getattr(base, "__annotations__", {}))
+    return sorted(names)
+
+
+__all__ = [
+    "Capabilities",
+    "Experience",
+    "ExperienceConsumer",
+    "ExperienceProducer",
+    "RolloutRuntime",
+    "RolloutSetup",
+    "WeightReceiver",
+    "WeightSender",
+    "check_end",
+]

@@ -1,0 +1,110 @@
+"""The ``mrl`` rollout stage's trainer side, built for the host (``mrl_rollout_open_runtime``).
+
+``rollout.workers: 0`` (and no remote workers): a :class:`~mrl_plugins.rollout.runtime.LocalEngineRuntime`, an
+engine on an inference copy inside the trainer process, built when ``train()`` begins. Otherwise a
+:class:`~mrl_plugins.rollout.runtime.PoolRuntime` over a :class:`~mrl_plugins.rollout.pool.WorkerPool` started at
+the same point, with the trainer's own model answering while the workers start (``rollout.local_warmup``) and,
+with ``rollout.rebalance``, a :class:`~mrl_plugins.rollout.hybrid.HybridBalancer`. Either one opens the weight-sync
+and comm ends through the stages' hooks (``ctx.plugins``) and owns them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from mrl_plugins.hookspecs import RolloutSetup, StageContext
+
+
+def open_runtime(ctx: StageContext, setup: RolloutSetup) -> Any:
+    """The runtime for ``setup`` (see the module docstring)."""
+    from .runtime import LocalEngineRuntime, PoolRuntime
+
+    pm, cfg = ctx.plugins, ctx.config
+    trainer, model, sampling, seed, device = setup.host, setup.model, setup.sampling, setup.seed, setup.device
+    engine_factory = pm.backend("mrl_rollout_register_engines", cfg.rollout.engine).factory
+    if setup.placements is None:
+        return LazyLocalRuntime(lambda: LocalEngineRuntime(pm, ctx, model, sampling, engine_factory, seed))
+    places, _trainer_cores, shared = setup.placements
+    score_models = dict(setup.score_models) or None
+
+    def start_pool() -> Any:  # at train() start or the first generation, not at enable()
+        from mrl_plugins.weight_sync.sources import iter_trainer_weights
+
+        from .pool import WorkerPool
+
+        pool = WorkerPool(
+            pm, ctx, model, sampling, placements=places, engine_factory=engine_factory, seed=seed,
+            score_models=score_models,
+        )  # fmt: skip
+        for mid, scored in (score_models or {}).items():
+            pool.publish(0, iter_trainer_weights(scored, getattr(trainer, "accelerator", None)), model_id=mid)
+        return pool
+
+    # the warm-up engine runs in the trainer process: always the light 'transformers' one (a vLLM engine there
+    # would take far longer to start than the workers it stands in for)
+    local_factory = pm.backend("mrl_rollout_register_engines", "transformers").factory
+
+    def local_engine() -> Any:  # the trainer's own model answers while the workers start
+        was_training = model.training
+        engine = local_factory(model, None, params=sampling, device=str(device.torch_device), seed=seed)
+        model.train(was_training)  # engines may switch their model to eval mode when built
+        return engine
+
+    balancer = None
+    if cfg.rollout.rebalance:
+
+        def balancer(pool: Any) -> Any:
+            from .hybrid import COLOCATED, DEDICATED, HybridBalancer
+
+            rc = cfg.rollout
+            kinds = [COLOCATED if i < rc.colocated_workers else DEDICATED for i in range(rc.workers)]
+            return HybridBalancer(
+                pool,
+                places,
+                kinds,
+                shared,
+                window=rc.rebalance_window,
+                high=rc.rebalance_high,
+                low=rc.rebalance_low,
+                metrics=ctx.metrics,
+            )
+
+    return PoolRuntime(
+        pm,
+        ctx,
+        setup.generation,
+        start_pool,
+        local_engine if cfg.rollout.local_warmup else None,
+        balancer_factory=balancer,
+    )
+
+
+class LazyLocalRuntime:
+    """``rollout.workers: 0``: the in-process engine runtime (its inference copy and weight path) built when
+    ``train()`` begins or at the first generation / weight sync, not at ``enable()``."""
+
+    replaces_host = True
+
+    def __init__(self, build: Any) -> None:
+        self._build = build
+        self.runtime: Any = None
+
+    @property
+    def started(self) -> bool:
+        return self.runtime is not None
+
+    def start(self) -> Any:
+        if self.runtime is None:
+            self.runtime = self._build()
+        return self.runtime
+
+    def publish(self, version: int, named_tensors: Any) -> Any:
+        return self.start().publish(version, named_tensors)
+
+    def generate(self, prompts: list[list[int]], num_generations: int, model_id: str) -> Any:
+        return self.start().generate(prompts, num_generations, model_id)
+
+    def close(self) -> None:
+        runtime, self.runtime = self.runtime, None
+        if runtime is not None:
+            runtime.close()
