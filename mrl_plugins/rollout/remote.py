@@ -9,11 +9,16 @@ the experience and weight paths). On the other host::
 
 fetches its spec and runs the same worker loop as a local worker. Requests travel through the store
 (:class:`StoreQueue`: small pickled prompt lists), experience through the ``torch_distributed`` comm
-transport (point-to-point over its own group), weights through the ``directory`` transport on a
-filesystem every host shares (``broadcast`` is not wired for remote workers yet). The remote worker
-stamps a heartbeat in the store every second; a worker whose heartbeat stops for ``rollout.timeout_s``
-is reported as dead (remote workers are not restarted by the trainer: restart ``mrl worker`` on its
-host). When the trainer goes away its store goes with it and the worker exits.
+transport (point-to-point over its own group; ``comm.host`` must be an address of the trainer the workers
+reach), weights over the network through the ``broadcast`` (or ``per_param``) transport, whose group's store
+listens on the rendezvous host, or through the ``directory`` transport on a filesystem every host shares.
+Every gloo group binds to the local address on the route to its store (:mod:`mrl_plugins._net`). The remote
+worker stamps a heartbeat in the store every second; a worker whose heartbeat stops for ``rollout.timeout_s``
+(killed, or its link cut) is reported as dead with :class:`~mrl_plugins.rollout.pool.WorkerDiedError` naming
+it; a link restored before that goes on (TCP resends what was in flight). Remote workers are not restarted by
+the trainer: restart ``mrl worker`` on its host (and with ``broadcast`` the trainer too: the group cannot take
+a new member). When the trainer goes away its store goes with it and the worker exits. Tested between network
+namespaces: tests/test_netns_grpo.py, tests/test_netns_faults.py, tests/test_netns_corrupt.py.
 """
 
 from __future__ import annotations
