@@ -182,3 +182,19 @@ def test_consumer_side_fallback_count_from_the_frame_header():
     assert sorted(raw_floats) == ["big", "kept"] and codec.fallbacks == 1
     assert codec.fallbacks_among(raw_floats) == 1  # what the consumer counts, without the producer's counters
     assert Codec("raw").fallbacks_among(raw_floats) == 0
+
+
+@pytest.mark.parametrize(("transport", "expected"), [("shm", "raw"), ("queue", "raw"), ("torch_distributed", "fp16")])
+def test_auto_codec_is_raw_in_memory_and_fp16_on_the_network(transport, expected):
+    """The default ``comm.codec: auto``: compression only where bytes cost time (a link), with fp16's overflow
+    guard (a field that does not fit is sent as it is)."""
+    from mrl_plugins.comm.codec import make_codec, resolve_codec
+    from mrl_plugins.comm.config import CommConfig
+    from mrl_plugins.comm.plugin import field_codec
+
+    cfg = CommConfig(transport=transport).validate()
+    assert cfg.codec == "auto" and resolve_codec("auto", transport) == expected
+    assert make_codec(cfg).name == field_codec("auto", cfg).name == expected
+    assert make_codec(cfg, "bf16").name == "bf16"  # a named codec is what it names, on any transport
+    plan = FramePlan({"logps": torch.tensor([-1.5, 1e6])}, {}, make_codec(cfg))
+    assert plan.fallbacks == (1 if expected == "fp16" else 0)  # 1e6 does not fit fp16: sent as fp32

@@ -8,7 +8,7 @@ from typing import Any
 
 from mrl_plugins.errors import ConfigError, choices
 
-CODECS: tuple[str, ...] = ("raw", "fp16", "bf16")
+CODECS: tuple[str, ...] = ("auto", "raw", "fp16", "bf16")
 FULL_POLICIES: tuple[str, ...] = ("block", "drop_newest")
 CHECKSUMS: tuple[str, ...] = ("xxh3", "crc32c", "none")
 
@@ -29,10 +29,12 @@ class CommConfig:
         metadata={"help": "experience transport: 'shm' (one host), 'queue' (pickle baseline), 'torch_distributed'"},
     )
     codec: str = field(
-        default="fp16",
+        default="auto",
         metadata={
-            "help": "frame codec: 'raw' (lossless, fastest on shared memory), 'fp16' or 'bf16' (floats cast, "
-            "ints narrowed when the values fit, bools bit-packed; see mrl_plugins.comm.codec for error bounds)"
+            "help": "frame codec: 'auto' ('raw' on the shm and queue transports, 'fp16' on network transports such "
+            "as torch_distributed), 'raw' (lossless, fastest on shared memory), 'fp16' or 'bf16' (floats cast, "
+            "ints narrowed when the values fit, bools bit-packed; fp16 guards overflow by sending such fields "
+            "as they are; see mrl_plugins.comm.codec for error bounds)"
         },
     )
     lossless_fields: list[str] = field(

@@ -70,6 +70,10 @@ def _stage_names(pm: Any, cfg: Any) -> tuple[str, str]:
     )
 
 
+def _loopback(host: str) -> bool:
+    return host in ("localhost", "") or host.startswith("127.")
+
+
 def check_pool_config(pm: Any, cfg: Any, n_local: int) -> tuple[Any, Any]:
     """What a pool of ``n_local`` local workers (plus ``rollout.remote_workers``) refuses under ``cfg``, decided by
     the selected comm and weight-sync plugins' capabilities and checked before anything is started (the adapter
@@ -85,8 +89,15 @@ def check_pool_config(pm: Any, cfg: Any, n_local: int) -> tuple[Any, Any]:
     if remote and not (comm.cross_host and ws.cross_host):
         raise ConfigError(
             f"rollout.remote_workers: workers on other hosts need comm and weight-sync ends that reach other hosts "
-            f"(cross_host: comm.transport 'torch_distributed', weight_sync.transport 'directory'); {comm_name} "
+            f"(cross_host: comm.transport 'torch_distributed', weight_sync.transport 'broadcast', 'per_param' or "
+            f"'directory'); {comm_name} "
             f"{'does' if comm.cross_host else 'does not'}, {ws_name} {'does' if ws.cross_host else 'does not'}"
+        )
+    host = cfg.rollout.rendezvous.rpartition(":")[0]
+    if remote and not _loopback(host) and _loopback(cfg.comm.host):
+        raise ConfigError(
+            f"comm.host is {cfg.comm.host!r}, which workers on other hosts cannot reach: set it to this host's "
+            f"address they reach (e.g. the rollout.rendezvous host, {host!r})"
         )
     if cfg.rollout.rebalance and not (ws.rejoinable and comm.rejoinable):
         what = ws_name if not ws.rejoinable else comm_name

@@ -34,12 +34,24 @@ def _transport(ctx: StageContext) -> Any:
     return ctx.plugins.backend(TRANSPORTS, ctx.config.weight_sync.transport)
 
 
-def open_transport_sender(reg: Any, config: Any, model_id: str, run_id: str, receivers: int) -> Any:
-    """The sender of registration ``reg`` (a collective one sized for ``receivers``), carrying its capabilities."""
-    group = {"world_size": receivers + 1} if reg.capabilities.collective else {}
+def open_transport_sender(
+    reg: Any, config: Any, model_id: str, run_id: str, receivers: int, host: str = "127.0.0.1"
+) -> Any:
+    """The sender of registration ``reg`` (a collective one sized for ``receivers``, its group's store listening on
+    ``host``), carrying its capabilities."""
+    group = {"world_size": receivers + 1, "host": host} if reg.capabilities.collective else {}
     sender = reg.factory(config, model_id=model_id, run_id=run_id, **group)
     sender.capabilities = reg.capabilities
     return sender
+
+
+def _group_host(ctx: StageContext) -> str:
+    """Where a collective sender's store listens: where workers on other hosts reach the trainer (the
+    ``rollout.rendezvous`` host) when there are any, else loopback."""
+    rollout = getattr(ctx.config, "rollout", None)
+    if rollout is not None and getattr(rollout, "remote_workers", 0):
+        return str(rollout.rendezvous).rpartition(":")[0]
+    return "127.0.0.1"
 
 
 def attach_handle(handle: Any, rank: int) -> Any:
@@ -68,13 +80,13 @@ class WeightSyncPlugin:
             name="broadcast",
             factory=BroadcastSender,
             description="bucketed torch.distributed broadcast on a dedicated group",
-            capabilities=Capabilities(collective=True),
+            capabilities=Capabilities(collective=True, cross_host=True),
         )
         yield WeightTransport(
             name="per_param",
             factory=PerParamSender,
             description="one torch.distributed broadcast per parameter (baseline)",
-            capabilities=Capabilities(collective=True),
+            capabilities=Capabilities(collective=True, cross_host=True),
         )
 
     @hookimpl
@@ -91,7 +103,7 @@ class WeightSyncPlugin:
                 f"weight_sync.transport {reg.name!r} sends through a process group, which an inference copy in the "
                 f"trainer process cannot join; use 'shm' (or rollout.workers >= 1)"
             )
-        return open_transport_sender(reg, ctx.config.weight_sync, model_id, run_id, receivers)
+        return open_transport_sender(reg, ctx.config.weight_sync, model_id, run_id, receivers, _group_host(ctx))
 
     @hookimpl
     def mrl_weight_sync_open_receiver(
