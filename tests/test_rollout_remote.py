@@ -85,6 +85,12 @@ def test_remote_workers_need_transports_that_reach_other_hosts():
         make_pool({"rollout": {"remote_workers": 1}}, placements=[])
     with pytest.raises(ConfigError, match="rollout.rendezvous: expected HOST:PORT"):
         make_pool({"rollout": {"remote_workers": 1, "rendezvous": "nohost"}}, placements=[])
+    # a trainer that listens for other hosts must give them an experience address they reach (refused before any
+    # socket is opened; the address is never contacted)
+    cross = {"rollout": {"remote_workers": 1, "rendezvous": "10.77.0.1:0"}, "comm": {"transport": "torch_distributed"},
+             "weight_sync": {"transport": "broadcast"}}  # fmt: skip
+    with pytest.raises(ConfigError, match=r"comm.host is '127.0.0.1', which workers on other hosts cannot reach"):
+        make_pool(cross, placements=[])
 
 
 def test_grpo_trains_with_a_remote_worker(tmp_path):
