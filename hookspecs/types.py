@@ -82,9 +82,9 @@ class WeightTransport(_Registration):
 class CommTransport(_Registration):
     """An experience transport of the built-in comm stage (``shm``, ``queue``, ``torch_distributed``, ...).
 
-    ``factory(config: CommConfig, *, n_producers, run_id)`` returns the consumer (trainer side) with
-    ``receive(timeout)`` and ``producer_handle(i)`` (picklable; ``.attach()`` in the rollout worker). The
-    producer encodes with its ``codec`` attribute, which the stage sets from the ``comm.codec`` registration.
+    ``factory(config: CommConfig, *, n_producers, run_id, codec)`` returns the consumer (trainer side) with
+    ``receive(timeout)`` and ``producer_handle(i)`` (picklable; ``.attach(codec=...)`` in the rollout worker).
+    ``codec`` is the field codec the stage built from the ``comm.codec`` registration, on each side.
     """
 
     capabilities: Capabilities = field(default_factory=Capabilities)

@@ -95,6 +95,26 @@ def test_grpo_runs_with_a_third_party_plugin_for_one_stage(tmp_path, example_plu
     assert len(diffs) == steps and max(diffs) < 5e-3, diffs
 
 
+@pytest.mark.slow
+def test_a_registered_codec_is_used_end_to_end(example_plugins):
+    """``comm.codec: example-bf16`` (a third-party ``CommCodec`` registration): the rollout worker's producer and
+    the trainer's consumer build it from the registry; the logprobs arrive bf16-rounded (shm would send them raw)."""
+    import torch
+
+    from tests.pool_helpers import make_pool
+
+    pool, model, _tok, _sampling, _pm, _ctx = make_pool({"comm": {"transport": "shm", "codec": "example-bf16"}})
+    try:
+        assert type(pool.consumer._codec).__name__ == "ExampleBf16"
+        pool.publish(0, list(model.named_parameters()))
+        res = pool.collect(pool.submit([[5, 6, 7], [8, 9]], 2, min_version=0))
+        lps = torch.tensor([lp for seq in res.logprobs for lp in seq])
+        assert len(lps) > 0 and bool((lps < 0).any())
+        assert torch.equal(lps, lps.to(torch.bfloat16).float())  # every value survived a bf16 cast unchanged
+    finally:
+        pool.close(timeout=2)
+
+
 def test_readme_plugin_example_is_the_tested_package():
     """The README's "Writing a plugin" shows the example comm plugin and its entry points, exactly."""
     readme = (REPO_ROOT / "README.md").read_text(encoding="utf-8")

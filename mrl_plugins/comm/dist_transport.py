@@ -70,7 +70,9 @@ def _make_group(host: str, port: int, rank: int, world: int, run_id: str, timeou
 class DistConsumer:
     """Rank 0 of the private group: receives frames from ``n_producers`` ranks."""
 
-    def __init__(self, config: CommConfig, *, n_producers: int, run_id: str, host: str = "127.0.0.1") -> None:
+    def __init__(
+        self, config: CommConfig, *, n_producers: int, run_id: str, host: str = "127.0.0.1", codec: Any = None
+    ) -> None:
         import torch.distributed as dist
 
         config.validate()
@@ -91,7 +93,8 @@ class DistConsumer:
         self._stats = dict.fromkeys(
             ("frames", "bytes", "raw_bytes", "fallbacks", "corrupt", "wait_s", "dead_peers"), 0
         )
-        self._codec = make_codec(config)  # the producers' codec: tells their overflow fallbacks from the frames
+        # the producers' codec: tells their overflow fallbacks from the frames
+        self._codec = codec if codec is not None else make_codec(config)
         self._rx = threading.Thread(target=self._connect, name="mrl-comm-dist-rx", daemon=True)
         self._rx.start()
 
@@ -196,18 +199,18 @@ class DistProducerHandle:
     def __init__(self, host: str, port: int, index: int, n: int, run_id: str, config: dict[str, Any]) -> None:
         self.host, self.port, self.index, self.n, self.run_id, self.config = host, port, index, n, run_id, config
 
-    def attach(self, timeout: float | None = None) -> DistProducer:
+    def attach(self, timeout: float | None = None, codec: Any = None) -> DistProducer:
         """Join the group (blocks until every producer and the consumer joined, at most ``timeout`` s)."""
-        return DistProducer(self, CommConfig.from_dict(self.config), timeout)
+        return DistProducer(self, CommConfig.from_dict(self.config), timeout, codec)
 
 
 class DistProducer:
     """Sending end of the ``torch_distributed`` transport."""
 
-    def __init__(self, h: DistProducerHandle, config: CommConfig, timeout: float | None) -> None:
+    def __init__(self, h: DistProducerHandle, config: CommConfig, timeout: float | None, codec: Any = None) -> None:
         self.config = config
         self.index = h.index
-        self.codec = make_codec(config)
+        self.codec = codec if codec is not None else make_codec(config)
         t = timeout if timeout is not None else max(config.send_timeout_s, config.receive_timeout_s)
         self._store, self._pg = _make_group(h.host, h.port, h.index + 1, h.n + 1, h.run_id, t)
         self._beats = 0
@@ -296,6 +299,6 @@ class DistProducer:
             self._pg = None
 
 
-def dist_factory(config: CommConfig, *, n_producers: int, run_id: str) -> DistConsumer:
+def dist_factory(config: CommConfig, *, n_producers: int, run_id: str, codec: Any = None) -> DistConsumer:
     """Transport factory registered as ``torch_distributed``."""
-    return DistConsumer(config, n_producers=n_producers, run_id=run_id, host=config.host)
+    return DistConsumer(config, n_producers=n_producers, run_id=run_id, host=config.host, codec=codec)

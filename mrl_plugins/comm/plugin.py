@@ -120,17 +120,13 @@ class CommPlugin:
     def mrl_comm_open_consumer(self, ctx: StageContext, run_id: str, producers: int) -> Any:
         reg = _transport(ctx)
         codec = _codec(ctx)  # an unknown or broken codec fails here, before any worker starts
-        consumer = reg.factory(ctx.config.comm, n_producers=producers, run_id=run_id)
+        consumer = reg.factory(ctx.config.comm, n_producers=producers, run_id=run_id, codec=codec)
         consumer.capabilities = reg.capabilities
-        if hasattr(consumer, "_codec"):  # tells the producers' overflow fallbacks from the frames it reads
-            consumer._codec = codec
         return consumer
 
     @hookimpl
     def mrl_comm_open_producer(self, ctx: StageContext, handle: Any, index: int) -> Any:
         reg = _transport(ctx)
-        producer = handle.attach()
+        producer = handle.attach(codec=_codec(ctx))
         producer.capabilities = reg.capabilities
-        if hasattr(producer, "codec"):  # the queue transport pickles fields as they are (no codec)
-            producer.codec = _codec(ctx)
         return producer

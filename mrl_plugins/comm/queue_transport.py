@@ -51,7 +51,7 @@ def _from_wire(kind: str, a: np.ndarray) -> Any:
 class QueueConsumer:
     """Receiving end of the ``queue`` transport."""
 
-    def __init__(self, config: CommConfig, *, n_producers: int, run_id: str) -> None:
+    def __init__(self, config: CommConfig, *, n_producers: int, run_id: str, codec: Any = None) -> None:
         check_run_id(run_id)
         config.validate()
         ctx = mp.get_context("spawn")
@@ -132,7 +132,7 @@ class QueueProducerHandle:
         self.config = config
         self.consumer_pid = consumer_pid
 
-    def attach(self) -> QueueProducer:
+    def attach(self, codec: Any = None) -> QueueProducer:
         """Start heartbeating and return the producer."""
         return QueueProducer(self, CommConfig.from_dict(self.config))
 
@@ -197,6 +197,6 @@ class QueueProducer:
         self.h.state[self.index] = _CLOSED
 
 
-def queue_factory(config: CommConfig, *, n_producers: int, run_id: str) -> QueueConsumer:
-    """Transport factory registered as ``queue``."""
+def queue_factory(config: CommConfig, *, n_producers: int, run_id: str, codec: Any = None) -> QueueConsumer:
+    """Transport factory registered as ``queue`` (``codec`` is accepted and not applied: fields are pickled)."""
     return QueueConsumer(config, n_producers=n_producers, run_id=run_id)

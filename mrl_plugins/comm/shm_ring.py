@@ -73,7 +73,7 @@ def _layout(n_producers: int, slots: int, slot_bytes: int) -> tuple[int, int]:
 class ShmConsumer:
     """The receiving end (trainer). Build with :func:`shm_factory`; hand :meth:`producer_handle` to workers."""
 
-    def __init__(self, config: CommConfig, *, n_producers: int, run_id: str) -> None:
+    def __init__(self, config: CommConfig, *, n_producers: int, run_id: str, codec: Any = None) -> None:
         if n_producers < 1:
             raise MrlError(f"n_producers must be >= 1, got {n_producers}")
         config.validate()
@@ -107,7 +107,8 @@ class ShmConsumer:
         self._stats = dict.fromkeys(
             ("frames", "bytes", "raw_bytes", "fallbacks", "corrupt", "wait_s", "dead_peers"), 0
         )
-        self._codec = make_codec(config)  # the producers' codec: tells their overflow fallbacks from the frames
+        # the producers' codec: tells their overflow fallbacks from the frames
+        self._codec = codec if codec is not None else make_codec(config)
         self._hb = Heartbeat(self._beat, config.heartbeat_interval_s, "mrl-comm-consumer-hb")
 
     @property
@@ -290,9 +291,9 @@ class ShmProducerHandle:
         self.config = config
         self.token = token
 
-    def attach(self) -> ShmProducer:
-        """Map the ring and claim this producer slot."""
-        return ShmProducer(self.path, self.index, CommConfig.from_dict(self.config), self.token)
+    def attach(self, codec: Any = None) -> ShmProducer:
+        """Map the ring and claim this producer slot (``codec``: default the config's built-in one)."""
+        return ShmProducer(self.path, self.index, CommConfig.from_dict(self.config), self.token, codec)
 
     def __repr__(self) -> str:
         return f"ShmProducerHandle({self.path!r}, {self.index})"
@@ -301,7 +302,7 @@ class ShmProducerHandle:
 class ShmProducer:
     """The sending end (rollout worker)."""
 
-    def __init__(self, path: str, index: int, config: CommConfig, token: bytes) -> None:
+    def __init__(self, path: str, index: int, config: CommConfig, token: bytes, codec: Any = None) -> None:
         try:
             self.seg = Segment.attach(path)
         except FileNotFoundError:
@@ -322,7 +323,7 @@ class ShmProducer:
         self.config = config
         self.index = index
         self.slots, self.slot_bytes, self.consumer_pid = slots, slot_bytes, cpid
-        self.codec = make_codec(config)
+        self.codec = codec if codec is not None else make_codec(config)
         data, _ = _layout(n, slots, slot_bytes)
         self._slot0 = data + index * slots * slot_bytes
         self._cb = _CB_BASE + _CB_SIZE * index
@@ -470,6 +471,6 @@ def _not_started(pid: int, waited: float, config: CommConfig) -> str | None:
     return None
 
 
-def shm_factory(config: CommConfig, *, n_producers: int, run_id: str) -> ShmConsumer:
+def shm_factory(config: CommConfig, *, n_producers: int, run_id: str, codec: Any = None) -> ShmConsumer:
     """Transport factory registered as ``shm``."""
-    return ShmConsumer(config, n_producers=n_producers, run_id=run_id)
+    return ShmConsumer(config, n_producers=n_producers, run_id=run_id, codec=codec)
