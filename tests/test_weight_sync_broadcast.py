@@ -59,7 +59,7 @@ def _wait_staged(recv: DoubleBufferedReceiver, timeout: float = 30) -> int:
 def _corrupting_receiver(handle, q) -> None:
     """Receive v1, then v2 with one byte flipped on arrival (as a bad link would), then v3."""
     torch.set_num_threads(1)
-    import mrl_plugins.weight_sync.broadcast as bc
+    import mrl_plugins.weight_sync.broadcast_rx as bc  # the receiving side's checksums
 
     try:
         model = model_for_test()
