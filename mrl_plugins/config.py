@@ -48,6 +48,15 @@ def _type_ok(value: Any, tp: Any) -> bool:
     return True
 
 
+#: public keys that were removed: dotted key -> why, and what to use instead (one error naming it, not "unknown key")
+REMOVED_KEYS: dict[str, str] = {
+    "comm.prefetch": (
+        "was removed: nothing received batches ahead on a background thread (the rollout overlaps generation "
+        "with training: rollout.pipeline: async); delete the key"
+    ),
+}
+
+
 def section_from_dict(cls: type, data: Any, path: str, valid_keys: typing.Iterable[str] = ()) -> Any:
     """Build dataclass ``cls`` from ``data``, rejecting unknown keys and wrongly typed values.
 
@@ -62,6 +71,7 @@ def section_from_dict(cls: type, data: Any, path: str, valid_keys: typing.Iterab
         raise ConfigError(f"{path}: expected a mapping, got {type(data).__name__}")
     fields = {f.name: f for f in dataclasses.fields(cls)}
     hints = typing.get_type_hints(cls)
+    _check_removed(data, path)
     unknown = sorted(set(data) - set(fields))
     if unknown:
         raise ConfigError(f"{path}: unknown key {unknown[0]!r}; valid keys: {choices(valid_keys or fields)}")
@@ -86,6 +96,14 @@ def section_from_dict(cls: type, data: Any, path: str, valid_keys: typing.Iterab
     return obj
 
 
+def _check_removed(data: Any, path: str) -> None:
+    """A removed public key is one error saying so (and what replaces it), whichever parser reads the section."""
+    for key in sorted(data) if isinstance(data, dict) else ():
+        gone = REMOVED_KEYS.get(_join(path, str(key)))
+        if gone:
+            raise ConfigError(f"{_join(path, str(key))} {gone}")
+
+
 def _join(path: str, key: str) -> str:
     """Dotted key path; top-level keys are named bare (``mode``, not ``config.mode``)."""
     return key if path == TOP else f"{path}.{key}"
@@ -94,6 +112,7 @@ def _join(path: str, key: str) -> str:
 def _nested(cls: type, value: Any, path: str) -> Any:
     if value is not None and not isinstance(value, dict | cls):
         raise ConfigError(f"{path}: expected a mapping, got {type(value).__name__}")
+    _check_removed(value, path)
     from_dict = getattr(cls, "from_dict", None)
     if from_dict is not None and not isinstance(value, cls):
         try:

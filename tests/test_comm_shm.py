@@ -1,4 +1,4 @@
-"""Shared-memory ring, queue transport, control channel and prefetch: real processes, real /dev/shm."""
+"""Shared-memory ring and queue transport: real processes, real /dev/shm."""
 
 from __future__ import annotations
 
@@ -12,8 +12,6 @@ import pytest
 import torch
 
 from mrl_plugins.comm import CommConfig, FrameError, PeerDeadError
-from mrl_plugins.comm.control import ControlHub, ControlKind, model_hash
-from mrl_plugins.comm.prefetch import Prefetcher
 from mrl_plugins.comm.queue_transport import queue_factory
 from mrl_plugins.comm.segment import shm_dir
 from mrl_plugins.comm.shm_ring import shm_factory
@@ -94,25 +92,6 @@ def _owner_child(run_id: str, q) -> None:
     cons = shm_factory(_cfg(), n_producers=1, run_id=run_id)
     q.put(cons.path)
     time.sleep(120)
-
-
-def _control_child(handle, ctl_handle, slots: int) -> None:
-    torch.set_num_threads(1)
-    prod = handle.attach()
-    peer = ctl_handle.attach()
-    try:
-        for seq in range(slots):  # fill the bulk ring; nobody reads it
-            prod.send(_batch(0, seq), {"seq": seq}, timeout=10)
-        peer.send(ControlKind.NEW_VERSION, model_id="policy", version=7)
-        msg = peer.poll(timeout=10)
-        if msg is None or msg.kind != ControlKind.STOP:
-            raise SystemExit(3)
-    finally:
-        peer.close()
-        prod.close()
-
-
-# --------------------------------------------------------------------------- single process
 
 
 def test_round_trip_views_and_stats():
@@ -303,53 +282,6 @@ def test_owner_signal_removes_its_segment(sig):
 
 
 @pytest.mark.slow
-def test_control_messages_overtake_bulk_frames():
-    slots = 3
-    cons = shm_factory(_cfg(ring_slots=slots), n_producers=1, run_id=RUN)
-    hub = ControlHub(1, RUN)
-    p = CTX.Process(target=_control_child, args=(cons.producer_handle(0), hub.handle(0), slots))
-    try:
-        p.start()
-        msg = hub.poll(timeout=30)
-        assert msg is not None and msg.kind == ControlKind.NEW_VERSION and msg.version == 7
-        assert msg.model_hash == model_hash("policy") and msg.sender == 0
-        assert cons.stats()["queue_depth"] == slots  # the bulk frames before it are still unread
-        hub.broadcast(ControlKind.STOP)
-        _join(p)
-        assert p.exitcode == 0
-        assert cons.stats()["queue_depth"] == slots
-    finally:
-        _join(p, timeout=5)
-        hub.close()
-        cons.close()
-
-
-@pytest.mark.slow
-def test_prefetch_receives_next_batch_while_caller_computes():
-    cons = shm_factory(_cfg(ring_slots=2), n_producers=1, run_id=RUN)
-    p = CTX.Process(target=_producer_child, args=(cons.producer_handle(0), 0, 6))
-    kept = []
-    try:
-        p.start()
-        with Prefetcher(cons, depth=1) as pf:
-            kept.append(pf.get(timeout=30))
-            for _ in range(5):
-                time.sleep(0.2)  # "compute" on the batch in hand
-                assert pf.ready() == 1  # the next one arrived meanwhile
-                t0 = time.monotonic()
-                kept.append(pf.get(timeout=30))
-                assert time.monotonic() - t0 < 0.1  # already there: no wait for the ring
-        # copies survive the reuse of the 2 ring slots by later frames
-        for seq, r in enumerate(kept):
-            assert r.released and r.meta["seq"] == seq and torch.equal(r.batch["ids"], _batch(0, seq)["ids"])
-        _join(p)
-        assert p.exitcode == 0
-    finally:
-        _join(p, timeout=5)
-        cons.close()
-
-
-@pytest.mark.slow
 def test_queue_transport_across_processes():
     cons = queue_factory(_cfg(), n_producers=2, run_id=RUN)
     procs = [CTX.Process(target=_producer_child, args=(cons.producer_handle(i), i, 5)) for i in range(2)]
@@ -367,47 +299,6 @@ def test_queue_transport_across_processes():
         assert cons.stats()["frames"] == 10
     finally:
         _join(*procs, timeout=5)
-        cons.close()
-
-
-def test_control_channel_order_capacity_and_timeout():
-    hub = ControlHub(2, RUN, capacity=3)
-    peer = hub.handle(1).attach()
-    try:
-        for v in range(3):
-            hub.send(1, ControlKind.NEW_VERSION, model_id="policy", version=v)
-        with pytest.raises(StageTimeoutError, match="3 messages unread"):
-            hub.send(1, ControlKind.PAUSE, timeout=0.2)
-        assert [peer.poll().version for _ in range(3)] == [0, 1, 2]
-        assert peer.poll(timeout=0.05) is None
-        hub.broadcast(ControlKind.STOP)
-        assert peer.poll().kind == ControlKind.STOP
-        peer.heartbeat()
-        msg = hub.poll(timeout=1)
-        assert msg.kind == ControlKind.HEARTBEAT and msg.sender == 1 and msg.value == os.getpid()
-    finally:
-        peer.close()
-        hub.close()
-
-
-def test_prefetcher_hands_consumer_errors_to_the_caller_in_order():
-    cons = shm_factory(_cfg(ring_slots=3), n_producers=1, run_id=RUN)
-    prod = cons.producer_handle(0).attach()
-    try:
-        for seq in range(3):
-            prod.send(_batch(0, seq), {"seq": seq})
-        length = struct.unpack_from("<Q", cons.seg.buf, cons._data + cons.slot_bytes)[0]
-        cons.seg.buf[cons._data + cons.slot_bytes + 64 + length - 1] ^= 0xFF  # corrupt frame #1
-        with Prefetcher(cons, depth=2) as pf:
-            assert pf.get(timeout=5).meta["seq"] == 0
-            with pytest.raises(FrameError, match="frame #1 dropped"):
-                pf.get(timeout=5)
-            assert pf.get(timeout=5).meta["seq"] == 2
-            with pytest.raises(StageTimeoutError, match="prefetch: no batch within 0.2 s"):
-                pf.get(timeout=0.2)
-        assert cons.stats()["corrupt"] == 1
-    finally:
-        prod.close()
         cons.close()
 
 

@@ -293,3 +293,11 @@ def test_top_level_parser_covers_every_field():
                 assert getattr(got, k) == v, f"{key}.{k}"
         else:
             assert got == value, key
+
+
+def test_removed_key_is_one_error_naming_the_removal():
+    """``comm.prefetch`` did nothing and was removed: a config that still sets it is told so, not 'unknown key'."""
+    from mrl_plugins.config import load_config
+
+    with pytest.raises(ConfigError, match=r"^comm\.prefetch was removed: .*rollout\.pipeline: async"):
+        load_config({"comm": {"prefetch": 2}})

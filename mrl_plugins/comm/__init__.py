@@ -1,5 +1,5 @@
-"""Experience communication stage: frames, codecs, transports (shm ring, queue, torch.distributed),
-control channel and prefetch. See :mod:`mrl_plugins.comm.plugin` for the hook implementations."""
+"""Experience communication stage: frames, codecs, transports (shm ring, queue, torch.distributed).
+See :mod:`mrl_plugins.comm.plugin` for the hook implementations."""
 
 from __future__ import annotations
 

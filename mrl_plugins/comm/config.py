@@ -69,9 +69,6 @@ class CommConfig:
         default=60.0,
         metadata={"help": "how long a peer that has not stamped its first heartbeat yet counts as starting, not dead"},
     )
-    prefetch: int = field(
-        default=1, metadata={"help": "batches received ahead by a background thread (0 = no prefetch)"}
-    )
     checksum: str = field(
         default="xxh3",
         metadata={"help": "payload checksum: 'xxh3' (low 32 bits of xxh3-64, fastest), 'crc32c' or 'none'"},
@@ -90,7 +87,7 @@ class CommConfig:
             isinstance(f, str) and f for f in self.lossless_fields
         ):
             raise ConfigError(f"comm.lossless_fields must be a list of field names, got {self.lossless_fields!r}")
-        for key, lo in (("ring_slots", 1), ("slot_bytes", 4096), ("prefetch", 0)):
+        for key, lo in (("ring_slots", 1), ("slot_bytes", 4096)):
             val = getattr(self, key)
             if isinstance(val, bool) or not isinstance(val, int) or val < lo:
                 raise ConfigError(f"comm.{key} must be an integer >= {lo}, got {val!r}")

@@ -5,8 +5,8 @@ Public API::
     from mrl_plugins.weight_sync import (
         WeightSyncConfig, WeightSyncError,
         ShmSender, DirectorySender, BroadcastSender, PerParamSender,
-        DoubleBufferedReceiver, VersionPoller,
-        iter_trainer_weights, should_publish,
+        DoubleBufferedReceiver,
+        iter_trainer_weights,
     )
 
 Heavy optional libraries (deepspeed, peft) are imported lazily.
@@ -15,10 +15,10 @@ Heavy optional libraries (deepspeed, peft) are imported lazily.
 from .broadcast import BroadcastSender, PerParamSender
 from .config import WeightSyncConfig
 from .directory import DirectorySender
-from .receiver import DoubleBufferedReceiver, PollInterval, VersionPoller
+from .receiver import DoubleBufferedReceiver, PollInterval
 from .shards import VersionGoneError, WeightSyncError
 from .shm import ShmSender
-from .sources import iter_trainer_weights, should_publish
+from .sources import iter_trainer_weights
 
 TRANSPORTS = {
     "shm": ShmSender,
@@ -36,9 +36,7 @@ __all__ = [
     "ShmSender",
     "TRANSPORTS",
     "VersionGoneError",
-    "VersionPoller",
     "WeightSyncConfig",
     "WeightSyncError",
     "iter_trainer_weights",
-    "should_publish",
 ]

@@ -75,7 +75,7 @@ class WeightSyncConfig:
     poll_interval_s: float | None = field(
         default=None,
         metadata={
-            "help": "seconds between version polls of an idle rollout worker (or a VersionPoller); None = auto: 3/8 "
+            "help": "seconds between version polls of an idle rollout worker; None = auto: 3/8 "
             "of the measured interval between versions (0.5 s until two were seen). A request that needs a newer "
             "version makes the worker fetch it at once"
         },

@@ -1,8 +1,8 @@
 """Training-side sources: the trainer's weights as a stream of ``(name, tensor)`` pairs.
 
 * plain module: ``named_parameters()``;
-* DDP (or any wrapper with ``.module``): unwrapped; every rank holds the full weights, so only the
-  main process needs to iterate and publish (:func:`should_publish`);
+* DDP (or any wrapper with ``.module``): unwrapped; every rank holds the full weights (each rank
+  publishes to its own inference copy);
 * DeepSpeed ZeRO-3: parameters are gathered a bucket at a time inside
   ``deepspeed.zero.GatheredParameters(bucket, modifier_rank=None)``; peak extra memory is about one
   bucket. Gathering is a collective, so **every rank must iterate** the generator (non-publishing
@@ -29,22 +29,6 @@ import torch
 from mrl_plugins.errors import ConfigError, choices
 
 DEFAULT_GATHER_BUCKET = 64 << 20
-
-
-def should_publish(accelerator: Any = None) -> bool:
-    """True on the process that publishes: global rank 0 when torch.distributed is initialized, else the
-    accelerator's main process (always true for a single process).
-
-    The global rank is checked first because accelerate on CPU with DeepSpeed reports every process as
-    the main one (``num_processes == 1``) while DeepSpeed runs a 2-process group.
-    """
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank() == 0
-    if accelerator is None:
-        return True
-    return bool(getattr(accelerator, "is_main_process", True))
 
 
 def unwrap(model: Any, accelerator: Any = None) -> torch.nn.Module:
@@ -194,6 +178,5 @@ __all__ = [
     "is_zero3",
     "iter_trainer_weights",
     "peft_base_name",
-    "should_publish",
     "unwrap",
 ]

@@ -19,7 +19,7 @@ def main() -> int:
     import torch.distributed as dist
     from accelerate import Accelerator
 
-    from mrl_plugins.weight_sync import DirectorySender, WeightSyncConfig, iter_trainer_weights, should_publish
+    from mrl_plugins.weight_sync import DirectorySender, WeightSyncConfig, iter_trainer_weights
     from mrl_plugins.weight_sync.sources import is_zero3
 
     torch.set_num_threads(1)
@@ -42,7 +42,7 @@ def main() -> int:
             model_id="policy",
             run_id="zero3",
         )
-        if should_publish(acc)
+        if dist.get_rank() == 0  # accelerate on CPU with DeepSpeed calls every process the main one
         else None
     )
     bucket = 20_000
