@@ -30,7 +30,6 @@ import time
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from typing import Any
 
 from mrl_plugins.comm.base import ChannelClosedError
@@ -38,87 +37,16 @@ from mrl_plugins.errors import MrlError, StageTimeoutError
 from mrl_plugins.hookspecs import RolloutResult, StageContext
 from mrl_plugins.metrics import record_publish
 
+from .assemble import Ticket, assemble, own
 from .lifecycle import ReadyClock, finalizer, release, spawn_quiet
+from .pool_checks import check_pool_config, no_rejoin, stage_names
 from .worker import REQ_STOP, REQ_WEIGHTS, ServedModel, WorkerSpec, budget_metrics, worker_main
 
 log = logging.getLogger("mrl_plugins.rollout")
 
 
-def _no_rejoin(what: str) -> str:
-    """Why an end that is not ``rejoinable`` cannot take a restarted worker (one wording for every refusal)."""
-    return (
-        f"{what} keeps the group formed at its first transfer, which a new process cannot rejoin (its ends are not "
-        "rejoinable); use weight_sync.transport 'shm' or 'directory' and comm.transport 'shm' or 'queue'"
-    )
-
-
-def _stage_names(pm: Any, cfg: Any) -> tuple[str, str]:
-    """How the comm and weight-sync ends are named in errors: the plugin and, for ``mrl``, its transport."""
-    from mrl_plugins.upstream import UPSTREAM_COMM_TRANSPORT, UPSTREAM_WEIGHT_TRANSPORT
-
-    def name(stage: str, transport: str, upstream: str) -> str:
-        plugin = pm.selected.get(stage, "")
-        if plugin == "upstream":
-            return f"the 'upstream' {stage} ({upstream})"
-        if plugin == f"mrl.{stage}":
-            return f"{stage}.transport {transport!r}"
-        return f"plugins.{stage} {plugin!r}"
-
-    return (
-        name("comm", cfg.comm.transport, UPSTREAM_COMM_TRANSPORT),
-        name("weight_sync", cfg.weight_sync.transport, UPSTREAM_WEIGHT_TRANSPORT),
-    )
-
-
-def _loopback(host: str) -> bool:
-    return host in ("localhost", "") or host.startswith("127.")
-
-
-def check_pool_config(pm: Any, cfg: Any, n_local: int) -> tuple[Any, Any]:
-    """What a pool of ``n_local`` local workers (plus ``rollout.remote_workers``) refuses under ``cfg``, decided by
-    the selected comm and weight-sync plugins' capabilities and checked before anything is started (the adapter
-    asks at ``enable()``); returns those capabilities ``(comm, weight_sync)``."""
-    from mrl_plugins.errors import ConfigError
-
-    remote = cfg.rollout.remote_workers
-    if n_local + remote < 1:
-        raise ConfigError("rollout.workers: a worker pool needs at least one worker (local or remote)")
-    ctx = StageContext(config=cfg, plugins=pm)
-    comm, ws = pm.capabilities("comm", ctx), pm.capabilities("weight_sync", ctx)
-    comm_name, ws_name = _stage_names(pm, cfg)
-    if remote and not (comm.cross_host and ws.cross_host):
-        raise ConfigError(
-            f"rollout.remote_workers: workers on other hosts need comm and weight-sync ends that reach other hosts "
-            f"(cross_host: comm.transport 'torch_distributed', weight_sync.transport 'broadcast', 'per_param' or "
-            f"'directory'); {comm_name} "
-            f"{'does' if comm.cross_host else 'does not'}, {ws_name} {'does' if ws.cross_host else 'does not'}"
-        )
-    host = cfg.rollout.rendezvous.rpartition(":")[0]
-    if remote and not _loopback(host) and _loopback(cfg.comm.host):
-        raise ConfigError(
-            f"comm.host is {cfg.comm.host!r}, which workers on other hosts cannot reach: set it to this host's "
-            f"address they reach (e.g. the rollout.rendezvous host, {host!r})"
-        )
-    if cfg.rollout.rebalance and not (ws.rejoinable and comm.rejoinable):
-        what = ws_name if not ws.rejoinable else comm_name
-        raise ConfigError(f"rollout.rebalance moves (restarts) workers: {_no_rejoin(what)}, or rebalance: false")
-    return comm, ws
-
-
 class WorkerDiedError(MrlError):
     """A rollout worker process exited or stopped answering."""
-
-
-@dataclass
-class _Ticket:
-    req_id: int
-    prompts: list[list[int]]
-    num_generations: int
-    model_id: str
-    min_version: int
-    chunks: dict[int, tuple[int, list[list[int]]]]  # chunk -> (worker or -1 while queued, prompts)
-    submitted: float
-    results: dict[int, Any] = field(default_factory=dict)
 
 
 class WorkerPool:
@@ -175,7 +103,7 @@ class WorkerPool:
         self.run_id = f"mrl{os.getpid()}{uuid.uuid4().hex[:6]}"
         self._mp = mp.get_context("spawn")
         self._ids = itertools.count(1)
-        self._tickets: dict[int, _Ticket] = {}
+        self._tickets: dict[int, Ticket] = {}
         self._abandoned: set[int] = set()
         self._draining: set[int] = set()
         self._stash: dict[tuple[int, int], Any] = {}
@@ -188,7 +116,7 @@ class WorkerPool:
         self.budgets: dict[int, dict] = {}  # worker -> {"budget": AppliedBudget.as_dict(), "memory": {...}}
         self._closed = False
         self._comm_caps, self._ws_caps = comm_caps, ws_caps
-        self._names = _stage_names(pm, cfg)
+        self._names = stage_names(pm, cfg)
         # the other stages' ends, opened through their plugins' hooks and owned by this pool
         self.consumer = pm.comm_open_consumer(ctx=ctx, run_id=self.run_id, producers=self.n)
         self.senders: dict[str, Any] = {}
@@ -344,10 +272,10 @@ class WorkerPool:
             ([self.consumer], self._comm_caps, self._names[0]),
         ):
             if not all(getattr(e, "capabilities", caps).rejoinable for e in ends):
-                return _no_rejoin(what)
+                return no_rejoin(what)
         return None
 
-    def _send(self, w: int, t: _Ticket, chunk: int, prompts: list[list[int]]) -> None:
+    def _send(self, w: int, t: Ticket, chunk: int, prompts: list[list[int]]) -> None:
         t.chunks[chunk] = (w, prompts)
         self._assigned[w].add((t.req_id, chunk))
         score_with = self.score_with if t.model_id == "policy" else ()
@@ -491,7 +419,7 @@ class WorkerPool:
         active = [w for w in range(self.n) if w not in self._draining]
         per = -(-len(prompts) // len(active))
         parts = [[list(p) for p in prompts[c * per : (c + 1) * per]] for c in range(len(active))]
-        ticket = _Ticket(
+        ticket = Ticket(
             req_id, prompts, num_generations, model_id, min_version,
             {c: (-1, part) for c, part in enumerate(parts) if part}, time.monotonic(),
         )  # fmt: skip
@@ -566,7 +494,7 @@ class WorkerPool:
             time.sleep(0.05)
             return
         meta = dict(got.meta)
-        entry = (meta, {k: _own(v) for k, v in got.batch.items()})
+        entry = (meta, {k: own(v) for k, v in got.batch.items()})
         got.release()
         key = (int(meta["seq"]), int(meta["chunk"]))
         w = int(meta.get("worker", -1))
@@ -601,40 +529,7 @@ class WorkerPool:
                 )
             self._pump(min(0.5, remaining))
         del self._tickets[req_id]
-        return self._assemble(ticket)
-
-    def _assemble(self, ticket: _Ticket) -> RolloutResult:
-        prompt_ids, completion_ids, logprobs, versions, gen_us, apply_us = [], [], [], [], 0, 0
-        scores: dict[str, list[list[float]]] = {}
-        for c in sorted(ticket.chunks):
-            meta, batch = ticket.results[c]
-            versions.append(int(meta["version"]))
-            gen_us = max(gen_us, int(meta.get("gen_us", 0)))
-            apply_us = max(apply_us, int(meta.get("apply_us", 0)))
-            lengths = batch["lengths"].tolist()
-            ids, lps = batch["completion_ids"].tolist(), batch["logprobs"].tolist()
-            scored = {k[len("score_") :]: v.tolist() for k, v in batch.items() if k.startswith("score_")}
-            off = 0
-            for n in lengths:
-                completion_ids.append(ids[off : off + n])
-                logprobs.append(lps[off : off + n])
-                for mid, flat in scored.items():
-                    scores.setdefault(mid, []).append(flat[off : off + n])
-                off += n
-            prompt_ids.extend(p for p in ticket.chunks[c][1] for _ in range(ticket.num_generations))
-        return RolloutResult(
-            prompt_ids=prompt_ids,
-            completion_ids=completion_ids,
-            logprobs=logprobs,
-            weight_version=min(versions),
-            model_id=ticket.model_id,
-            metrics={
-                "generate_s": gen_us / 1e6,
-                "version_spread": max(versions) - min(versions),
-                "engine_apply_ms": apply_us / 1e3,  # the workers' last weight apply (vLLM reload); 0: none
-            },
-            scores=scores,
-        )
+        return assemble(ticket)
 
     def stats(self) -> dict[str, float]:
         self._drain_events()  # budgets and memory reservations the workers reported since the last call
@@ -681,12 +576,3 @@ def _main_not_reimported() -> Iterator[None]:
     finally:
         if main is not None:
             main.__dict__.update(saved)
-
-
-def _own(value: Any) -> Any:
-    """Copy a received field out of the transport's buffer (it is released right after)."""
-    import torch
-
-    if isinstance(value, torch.Tensor):
-        return value.clone()
-    return torch.as_tensor(value).clone()

@@ -1,0 +1,69 @@
+"""A worker pool's requests and their results: a :class:`Ticket` per submitted request, its answers assembled
+into one :class:`~mrl_plugins.hookspecs.RolloutResult`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from mrl_plugins.hookspecs import RolloutResult
+
+
+@dataclass
+class Ticket:
+    """One submitted request: its chunks (one per active worker) and the answers that arrived."""
+
+    req_id: int
+    prompts: list[list[int]]
+    num_generations: int
+    model_id: str
+    min_version: int
+    chunks: dict[int, tuple[int, list[list[int]]]]  # chunk -> (worker or -1 while queued, prompts)
+    submitted: float
+    results: dict[int, Any] = field(default_factory=dict)
+
+
+def assemble(ticket: Ticket) -> RolloutResult:
+    """One :class:`RolloutResult` from the chunks the workers answered, in chunk order (prompts repeated per
+    generation, flat fields split by ``lengths``, the oldest chunk's version)."""
+    prompt_ids, completion_ids, logprobs, versions, gen_us, apply_us = [], [], [], [], 0, 0
+    scores: dict[str, list[list[float]]] = {}
+
+    for c in sorted(ticket.chunks):
+        meta, batch = ticket.results[c]
+        versions.append(int(meta["version"]))
+        gen_us = max(gen_us, int(meta.get("gen_us", 0)))
+        apply_us = max(apply_us, int(meta.get("apply_us", 0)))
+        lengths = batch["lengths"].tolist()
+        ids, lps = batch["completion_ids"].tolist(), batch["logprobs"].tolist()
+        scored = {k[len("score_") :]: v.tolist() for k, v in batch.items() if k.startswith("score_")}
+        off = 0
+        for n in lengths:
+            completion_ids.append(ids[off : off + n])
+            logprobs.append(lps[off : off + n])
+            for mid, flat in scored.items():
+                scores.setdefault(mid, []).append(flat[off : off + n])
+            off += n
+        prompt_ids.extend(p for p in ticket.chunks[c][1] for _ in range(ticket.num_generations))
+    return RolloutResult(
+        prompt_ids=prompt_ids,
+        completion_ids=completion_ids,
+        logprobs=logprobs,
+        weight_version=min(versions),
+        model_id=ticket.model_id,
+        metrics={
+            "generate_s": gen_us / 1e6,
+            "version_spread": max(versions) - min(versions),
+            "engine_apply_ms": apply_us / 1e3,  # the workers' last weight apply (vLLM reload); 0: none
+        },
+        scores=scores,
+    )
+
+
+def own(value: Any) -> Any:
+    """Copy a received field out of the transport's buffer (it is released right after)."""
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return value.clone()
+    return torch.as_tensor(value).clone()
