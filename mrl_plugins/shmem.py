@@ -270,19 +270,14 @@ class Segment:
         struct.pack_into(fmt, self.mm, off, *vals)
 
     def close(self, unlink_file: bool = False) -> None:
-        """Unmap (a mapping with views still alive goes with the last of them) and optionally remove the file."""
-        buf, self.buf, self._tensor = self.buf, None, None
-        if buf is not None:
-            try:
-                buf.release()
-            except BufferError:
-                pass
-        for mm in [*self._old, self.mm]:
-            try:
-                mm.close()
-            except BufferError:  # views handed out are still alive; the mapping goes with the last of them
-                pass
-        self._old = []
+        """Let go of the mapping and optionally remove the file.
+
+        The mapping is not unmapped here but dropped: views of it handed out (numpy arrays and tensors over
+        ``buf``, which keep the mapping referenced but do not always hold a buffer export that would stop
+        ``mmap.close``) stay valid, and the mapping goes with the last of them (reading a view after an
+        explicit unmap would be a segfault).
+        """
+        self.buf, self._tensor, self.mm, self._old = None, None, None, []
         if self.fd >= 0:
             try:
                 os.close(self.fd)
