@@ -18,6 +18,7 @@ import pytest
 
 from mrl_plugins.bench import netns
 
+TRAINER = netns.TRAINER_ADDR
 RENDEZVOUS_PORT = 29555  # inside the trainer's own namespace: nothing else listens there
 DIST_ENV = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
 

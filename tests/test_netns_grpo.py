@@ -1,20 +1,27 @@
-"""A GRPO run across two network hosts (Linux network namespaces on a veth link, 1 Gbit/s tbf): the trainer
-(`mrl run`) in one namespace, `mrl worker --connect` in the other; experience over torch_distributed, weights
-over the broadcast transport (no shared filesystem: the worker has no weight directory at all)."""
+"""The README's multi-host config, run as pasted: a GRPO run across two network hosts (Linux network
+namespaces on a veth link, 1 Gbit/s tbf): the trainer (`mrl run`) in one namespace, `mrl worker --connect` in
+the other; experience over torch_distributed, weights over the broadcast transport (no shared filesystem: the
+worker has no weight directory at all)."""
 
 from __future__ import annotations
 
 import ast
 import json
 import re
+import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
+import yaml
 
 from tests import netns as two_hosts
 from tests.marks import require_trl
+from tests.test_readme_and_ignores import _readme_yaml
+
+README = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
 
 pytestmark = [pytest.mark.slow]
 hosts = two_hosts.hosts  # the fixture
@@ -43,30 +50,23 @@ def test_harness_joins_two_hosts_by_a_shaped_link_and_cuts_it(hosts):
     assert cut.returncode != 0 and ("timed out" in cut.stderr or "unreachable" in cut.stderr), cut.stderr
 
 
-CONFIG = """
-plugins: {{rollout: mrl, weight_sync: mrl, comm: mrl}}
-mode: disaggregated
-rollout:
-  workers: 0
-  remote_workers: 1
-  rendezvous: 10.77.0.1:{port}
-  local_warmup: false
-  timeout_s: 60
-  engine_threads: 1
-  trainer_threads: 1
-comm: {{transport: torch_distributed, host: 10.77.0.1}}
-weight_sync: {{transport: broadcast}}
-train: {{model: tiny, steps: {steps}, threads: 1}}
-"""
+def _readme_config(steps: int) -> str:
+    """The README's multi-host config as pasted, on the harness's addresses, with a short run of the tiny model."""
+    data = yaml.safe_load(_readme_yaml("Workers on other hosts").replace("10.0.0.1", two_hosts.TRAINER))
+    assert data["rollout"]["rendezvous"] == f"{two_hosts.TRAINER}:{two_hosts.RENDEZVOUS_PORT}"
+    data["rollout"].update(local_warmup=False, engine_threads=1, trainer_threads=1)
+    data["train"] = {"model": "tiny", "steps": steps, "threads": 1}
+    return yaml.safe_dump(data)
 
 
 @require_trl
 def test_grpo_trains_across_hosts_with_weights_broadcast_over_the_link(hosts, tmp_path):
     h = hosts(1, rate="1gbit")
-    (tmp_path / "run.yaml").write_text(CONFIG.format(port=two_hosts.RENDEZVOUS_PORT, steps=STEPS))
+    (tmp_path / "run.yaml").write_text(_readme_config(STEPS))
+    assert f"mrl worker --connect 10.0.0.1:{two_hosts.RENDEZVOUS_PORT} --index 0" in README
     wdir = tmp_path / "worker"  # the worker's own folder: nothing shared with the trainer's
     wdir.mkdir()
-    env = two_hosts.child_env()
+    env = two_hosts.child_env(PYTHONFAULTHANDLER="1")
     trainer = h.popen(
         h.trainer, two_hosts.mrl("run", "--config", str(tmp_path / "run.yaml"), "--json", str(tmp_path / "r.json")),
         cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -79,7 +79,11 @@ def test_grpo_trains_across_hosts_with_weights_broadcast_over_the_link(hosts, tm
     )  # fmt: skip
     try:
         tout, _ = trainer.communicate(timeout=300)
-        wout, _ = worker.communicate(timeout=60)
+        try:
+            wout, _ = worker.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            worker.send_signal(signal.SIGABRT)  # PYTHONFAULTHANDLER: every thread's stack into its output
+            pytest.fail(f"the worker did not leave after the run: {worker.communicate(timeout=10)[0][-3000:]}")
     finally:
         for p in (trainer, worker):
             if p.poll() is None:

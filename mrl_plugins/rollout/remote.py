@@ -223,15 +223,24 @@ def cli(argv: list[str]) -> NoReturn:
     p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for the trainer")
     ns = p.parse_args(argv)
     cores = [int(c) for c in ns.cores.split(",")] if ns.cores else None
-    rc = 0
+    rc = 1
     try:
         serve(ns.connect, ns.index, device=ns.device, cores=cores, threads=ns.threads, timeout=ns.timeout)
+        rc = 0
     except MrlError as exc:
         print(f"mrl worker: error: {exc}", file=sys.stderr)
         rc = 2
-    # Leave as a multiprocessing worker does (os._exit, after everything above was flushed and closed): a
-    # normal interpreter exit runs C++ static destructors while gloo's and the TCPStore client's threads
-    # still run, which aborts now and then ("terminate called without an active exception", seen in CI).
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(rc)
+    except SystemExit as exc:  # the worker loop reported its error to the trainer and exits non-zero
+        rc = exc.code if isinstance(exc.code, int) else 1
+    except BaseException:  # noqa: BLE001 - anything else: its traceback, then the same exit
+        import traceback
+
+        traceback.print_exc()
+    finally:
+        # Leave as a multiprocessing worker does (os._exit, after everything above was flushed and closed), on
+        # every path: a normal interpreter exit runs C++ static destructors while gloo's and the TCPStore
+        # client's threads still run, which aborts now and then ("terminate called without an active
+        # exception", seen in CI).
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(rc)
