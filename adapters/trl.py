@@ -142,6 +142,11 @@ def _check_rollout(trainer: Any, cfg: Any, pm: Any, kind: str) -> None:
                 f"rollout.remote_workers: remote workers serve a single training process; got "
                 f"{trainer.accelerator.num_processes} (use local workers per rank, rollout.workers)"
             )
+        if cfg.rollout.placement == "auto" and (cfg.mode == "hybrid" or trainer.accelerator.num_processes > 1):
+            raise ConfigError(
+                f"rollout.placement: 'auto' decides for one training process of mode colocate or disaggregated; got "
+                f"mode: {cfg.mode}, {trainer.accelerator.num_processes} process(es); valid here: 'fixed'"
+            )
         if cfg.rollout.rebalance and (cfg.mode != "hybrid" or cfg.rollout.workers < 2):
             raise ConfigError(
                 f"rollout.rebalance: moves workers between the pools of mode: hybrid with rollout.workers >= 2; "
@@ -195,6 +200,8 @@ def _install_rollout(trainer: Any, state: State, device: Any, plan: tuple | None
         _time_upstream_generation(trainer, state)
         return
     gen.runtime = runtime
+    if cfg.rollout.placement == "auto" and hasattr(runtime, "exact"):
+        _exact_local_batches(trainer, state, runtime)
     on_step_end = getattr(runtime, "on_step_end", None)
     if on_step_end is not None:
         _add_step_end_callback(trainer, state, on_step_end)
@@ -222,6 +229,20 @@ def _install_rollout(trainer: Any, state: State, device: Any, plan: tuple | None
         _use_engine_logps(trainer, state)
     if cfg.rollout.ref_logps == "engine":
         _use_engine_ref_logps(trainer, state, gen)
+
+
+def _exact_local_batches(trainer: Any, state: State, runtime: Any) -> None:
+    """``rollout.placement: auto``: a batch of the trainer's own current model (taking turns, warm-up) skips TRL's
+    importance-sampling pass (its extra forward pass), as TRL's own generation does; worker batches keep it."""
+    is_correction = bool(getattr(trainer, "vllm_importance_sampling_correction", False))
+    state.patch(trainer, "vllm_importance_sampling_correction", is_correction)
+    if state.ctx.config.rollout.old_logps == "engine":  # the loss takes the engine's logprobs: the flag stays off
+        return
+
+    def exact(local: bool) -> None:
+        trainer.vllm_importance_sampling_correction = is_correction and not local
+
+    runtime.exact = exact
 
 
 def _plan(trainer: Any, pm: Any, cfg: Any, device: Any) -> tuple | None:

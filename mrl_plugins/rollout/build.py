@@ -69,13 +69,18 @@ def open_runtime(ctx: StageContext, setup: RolloutSetup) -> Any:
                 metrics=ctx.metrics,
             )
 
+    from .autoplace import runtime_kwargs
+
+    # placement auto: the trainer's own model also generates while the run takes turns on all cores
+    auto = cfg.rollout.placement == "auto"
     return PoolRuntime(
         pm,
         ctx,
         setup.generation,
         start_pool,
-        local_engine if cfg.rollout.local_warmup else None,
+        local_engine if cfg.rollout.local_warmup or auto else None,
         balancer_factory=balancer,
+        **runtime_kwargs(cfg, places, _trainer_cores, device.type, ctx.metrics),
     )
 
 

@@ -10,6 +10,7 @@ from mrl_plugins.errors import ConfigError, choices
 PIPELINES = ("async", "sync")
 STALE_POLICIES = ("drop", "keep")
 OLD_LOGPS = ("trainer", "engine")
+PLACEMENTS = ("fixed", "auto")
 REF_LOGPS = ("trainer", "engine")
 
 
@@ -83,6 +84,23 @@ class RolloutConfig:
             "ref_model on the trainer) or 'engine' (every rollout worker holds a copy of the reference model and "
             "scores the completions it generated; the trainer skips that pass; needs rollout workers)"
         },
+    )
+    placement: str = field(
+        default="fixed",
+        metadata={
+            "help": "'fixed': the workers and the trainer keep the cores this section gives them; 'auto': the run "
+            "measures its stage times and keeps the faster of that split and taking turns on all of the "
+            "trainer's cores (the trainer's own model generates, the workers idle), re-checked every "
+            "placement_interval steps (mrl_plugins.rollout.autoplace; mrl/rollout/placement 0 split, 1 turns); "
+            "one training process, local workers, mode colocate or disaggregated"
+        },
+    )
+    placement_interval: int = field(
+        default=10, metadata={"help": "placement auto: optimizer steps between two decisions (the first after 3)"}
+    )
+    placement_margin: float = field(
+        default=0.1,
+        metadata={"help": "placement auto: switch only when the other arrangement is projected this much faster"},
     )
     engine_threads: int = field(default=1, metadata={"help": "torch threads of each rollout engine"})
     trainer_threads: int = field(
@@ -178,6 +196,28 @@ class RolloutConfig:
             raise ConfigError(f"rollout.old_logps: {self.old_logps!r} invalid; valid: {choices(OLD_LOGPS)}")
         if self.ref_logps not in REF_LOGPS:
             raise ConfigError(f"rollout.ref_logps: {self.ref_logps!r} invalid; valid: {choices(REF_LOGPS)}")
+        if self.placement not in PLACEMENTS:
+            raise ConfigError(f"rollout.placement: {self.placement!r} invalid; valid: {choices(PLACEMENTS)}")
+        if self.placement_interval < 1:
+            raise ConfigError(f"rollout.placement_interval: must be >= 1, got {self.placement_interval}")
+        if not 0 <= self.placement_margin < 1:
+            raise ConfigError(f"rollout.placement_margin: must be in [0, 1), got {self.placement_margin}")
+        if self.placement == "auto":
+            why = None
+            if self.workers < 1:
+                why = f"needs local rollout workers to choose between (rollout.workers >= 1, got {self.workers})"
+            elif self.remote_workers:
+                why = "does not move work off remote workers (rollout.remote_workers > 0)"
+            elif self.rebalance:
+                why = "and rollout.rebalance would both move work; pick one"
+            if why:
+                raise ConfigError(f"rollout.placement: 'auto' {why}; valid: {choices(PLACEMENTS)}")
+        for key in ("engine_cores", "trainer_cores"):
+            if getattr(self, key) is not None and not getattr(self, key):
+                raise ConfigError(
+                    f"rollout.{key}: an empty list leaves that side with no core; list at least one core or remove "
+                    "the key (None: split the process's cores)"
+                )
         for key in ("engine_threads", "trainer_threads"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"rollout.{key}: must be >= 1, got {getattr(self, key)}")

@@ -195,6 +195,9 @@ class PoolRuntime:
     use starts a new one.
     """
 
+    #: nice value of rollout workers started while the trainer takes turns on all cores (placement auto)
+    BACKGROUND_NICE = 19
+
     def __init__(
         self,
         pm: Any,
@@ -203,11 +206,27 @@ class PoolRuntime:
         pool_factory: Any,
         local_engine: Any = None,
         balancer_factory: Any = None,
+        *,
+        warmup: bool | None = None,
+        placement: Any = None,
+        budgets: dict[str, tuple[list[int], int]] | None = None,
+        exact: Any = None,
+        spawn_cores: list[int] | None = None,
     ) -> None:
         """``pool_factory()`` builds the :class:`~mrl_plugins.rollout.pool.WorkerPool`; ``local_engine()``
         (optional) builds an engine on the trainer's own model: it answers while the workers are still starting
-        (spawning and importing takes seconds), instead of the trainer idling; ``balancer_factory(pool)``
-        (optional, hybrid mode) moves workers between the pools."""
+        (spawning and importing takes seconds, ``warmup``, default on when it is given), instead of the trainer
+        idling; ``balancer_factory(pool)`` (optional, hybrid mode) moves workers between the pools.
+
+        ``placement`` (``rollout.placement: auto``): a :class:`~mrl_plugins.rollout.autoplace.PlacementController`
+        choosing per generation between the split (the workers) and taking turns on all cores (``local_engine``);
+        ``budgets``: ``{"split": (cores, threads), "turns": (cores, threads)}`` of the trainer process in each;
+        ``exact(local)``: called per generation with whether the batch came from the trainer's own current model
+        (TRL's importance-sampling pass is then skipped, as in TRL's own generation); ``spawn_cores``: the CPU
+        cores the workers are started on (a spawned process inherits the trainer's affinity, and a worker's
+        imports and model build would otherwise compete with the trainer on its cores for seconds)."""
+        from .autoplace import SPLIT
+
         self.pm, self.ctx, self.gen = pm, ctx, gen
         self._pool_factory = pool_factory
         self._balancer_factory = balancer_factory
@@ -215,7 +234,19 @@ class PoolRuntime:
         self._pool: Any = None
         self.balancer: Any = None  # hybrid mode: a HybridBalancer moving workers between the pools
         self._local_factory = local_engine
+        self._warmup = local_engine is not None if warmup is None else bool(warmup and local_engine is not None)
         self._local: Any = None
+        self.placement = placement
+        self._budgets = budgets
+        self.exact = exact  # settable after construction (the adapter's importance-sampling switch)
+        self._spawn_cores = list(spawn_cores) if spawn_cores else None
+        self.arrangement = placement.current if placement is not None else SPLIT
+        self._budget_now: str | None = None
+        self._unpublished = False  # a version was skipped while taking turns: publish before the workers serve
+        self._background = False  # the workers were started at the lowest CPU priority (taking turns meanwhile)
+        self._last_gen: tuple[float, float, float, str | None] | None = None  # (start, blocked s, engine s, tag)
+        self.served = {"split": 0, "turns": 0, "warmup": 0}  # batches per arrangement (tests, reports)
+        self.last_source = ""
         self._reset()
 
     def _reset(self) -> None:
@@ -235,15 +266,55 @@ class PoolRuntime:
     def pool(self) -> Any:
         """The worker pool, started on first use."""
         if self._pool is None:
-            self.start()
+            self._start_pool()
         return self._pool
 
     def start(self) -> None:
         """Start the workers (no-op when running): spawns them and creates the shared memory."""
         if self._pool is not None:
             return
+        if self.placement is not None and self.arrangement == "turns":
+            # taking turns on all cores; the workers start meanwhile at the lowest CPU priority (they take only
+            # what the trainer leaves), so that trying the split later does not wait for their start-up
+            self._start_pool()
+            self._background = self._renice(self.BACKGROUND_NICE)
+            self._apply_budget("turns")
+            return
+        self._start_pool()
+
+    def _renice(self, nice: int) -> bool:
+        """Set the local workers' nice value (raising it is always allowed; lowering it back may need privileges:
+        then they keep the low priority, which costs nothing while they have their cores to themselves)."""
+        import os
+
+        done = False
+        for pid in self._pool.pids if self._pool is not None else ():
+            try:
+                os.setpriority(os.PRIO_PROCESS, pid, nice)
+                done = True
+            except (PermissionError, ProcessLookupError, OSError) as exc:
+                log.debug("rollout worker %d: nice %d not applied (%s)", pid, nice, exc)
+        return done
+
+    def _foreground(self) -> None:
+        """The workers were started in the background and are ready: back to normal priority (where allowed)."""
+        if self._background and self._pool is not None and self._pool.ready:
+            self._background = False
+            self._renice(0)
+
+    def _start_pool(self) -> None:
+        import os
+
         self._reset()
-        self._pool = self._pool_factory()
+        saved = None
+        if self._spawn_cores and hasattr(os, "sched_setaffinity"):
+            saved = os.sched_getaffinity(0)
+            os.sched_setaffinity(0, self._spawn_cores)  # inherited by the spawned workers until they pin themselves
+        try:
+            self._pool = self._pool_factory()
+        finally:
+            if saved is not None:
+                os.sched_setaffinity(0, saved)
         if self._balancer_factory is not None:
             self.balancer = self._balancer_factory(self._pool)
 
@@ -252,6 +323,7 @@ class PoolRuntime:
 
         Warns once when the pool ran but delivered no batch (every batch came from the trainer's own model)."""
         pool, self._pool, self.balancer = self._pool, None, None
+        self._budget_now = None  # train() ends: its process state (affinity, threads) is restored by the adapter
         if pool is None:
             return
         try:
@@ -279,16 +351,38 @@ class PoolRuntime:
         return self._publish(version, named_tensors)
 
     def _publish(self, version: int, named_tensors: Any) -> Any:
+        if self.placement is not None and self.arrangement == "turns":
+            self._unpublished = True  # the trainer's own model generates: no worker needs (or computes) it
+            return None
         return self.pool.publish(version, named_tensors)
 
+    def _apply_budget(self, arrangement: str) -> None:
+        """The trainer process's cores and torch threads for ``arrangement`` (CPU; no-op without budgets)."""
+        if self._budgets is None or self._budget_now == arrangement or arrangement not in self._budgets:
+            return
+        import os
+
+        import torch
+
+        cores, threads = self._budgets[arrangement]
+        os.sched_setaffinity(0, cores)
+        torch.set_num_threads(threads)
+        self._budget_now = arrangement
+        log.info("mrl-plugins placement %s: trainer on cores %s, %d torch thread(s)", arrangement, cores, threads)
+
     # ---------------------------------------------------------------- generation
-    def _generate_locally(self, prompts: list[list[int]], num_generations: int, model_id: str) -> RolloutResult:
+    def _generate_locally(
+        self, prompts: list[list[int]], num_generations: int, model_id: str, *, warmup: bool = True
+    ) -> RolloutResult:
         if self._local is None:
             self._local = self._local_factory()
         out = self._local.generate(prompts, num_generations)
         flat = [list(p) for p in prompts for _ in range(num_generations)]
-        self.ctx.metrics.add("rollout/local_batches", 1)
-        self._local_count += 1
+        if warmup:
+            self.ctx.metrics.add("rollout/local_batches", 1)
+            self._local_count += 1
+        else:
+            self.ctx.metrics.add("rollout/turns_batches", 1)
         return RolloutResult(flat, out.completion_ids, out.logprobs, int(self.gen.version), model_id)
 
     def _collect(self, ticket: int) -> RolloutResult:
@@ -297,18 +391,90 @@ class PoolRuntime:
         return result
 
     def generate(self, prompts: list[list[int]], num_generations: int, model_id: str) -> RolloutResult:
+        t0 = time.perf_counter()
+        if self.placement is not None:
+            self._observe(t0)
+            target = self.placement.check()
+            if target != self.arrangement:
+                self.arrangement = target
+                self.ctx.metrics.add("rollout/placement_switch_batches", 1)
+            self.placement.report()
+        if self.arrangement == "turns":
+            result, engine_s, tag = self._generate_turns(prompts, num_generations, model_id)
+        else:
+            result, engine_s, tag = self._generate_split(prompts, num_generations, model_id)
+        if self.exact is not None:
+            self.exact(tag in ("turns", "warmup"))  # the trainer's own current model: no importance sampling
+        self.last_source = tag or "split"  # who generated this batch: split (workers), turns or warmup (trainer)
+        self.served[self.last_source] += 1
+        self._last_gen = (t0, time.perf_counter() - t0, engine_s, tag)
+        return result
+
+    def _observe(self, now: float) -> None:
+        """The interval since the previous generation, per optimizer step, as one placement sample."""
+        from .autoplace import Sample
+
+        last = self._last_gen
+        if last is None:
+            return
+        start, blocked, engine_s, tag = last
+        every = self.generation_interval()
+        interval = now - start
+        if tag not in ("split", "turns") or interval <= 0:
+            self.placement.observe(None)  # warm-up or the switch itself: not a measurement of either
+            return
+        self.placement.observe(
+            Sample(tag, interval / every, max(0.0, interval - blocked) / every, max(0.0, engine_s) / every)
+        )
+
+    def _generate_turns(
+        self, prompts: list[list[int]], num_generations: int, model_id: str
+    ) -> tuple[RolloutResult, float, str | None]:
+        """Taking turns: the trainer's own model generates on all cores; a lookahead the workers already hold for
+        these prompts (submitted before the switch) is used, any other is dropped."""
+        ticket = self._pending.pop(_key(prompts), None) if self._pool is not None else None
+        self._deferred = None
+        tag: str | None = "turns"
+        if ticket is not None:
+            result = self._collect(ticket)  # generated before the switch: used, not lost, not generated twice
+            engine_s, tag = float(result.metrics.get("generate_s", 0.0)), None
+            self.ctx.metrics.add("rollout/lookahead_hits", 1)
+        if self._pool is not None:
+            self._drop_unused()
+        # all cores once no worker computes: a pool still starting would share them (15-200x slower)
+        # all cores once no worker computes at normal priority: one starting beside the trainer at the same
+        # priority would share its cores (15-200x slower); started in the background it takes only what is left
+        ready = self._pool is None or self._pool.ready
+        self._foreground()
+        self._apply_budget("turns" if ready or self._background else "split")
+        if ticket is None:
+            t0 = time.perf_counter()
+            result = self._generate_locally(prompts, num_generations, model_id, warmup=False)
+            engine_s = time.perf_counter() - t0
+        return result, engine_s, tag
+
+    def _generate_split(
+        self, prompts: list[list[int]], num_generations: int, model_id: str
+    ) -> tuple[RolloutResult, float, str | None]:
         metrics = self.ctx.metrics
+        self._apply_budget("split")  # before the workers compute again on their cores
         pool = self.pool
+        self._foreground()
+        if self._unpublished:  # versions skipped while taking turns: the workers get the current one now
+            self._unpublished = False
+            self.gen.sync_weights()
         current = self.gen.version
         ticket = self._pending.pop(_key(prompts), None)
-        warming = self._local_factory is not None and not self._pool_was_ready
+        warming = self._warmup and not self._pool_was_ready
         if warming:
             self._pool_was_ready = pool.ready  # once ready, a worker that moves or restarts is not a warm-up
             warming = not self._pool_was_ready
         if warming:
             if ticket is not None:
                 pool.discard(ticket)
+            t0 = time.perf_counter()
             result = self._generate_locally(prompts, num_generations, model_id)  # workers still starting
+            engine_s, tag = time.perf_counter() - t0, "warmup"
         else:
             if ticket is None:
                 if self.cfg.pipeline == "async":
@@ -323,6 +489,7 @@ class PoolRuntime:
             metrics.add("time/wait_s", waited)
             if self.balancer is not None:
                 self.balancer.observe(waited)
+            engine_s, tag = float(result.metrics.get("generate_s", 0.0)), "split"
         stale = current - result.weight_version
         if stale > self.cfg.max_staleness:
             metrics.add("rollout/stale_samples", len(result.completion_ids))
@@ -349,7 +516,7 @@ class PoolRuntime:
         if pool.ready_s is not None and not self._ready_reported:
             metrics.gauge("rollout/worker_ready_s", pool.ready_s)
             self._ready_reported = True
-        return result
+        return result, engine_s, tag
 
     def generation_interval(self) -> int:
         """Optimizer steps between two TRL generations: ``steps_per_generation x num_iterations / grad_accum``."""
