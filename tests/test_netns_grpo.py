@@ -30,7 +30,10 @@ STEPS = 20
 
 
 def test_harness_joins_two_hosts_by_a_shaped_link_and_cuts_it(hosts):
+    stale = f"mrl-{(1 << 22) + 1}-0-t"  # a harness killed before its teardown (that pid cannot exist)
+    subprocess.run(["ip", "netns", "add", stale], check=True, timeout=10)
     h = hosts(1, rate="200mbit")
+    assert stale not in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=10).stdout
     srv = h.popen(h.trainer, [sys.executable, "-c", (
         "import socket,time\ns=socket.create_server(('10.77.0.1',5001))\nc,_=s.accept()\nn,t=0,time.monotonic()\n"
         "while b:=c.recv(1<<20): n+=len(b)\nprint(n, n*8/(time.monotonic()-t))")],

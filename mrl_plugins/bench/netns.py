@@ -9,7 +9,8 @@ delay or loss where the kernel has it), cut and restored (:meth:`Hosts.link`).
 
 Teardown always runs (context manager, also on errors): processes still running inside the namespaces
 are killed (everything in them was started through this harness), then the namespaces are deleted, which
-deletes their interfaces. Names are unique per process and harness: ``mrl-<pid>-<n>-t`` / ``-w<i>``.
+deletes their interfaces. Names are unique per process and harness: ``mrl-<pid>-<n>-t`` / ``-w<i>``; those of a
+harness whose process was killed before its teardown are deleted when the next one starts (:func:`sweep_stale`).
 Needs root (``CAP_NET_ADMIN``) and the ``ip`` and ``tc`` tools; :func:`unavailable` says why not.
 """
 
@@ -83,6 +84,7 @@ class Hosts:
     def __init__(self, workers: int = 1, *, rate: str | None = None, **shaping: Any) -> None:
         if not 1 <= workers <= 200:
             raise ValueError(f"workers must be in 1..200, got {workers}")
+        sweep_stale()
         tag = f"mrl-{os.getpid()}-{next(_COUNTER)}"
         self.trainer = f"{tag}-t"
         self.worker_ns = [f"{tag}-w{i}" for i in range(workers)]
@@ -219,6 +221,24 @@ class Hosts:
         self.close()
 
 
+def sweep_stale() -> list[str]:
+    """Delete the namespaces of harnesses whose process is gone (killed before its teardown); returns their names.
+    Only names this module makes (``mrl-<pid>-<n>-t`` / ``-w<i>``) whose ``<pid>`` no longer runs."""
+    gone = []
+    for line in _ip("netns", "list", check=False).stdout.splitlines():
+        m = re.fullmatch(r"(mrl-(\d+)-\d+-(?:t|w\d+))(?: \(id: \d+\))?", line.strip())
+        if m is None or int(m.group(2)) == os.getpid():
+            continue
+        try:
+            os.kill(int(m.group(2)), 0)
+        except ProcessLookupError:
+            _ip("netns", "del", m.group(1), check=False)
+            gone.append(m.group(1))
+        except PermissionError:
+            pass
+    return gone
+
+
 def leftover() -> list[str]:
     """Namespaces of this process that still exist (a test asserts none after teardown)."""
     got = _ip("netns", "list", check=False)
@@ -226,4 +246,4 @@ def leftover() -> list[str]:
     return [line.split()[0] for line in got.stdout.splitlines() if line.startswith(mine)]
 
 
-__all__ = ["SUBNET", "TRAINER_ADDR", "Hosts", "leftover", "netem_available", "unavailable"]
+__all__ = ["SUBNET", "TRAINER_ADDR", "Hosts", "leftover", "netem_available", "sweep_stale", "unavailable"]
