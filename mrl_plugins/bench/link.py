@@ -133,6 +133,19 @@ def comm_link(rate: str, reps: int = 3, quick: bool = False) -> dict[str, Any]:
     return _finish("comm", rate, reps, cases, ratios, targets, got, corrupt=got["first"]["corrupt"])
 
 
+def measure_link(rate: str, reps: int = 3) -> dict[str, Any]:
+    """What the experience path (``torch_distributed``, raw 64x1024 frames) carries over a link shaped to ``rate``
+    between two network namespaces: payload bytes per second (median of ``reps`` runs), for ``mrl plan``."""
+    schedule = [("64x1024", rep, "raw", 40) for rep in range(reps)]
+    got = _two_hosts(rate, "comm-consumer", "comm-producer", {"schedule": schedule, "warmup": 3})
+    per_run = [r["rate"] * r["bytes"] for r in got["first"]["runs"]]
+    with open("/proc/loadavg", encoding="utf-8") as f:
+        load = " ".join(f.read().split()[:3])
+    measured = statistics.median(per_run)
+    return {"link": rate, "bytes_per_s": measured, "utilisation": measured * 8 / parse_rate(rate),
+            "per_run": per_run, "loadavg": load}  # fmt: skip
+
+
 # ---------------------------------------------------------------------------------------------- weights
 def _shapes(quick: bool) -> Any:
     from mrl_plugins.bench.payloads import qwen_shapes
