@@ -2,7 +2,7 @@
 
 Naming: ``mrl_<stage>_<verb>``. Hooks are called with keyword arguments only (pluggy refuses
 positional calls); implementations declare the parameters they need by name, as plain parameters
-(not after ``*``: pluggy passes no keyword-only parameters). Three kinds of hook:
+(not after ``*``: pluggy passes no keyword-only parameters). Four kinds of hook:
 
 * lifecycle -- :func:`mrl_configure` (historic: plugins registered late still get it) and
   :func:`mrl_shutdown`;
