@@ -190,3 +190,55 @@ def test_module_entry_point():
     )
     assert proc.returncode == 0, proc.stderr
     assert "13.1 MB/s" in proc.stdout
+
+
+def test_placement_plan_refuses_bad_input(capsys):
+    assert cli(["--config", "compare_small", "--envs", "3"]) == 2
+    assert "the bandwidth options ['--envs'] go without it" in capsys.readouterr().err
+    assert cli(["--config", "compare_small", "--steps", "3"]) == 2
+    assert "auto's first decision needs at least 5 steps, got 3" in capsys.readouterr().err
+    assert cli(["--config", "nope"]) == 2
+    assert "not found; bundled configs:" in capsys.readouterr().err
+
+
+def test_placement_plan_text():
+    from mrl_plugins.bench.placement import format_result, pick
+
+    picked, why = pick(3.1, 2.6, 0.1, 2.4)
+    assert picked == "turns" and "keeps the faster of the two measurements" in why
+    r = {
+        "config": "c.yaml", "model": "small", "steps": 8, "cores": [0, 1], "margin": 0.1, "auto_picks": picked,
+        "why": why, "turns": {"measured_steps_per_s": 3.1}, "split_projected_steps_per_s": 2.6,
+        "split": {"steady_steps_per_s": 2.4},
+    }  # fmt: skip
+    text = format_result(r)
+    assert "turns     3.10 steps/s  measured" in text and "split     2.60 steps/s  projected" in text
+    assert "split     2.40 steps/s  measured" in text
+    assert text.splitlines()[-1].startswith("auto picks: turns (the split is projected close: auto tries it")
+    assert pick(3.1, 2.6, 0.1, 4.0)[0] == "split"  # tried, measured faster
+    assert pick(3.0, 3.5, 0.1, None)[0] == "split"  # projected faster than the margin
+    assert pick(3.0, 1.5, 0.1, 9.0)[0] == "turns"  # projected hopeless: never tried
+
+
+@pytest.mark.slow
+def test_placement_plan_measures_on_this_machine(tmp_path):
+    """Two short real runs of the tiny model: turns measured, the split projected and measured, auto's pick."""
+    from tests.marks import is_trl_available
+
+    if not is_trl_available():
+        pytest.skip("needs trl")
+    out = tmp_path / "plan.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "mrl_plugins.cli.main", "plan", "--config", "compare_small", "--model", "tiny"]
+        + ["--steps", "6", "--json", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    r = json.loads(out.read_text())
+    assert r["auto_picks"] in ("turns", "split") and r["steps"] == 6 and r["model"] == "tiny"
+    assert r["turns"]["measured_steps_per_s"] > 0 and r["split_projected_steps_per_s"] > 0
+    assert r["split"]["steady_steps_per_s"] > 0
+    assert f"auto picks: {r['auto_picks']}" in proc.stdout

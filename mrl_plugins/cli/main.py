@@ -148,7 +148,9 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("trl", help="run TRL's CLI (trl grpo/rloo ...) with the plugins on", add_help=False)
     sub.add_parser("compare", help="vanilla TRL vs plugins side by side: report, JSON, plots", add_help=False)
     sub.add_parser("doctor", help="pre-run checks / post-run triage", add_help=False)
-    sub.add_parser("plan", help="bandwidth budget per path", add_help=False)
+    sub.add_parser(
+        "plan", help="bandwidth budget per path; --config C: placement plan (auto) from a short run", add_help=False
+    )
     sub.add_parser("worker", help="run a rollout worker for a trainer on another host", add_help=False)
     sub.add_parser("bench", help="benchmarks: comm, weights, rollout, engine", add_help=False)
     if not argv or argv[0] in ("-h", "--help"):

@@ -1,4 +1,7 @@
-"""``mrl plan``: the bandwidth budget of a disaggregated run (source §2.2), checked against a link speed.
+"""``mrl plan``: the bandwidth budget of a disaggregated run (source §2.2), checked against a link speed; with
+``--config C``, the placement plan of a config instead (:mod:`mrl_plugins.bench.placement`): from two short runs
+on this machine, the steps/s of taking turns on all cores (measured), of the async split (projected, as
+``rollout.placement: auto`` projects it, and measured), and which one ``auto`` would pick.
 
 Two flows cross the network between the inference (rollout) pool and the trainer:
 
@@ -405,7 +408,31 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--headroom", type=float, default=3.0, help="provision this multiple of the need (default 3)")
     p.add_argument("--link", help="link speed per path: 10Gbit, 25Gb/s, 1.25GB/s, 800MB/s ...")
     p.add_argument("--json", metavar="PATH", help="also write the plan as JSON")
+    c = p.add_argument_group("placement (rollout.placement: auto) from a short measurement")
+    c.add_argument("--config", help="measure this config's embedded job (YAML path or bundled name)")
+    c.add_argument("--steps", type=int, default=8, help="steps per measurement run (default 8, at least 5)")
+    c.add_argument("--model", help="override train.model for the measurement")
+    c.add_argument("--no-split-run", action="store_true", help="skip the split's own measurement (projection only)")
     return p
+
+
+def _placement_cli(args: argparse.Namespace) -> int:
+    from mrl_plugins.bench.placement import format_result, measure
+
+    given = [f"--{k}" for k in ("envs", "rate", "bytes_", "params", "update_interval", "link") if getattr(args, k)]
+    if given:
+        raise ConfigError(f"--config plans the placement; the bandwidth options {given} go without it")
+    print(f"measuring {args.config}: two short runs ({args.steps} steps each)...", flush=True)
+    try:
+        result = measure(args.config, steps=args.steps, model=args.model, split=not args.no_split_run)
+    except RuntimeError as exc:
+        print(f"mrl plan: error: {exc}", file=sys.stderr)
+        return 1
+    print(format_result(result))
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
+        print(f"wrote {args.json}")
+    return 0
 
 
 def _plan_from_args(args: argparse.Namespace) -> dict[str, Any]:
@@ -439,6 +466,8 @@ def cli(argv: Sequence[str] | None = None) -> int:
     except SystemExit as exc:  # argparse already printed usage and the error
         return int(exc.code or 0)
     try:
+        if args.config:
+            return _placement_cli(args)
         plan = _plan_from_args(args)
     except ConfigError as exc:
         print(f"mrl plan: error: {exc}", file=sys.stderr)
