@@ -1,14 +1,15 @@
 """Faults on the wire between two network hosts (namespaces): a trainer-side WorkerPool
 (tests/scripts/netns_pool.py) in one, `mrl worker --connect` in the other, weights over broadcast and
 experience over torch_distributed. Each case names the behaviour: a slow lossy link is slower, never wrong;
-a brief cut is ridden out; a cut past rollout.timeout_s and a SIGKILLed worker are one clear error naming
-the worker, within the timeout, and nothing hangs."""
+a brief cut is ridden out; a cut past rollout.timeout_s is one clear error naming the worker, within the
+timeout, and nothing hangs. A SIGKILLed remote worker (its connections reset, as over loopback) is the same
+error: tests/test_rollout_remote.py::test_dead_remote_worker_is_a_clear_error_within_the_timeout; one pool
+start per case costs ~15 s of CI here, so this file starts one."""
 
 from __future__ import annotations
 
 import json
 import queue
-import signal
 import subprocess
 import sys
 import threading
@@ -90,7 +91,7 @@ def _good(got: dict, version: int) -> None:
     assert got["max_err"] < 1e-4, got  # the worker's logprobs are the published version's, exactly
 
 
-def test_lossy_link_brief_cut_and_killed_worker(hosts, tmp_path):
+def test_lossy_link_brief_cut_then_a_cut_past_the_timeout(hosts, tmp_path):
     h = hosts(1, rate="20mbit", burst="16kb", queue="16kb")  # a slow link whose short queue drops packets
     t = Trainer(h, tmp_path)
     assert t("publish", v=1)["ok"]
@@ -108,21 +109,8 @@ def test_lossy_link_brief_cut_and_killed_worker(hosts, tmp_path):
     got = t.answer(60)
     _good(got, 4)
     assert got["s"] > 1.5  # it waited for the link, then went on
-    t.worker.send_signal(signal.SIGKILL)  # the worker host's process dies
-    t.worker.wait(10)
-    got = t("collect", v=4, timeout=30)
+    h.link(False)  # and now it stays down
+    got = t("collect", v=4, timeout=60)
     assert not got["ok"] and "WorkerDiedError: remote rollout worker 0 stopped heartbeating" in got["error"], got
-    assert got["s"] < TIMEOUT_S + 4  # within rollout.timeout_s (+ the 1 s heartbeat and the pool's poll)
-    assert t.stop() < 10
-
-
-def test_link_cut_past_the_timeout_is_a_clear_error_naming_the_worker(hosts, tmp_path):
-    h = hosts(1, rate="1gbit")
-    t = Trainer(h, tmp_path)
-    assert t("publish", v=1)["ok"]
-    _good(t("collect", v=1, timeout=120), 1)
-    h.link(False)  # and it stays down
-    got = t("collect", v=1, timeout=60)
-    assert not got["ok"] and "remote rollout worker 0 stopped heartbeating" in got["error"], got
     assert TIMEOUT_S - 1 < got["s"] < TIMEOUT_S + 4  # at rollout.timeout_s, not at the 60 s of the call
     assert t.stop() < 10  # nothing hangs: the pool closes with its worker unreachable
