@@ -5,17 +5,13 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from mrl_plugins import _checkout
+
 __version__ = "0.1.0"
 
-# Installed, ``mrl_plugins.hookspecs`` / ``.adapters`` / ``.configs`` live inside this package (setuptools
-# ``package-dir`` mapping). Imported straight from a source checkout (a process spawned with the repository
-# root first on ``sys.path``, as pytest does), they are the checkout's top-level folders: look there too.
-_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if not os.path.isdir(os.path.join(os.path.dirname(os.path.abspath(__file__)), "hookspecs")) and os.path.isfile(
-    os.path.join(_root, "hookspecs", "__init__.py")
-):
-    __path__.append(_root)  # type: ignore[name-defined]  # noqa: F821
-del _root
+# ``mrl_plugins.hookspecs`` / ``.adapters`` / ``.configs`` when imported straight from a source checkout (the
+# ``package-dir`` mapping without an install): exactly those three, see ``_checkout``
+_checkout.install(os.path.dirname(os.path.abspath(__file__)))
 
 
 def enable(trainer: Any, config: Any = None) -> Any:

@@ -86,6 +86,27 @@ def test_top_level_names_do_not_resolve_to_this_project():
         assert where is None or str(REPO_ROOT) not in where, f"top-level {name!r} resolves into the repo: {where}"
 
 
+def test_a_checkout_maps_exactly_the_package_dir_folders():
+    """Imported from a checkout with no install to find the mapped subpackages (``-S``: no site-packages, no
+    editable finder), ``mrl_plugins.hookspecs/adapters/configs`` are the top-level folders, as ``package-dir``
+    maps them, and no other top-level folder (``tests``, ``benchmarks``, ``docs``) becomes ``mrl_plugins.<name>``."""
+    code = (
+        "import importlib.util, json, mrl_plugins\n"
+        "names = ('hookspecs', 'adapters', 'configs', 'tests', 'benchmarks', 'docs')\n"
+        "spec = {n: importlib.util.find_spec('mrl_plugins.' + n) for n in names}\n"
+        "print(json.dumps({n: s.origin if s else None for n, s in spec.items()}))\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-S", "-c", code], cwd=REPO_ROOT, env=_clean_env(), capture_output=True, text=True,
+        timeout=TIMEOUT,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    found = json.loads(proc.stdout)
+    for name in ("hookspecs", "adapters", "configs"):
+        assert found[name] == str(REPO_ROOT / name / "__init__.py"), found
+    assert found["tests"] is None and found["benchmarks"] is None and found["docs"] is None, found
+
+
 # --------------------------------------------------------------------------- wheel
 
 
