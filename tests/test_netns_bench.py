@@ -4,6 +4,7 @@ real command; the measured figures are in the README's multi-host section)."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 
 import pytest
@@ -34,3 +35,22 @@ def test_bench_comm_over_a_link_reports_the_compression_gain(hosts, tmp_path):
     raw = res["cases"]["link_raw"]["64x1024"]["link_utilisation"]["median"]
     assert 0.5 < raw < 1.05  # raw frames fill the shaped link
     assert "200mbit" in proc.stdout and "load" in proc.stdout
+
+
+@pytest.mark.slow
+def test_plan_checks_the_budget_against_a_measured_link(hosts):
+    """`mrl plan --measure RATE`: the link the experience path measured between two namespaces is the one checked
+    (x3 headroom): the source's experience example fits 1 Gbit/s, a 0.5B model's weights every 15 s do not."""
+    budget = ["--envs", "128", "--rate", "200", "--bytes", "512", "--params", "0.5e9", "--update-interval", "15"]
+    proc = subprocess.run(two_hosts.mrl("plan", *budget, "--measure", "1gbit"), capture_output=True, text=True,
+                          timeout=300, env=two_hosts.child_env())  # fmt: skip
+    assert proc.returncode == 1, proc.stderr[-3000:]  # a path is over the link
+    m = re.search(r"over a 1gbit link between two network namespaces: ([\d.]+) MB/s \((\d+)% of", proc.stdout)
+    assert m and 80 < float(m.group(1)) < 126 and 64 <= int(m.group(2)) <= 101, proc.stdout
+    lines = proc.stdout.splitlines()
+    assert " ok " in next(x for x in lines if x.startswith("experience")), proc.stdout  # 39.3 MB/s provisioned
+    assert " over " in next(x for x in lines if x.startswith("weights")), proc.stdout  # 200 MB/s provisioned
+    assert "over the link: weights" in proc.stderr
+    both = two_hosts.mrl("plan", *budget, "--link", "1Gbit", "--measure", "1gbit")
+    bad = subprocess.run(both, capture_output=True, text=True, timeout=60, env=two_hosts.child_env())
+    assert bad.returncode == 2 and "give either --link or --measure, not both" in bad.stderr

@@ -31,6 +31,8 @@ import sys
 import time
 from typing import Any
 
+from mrl_plugins.errors import ConfigError
+
 WORKER_ADDR = "10.77.0.2"
 _UNITS = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9}
 
@@ -236,8 +238,11 @@ def _two_hosts(rate: str, first: str, second: str, args: dict, handshake: str = 
 
     why = netns.unavailable()
     if why is not None:
-        raise SystemExit(f"mrl bench --link: cannot make network namespaces: {why}")
-    parse_rate(rate)
+        raise ConfigError(f"a link between two network namespaces cannot be made here: {why}")
+    try:
+        parse_rate(rate)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
     args = {**args, "host": netns.TRAINER_ADDR}
     t0 = time.perf_counter()

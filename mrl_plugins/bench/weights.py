@@ -382,9 +382,15 @@ def cli(argv: list[str] | None = None) -> int:
     if args.reps < 1:
         ap.error("--reps must be >= 1")
     if args.link:
+        from mrl_plugins.errors import ConfigError
+
         from .link import weights_link
 
-        res = weights_link(args.link, reps=args.reps, quick=args.quick)
+        try:
+            res = weights_link(args.link, reps=args.reps, quick=args.quick)
+        except ConfigError as exc:  # no namespaces here (not root), or a rate tc does not read
+            print(f"mrl bench weights: error: {exc}", file=sys.stderr)
+            return 2
         if args.json:
             with open(args.json, "w", encoding="utf-8") as f:
                 json.dump(res, f, indent=2)

@@ -407,6 +407,12 @@ def _parser() -> argparse.ArgumentParser:
     w.add_argument("--receivers", type=int, default=1, help="rollout workers receiving weights (default 1)")
     p.add_argument("--headroom", type=float, default=3.0, help="provision this multiple of the need (default 3)")
     p.add_argument("--link", help="link speed per path: 10Gbit, 25Gb/s, 1.25GB/s, 800MB/s ...")
+    p.add_argument(
+        "--measure",
+        metavar="RATE",
+        help="instead of --link: shape a link to RATE (tc rate: 1gbit, 200mbit) between two network namespaces "
+        "here, measure what the torch_distributed experience path carries over it and check against that (root)",
+    )
     p.add_argument("--json", metavar="PATH", help="also write the plan as JSON")
     c = p.add_argument_group("placement (rollout.placement: auto) from a short measurement")
     c.add_argument("--config", help="measure this config's embedded job (YAML path or bundled name)")
@@ -455,6 +461,17 @@ def _plan_from_args(args: argparse.Namespace) -> dict[str, Any]:
             raise ConfigError("the weight budget needs both --params and --update-interval")
         weights = weight_budget(args.params, args.dtype, args.update_interval, args.receivers, args.headroom)
     link = None if args.link is None else parse_rate(args.link)
+    if args.measure is not None:
+        if link is not None:
+            raise ConfigError("give either --link or --measure, not both")
+        from mrl_plugins.bench.link import measure_link
+
+        got = measure_link(args.measure)
+        print(
+            f"measured over a {args.measure} link between two network namespaces: {format_rate(got['bytes_per_s'])} "
+            f"({got['utilisation']:.0%} of the rate; load average {got['loadavg']})"
+        )
+        link = got["bytes_per_s"]
     return build_plan(experience, weights, link)
 
 

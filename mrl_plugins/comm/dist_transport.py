@@ -90,6 +90,7 @@ class DistConsumer:
         self._inbox: queue.Queue = queue.Queue(maxsize=config.ring_slots)
         self._seen: dict[int, tuple[int, float]] = {}
         self._reported: set[int] = set()
+        self._arrived = [0] * n_producers  # frames queued per producer (by the receiver thread)
         self._stats = dict.fromkeys(
             ("frames", "bytes", "raw_bytes", "fallbacks", "corrupt", "wait_s", "dead_peers"), 0
         )
@@ -114,6 +115,7 @@ class DistConsumer:
                 while not self._closing.is_set():
                     try:
                         self._inbox.put((src, frame), timeout=0.1)
+                        self._arrived[src - 1] += 1  # after the put: a closed producer's last frame is queued
                         break
                     except queue.Full:
                         continue
@@ -131,8 +133,14 @@ class DistConsumer:
         now = time.monotonic()
         closed = 0
         for i in range(self.n):
-            if self._master.check([f"closed/{i}"]) or i in self._reported:
+            if i in self._reported:
                 closed += 1
+                continue
+            if self._master.check([f"closed/{i}"]):
+                # it closed after sending this many frames: closed for us once they all arrived (the last ones
+                # may still be on the wire when the flag is set, on a slow link for a while)
+                if self._arrived[i] >= int(self._master.get(f"closed/{i}")):
+                    closed += 1
                 continue
             if not self._master.check([f"hb/{i}"]):
                 continue
@@ -214,6 +222,7 @@ class DistProducer:
         t = timeout if timeout is not None else max(config.send_timeout_s, config.receive_timeout_s)
         self._store, self._pg = _make_group(h.host, h.port, h.index + 1, h.n + 1, h.run_id, t)
         self._beats = 0
+        self._sent = 0  # frames the sender thread handed to gloo
         self._err: BaseException | None = None
         self._outbox: queue.Queue = queue.Queue(maxsize=config.ring_slots)
         self._tx = threading.Thread(target=self._run, name=f"mrl-comm-dist{h.index}-tx", daemon=True)
@@ -237,6 +246,7 @@ class DistProducer:
                 w2 = pg.send([frame], 0, _TAG_FRAME)
                 w1.wait()
                 w2.wait()
+                self._sent += 1
             except BaseException as exc:  # reported by the next send()
                 self._err = exc
                 return
@@ -295,7 +305,7 @@ class DistProducer:
             self._outbox.put(None)
             self._tx.join(timeout=1.0)
             self._hb.stop()
-            self._store.set(f"closed/{self.index}", "1")
+            self._store.set(f"closed/{self.index}", str(self._sent))  # the frames handed to the wire
             self._pg = None
 
 
