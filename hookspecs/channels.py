@@ -101,7 +101,9 @@ class WeightReceiver(Protocol):
 class Experience(Protocol):
     """One received batch: ``meta`` (``model_id``, ``version``, ``seq`` ...) and ``batch`` (field -> tensor).
 
-    With ``capabilities.zero_copy`` the fields are views into the transport: copy what you keep, then
+    With ``capabilities.zero_copy`` the fields that alias the transport's buffer are views (a tensor with
+    ``_base`` set, a numpy array with ``base``); fields the consumer built itself (e.g. fp16 -> fp32 casts) are
+    plain. Callers copy exactly the views out (:func:`mrl_plugins.comm.base.owned`: one copy at most), then
     :meth:`release` (idempotent; also for transports that copy, so callers need not know).
     """
 

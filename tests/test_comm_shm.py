@@ -314,3 +314,35 @@ def test_queue_transport_in_process_keeps_dtypes():
     finally:
         prod.close()
         cons.close()
+
+
+@pytest.mark.parametrize("codec", ["raw", "fp16"])
+def test_a_kept_batch_costs_one_copy_at_most_and_survives_the_slot_reuse(codec):
+    """The trainer's side of a received batch (the pool's ``own``): raw fields are views on the ring and are
+    copied once; fp16 fields were cast into new tensors by the decoder and are not copied again. What was
+    kept stays right after the slot is released and overwritten by the next frames."""
+    from mrl_plugins.rollout.assemble import own
+
+    cons = shm_factory(_cfg(ring_slots=1, codec=codec), n_producers=1, run_id=RUN)
+    prod = cons.producer_handle(0).attach()
+    try:
+        prod.send(_batch(0, 1), {"seq": 1})
+        r = cons.receive(timeout=5)
+        views = {k: v._base is not None for k, v in r.batch.items()}
+        kept = {k: own(v) for k, v in r.batch.items()}
+        r.release()
+        for k, v in r.batch.items():  # a view is copied once; a tensor the decoder built is kept as it is
+            assert (kept[k] is v) == (not views[k]), k
+        if codec == "raw":
+            assert all(views.values())  # raw: every field is a view on the ring
+        else:
+            assert not views["logps"]  # fp16 -> fp32 was cast by the decoder: no second copy
+        for seq in (2, 3):  # one slot: these frames overwrite the one the kept batch came from
+            prod.send(_batch(0, seq), {"seq": seq})
+            with cons.receive(timeout=5) as nxt:
+                assert int(nxt.batch["ids"][0]) == seq
+        assert torch.equal(kept["ids"], _batch(0, 1)["ids"])
+        assert torch.allclose(kept["logps"], _batch(0, 1)["logps"])
+    finally:
+        prod.close()
+        cons.close()

@@ -55,7 +55,7 @@ class Received:
     def detach(self) -> Received:
         """Copy every field out of the transport buffer and release it; returns ``self``."""
         if self._release is not None:
-            self.batch = {k: _own(v) for k, v in self.batch.items()}
+            self.batch = {k: owned(v) for k, v in self.batch.items()}
             self.release()
         return self
 
@@ -74,12 +74,16 @@ class Received:
         return f"Received(meta={self.meta!r}, fields={list(self.batch)}, nbytes={self.nbytes})"
 
 
-def _own(v: Any) -> Any:
+def owned(v: Any) -> Any:
+    """``v`` as a value that outlives the transport buffer it was decoded from, with one copy at most.
+
+    Decoded raw fields are views on the buffer (a tensor with ``_base`` set, a numpy array with ``base``): they
+    are copied once. Cast (fp16 -> fp32) and bit-unpacked fields were built by the decoder and are returned as
+    they are. A third-party consumer keeps to the same rule: fields aliasing its buffer are views."""
     if isinstance(v, torch.Tensor):
-        # decoded raw fields are views (they have a base); cast/unpacked fields are already owned
         return v.clone() if v._base is not None else v
     if isinstance(v, np.ndarray):
-        return v.copy()
+        return v.copy() if v.base is not None else v
     return v
 
 

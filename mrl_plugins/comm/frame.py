@@ -371,6 +371,10 @@ def _decode_field(mv, orig, wire, method, kind, shape, off, nbytes, numel, copy)
             t = t.to(orig)
         elif copy:
             t = t.clone()
+        else:
+            # a view on the frame buffer: make it one torch knows as a view (``_base`` set), so that
+            # ``comm.base.owned`` copies exactly these fields out before the buffer is released
+            t = t[...]
     return t.numpy() if kind == KIND_NUMPY else t
 
 

@@ -61,9 +61,15 @@ def assemble(ticket: Ticket) -> RolloutResult:
 
 
 def own(value: Any) -> Any:
-    """Copy a received field out of the transport's buffer (it is released right after)."""
+    """A received field as a tensor that outlives the transport's buffer (released right after): one copy at
+    most, and none for fields the decoder built itself (fp16 -> fp32 casts); see
+    :func:`mrl_plugins.comm.base.owned`."""
+    import numpy as np
     import torch
 
-    if isinstance(value, torch.Tensor):
-        return value.clone()
-    return torch.as_tensor(value).clone()
+    from mrl_plugins.comm.base import owned
+
+    value = owned(value)
+    if isinstance(value, np.ndarray):
+        return torch.from_numpy(value)
+    return value if isinstance(value, torch.Tensor) else torch.as_tensor(value).clone()
