@@ -436,6 +436,8 @@ def summary_line(trainer: Any, state: State, device: Any, plan: tuple | None = N
                 where += f" + {rc.remote_workers} remote"
             if state.budget is not None:
                 where += f"; trainer cores {state.budget[0]}"
+            if rc.placement == "auto":
+                where += "; placement auto: this split or taking turns on all cores, from measured stage times"
         parts.append(f"rollout={name} ({where})")
     ws = "upstream" if pm.is_upstream("weight_sync") else _plugin(pm, "weight_sync")
     if ws == "mrl":

@@ -193,6 +193,13 @@ def metrics_sink() -> _Sink:
     return _Sink()
 
 
+def _slow_reward(completions, **kwargs):
+    from mrl_plugins.models import count_reward
+
+    time.sleep(0.15)
+    return count_reward(completions)
+
+
 def _cpu_s(pid: int) -> float:
     import psutil
 
@@ -234,6 +241,7 @@ def test_grpo_run_switches_arrangement_without_losing_samples(tmp_path, monkeypa
     monkeypatch.setattr(
         autoplace, "decide", lambda cur, *a, **k: dataclasses.replace(real_decide(cur, *a, **k), chosen=cur)
     )
+    runtime._lend = False  # the split keeps the trainer on its own core here (lending: the next test)
     gen = state.generation
     calls: list[dict] = []
     orig_generate = runtime.generate
@@ -315,3 +323,98 @@ def test_grpo_run_switches_arrangement_without_losing_samples(tmp_path, monkeypa
     assert any("mrl/rollout/placement_projected_split_steps_per_s" in h for h in hist)
     assert any("mrl/rollout/placement_measured_steps_per_s" in h for h in hist)
     assert runtime.placement.decisions and all(d.chosen == d.current for d in runtime.placement.decisions)
+
+
+@pytest.mark.slow
+@require_trl
+def test_split_lends_the_idle_workers_core_to_the_trainer(tmp_path, monkeypatch):
+    """In the split, once the worker has answered the lookahead the trainer borrows its core between its layers and
+    gives it back before the next request; while lent the worker computes nothing (no oversubscription)."""
+    import dataclasses
+
+    import torch
+    from transformers import TrainerCallback
+
+    import mrl_plugins
+    from mrl_plugins.config import load_config
+    from mrl_plugins.rollout import autoplace
+    from mrl_plugins.run import build_trainer
+
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("needs 2 cores")
+    real_decide = autoplace.decide  # forced arrangement only (see the test above)
+    monkeypatch.setattr(
+        autoplace, "decide", lambda cur, *a, **k: dataclasses.replace(real_decide(cur, *a, **k), chosen=cur)
+    )
+    torch.set_num_threads(1)
+    steps = 14
+    cfg = load_config({"train": {"model": "tiny", "steps": steps, "output_dir": str(tmp_path)}})
+    trainer = build_trainer(cfg, enable_plugins=False, output_dir=str(tmp_path))
+    trainer.reward_funcs = [_slow_reward]  # the worker's lookahead is answered before the loss forward pass
+    mrl_plugins.enable(trainer, {"mode": "colocate", "rollout": {"workers": 1, "placement": "auto"}})
+    state = trainer._mrl_state
+    runtime = state.runtime
+    lent: list[dict] = []  # per lend: trainer cores while lent, worker CPU seconds and wall seconds while lent
+    orig_check, orig_apply = runtime.lend_check, runtime._apply_budget
+
+    def lend_check(*a):
+        was = runtime._budget_now
+        orig_check(*a)
+        if was == "split" and runtime._budget_now == "lent":
+            pid = runtime.pool.pids[0]
+            lent.append({"cores": sorted(os.sched_getaffinity(0)), "threads": torch.get_num_threads(), "pid": pid})
+            lent[-1]["cpu0"], lent[-1]["t0"] = _cpu_s(pid), time.perf_counter()
+
+    def apply_budget(arr):
+        if runtime._budget_now == "lent" and lent and "cpu1" not in lent[-1]:
+            lent[-1]["cpu1"], lent[-1]["t1"] = _cpu_s(lent[-1]["pid"]), time.perf_counter()
+        orig_apply(arr)
+
+    runtime.lend_check, runtime._apply_budget = lend_check, apply_budget
+    for hook in runtime._lend_hooks:  # none yet: they are installed at the first split batch
+        hook.remove()
+
+    class Steer(TrainerCallback):
+        def on_step_end(self, args, st, control, **kw):
+            if st.global_step == 1:
+                runtime.placement.force("split")
+            if st.global_step == 2:
+                deadline = time.monotonic() + 120
+                while not runtime.pool.ready and time.monotonic() < deadline:
+                    time.sleep(0.05)
+
+    trainer.add_callback(Steer())
+    submitted_while_lent = []
+    orig_submit = None
+
+    def watch_submit(*a, **k):
+        submitted_while_lent.append(runtime._budget_now == "lent")
+        return orig_submit(*a, **k)
+
+    def on_first_split(*a, **k):
+        nonlocal orig_submit
+        if orig_submit is None and runtime.started:
+            orig_submit = runtime.pool.submit
+            runtime.pool.submit = watch_submit
+
+    runtime.placement.on_decision = on_first_split
+    orig_generate = runtime.generate
+
+    def generate(*a, **k):
+        on_first_split()
+        return orig_generate(*a, **k)
+
+    runtime.generate = generate
+    trainer.train()
+    hist = [h for h in trainer.state.log_history if "loss" in h]
+    assert len(hist) == steps
+    done = [x for x in lent if "cpu1" in x]
+    assert len(done) >= 3, lent  # lent in most split steps (the tiny model's generation is short)
+    assert all(x["cores"] == [0, 1] and x["threads"] == 2 for x in done)
+    busy = sum(x["cpu1"] - x["cpu0"] for x in done)
+    wall = sum(x["t1"] - x["t0"] for x in done)
+    assert busy <= 0.1 * wall + 0.02, (busy, wall)  # the idle worker did not compute on the lent core
+    assert submitted_while_lent and not any(submitted_while_lent)  # every request went out after giving back
+    totals = state.ctx.metrics.totals
+    assert totals["rollout/lends"] >= len(done) and totals["rollout/lent_s"] > 0
+    assert any("mrl/rollout/lends" in h for h in hist)

@@ -318,4 +318,15 @@ def runtime_kwargs(
         metrics=metrics,
     )
     out["budgets"] = budgets
+    if rc.lend_cores and budgets is not None:
+        collective = ("broadcast", "per_param")
+        if cfg.weight_sync.transport in collective:
+            from mrl_plugins.errors import ConfigError, choices
+
+            raise ConfigError(
+                f"rollout.lend_cores: weight_sync.transport {cfg.weight_sync.transport!r} joins every worker to each "
+                f"publish (a collective group), which lending cannot time; use lend_cores: false or a transport "
+                f"other than {choices(collective)}"
+            )
+        out["lend"] = True
     return out

@@ -102,6 +102,14 @@ class RolloutConfig:
         default=0.1,
         metadata={"help": "placement auto: switch only when the other arrangement is projected this much faster"},
     )
+    lend_cores: bool = field(
+        default=True,
+        metadata={
+            "help": "placement auto, CPU: in the split, once the workers have answered every lookahead they hold the "
+            "trainer borrows their cores (all threads) until its next generation request, checked between its "
+            "layers (mrl/rollout/lends, mrl/rollout/lent_s)"
+        },
+    )
     engine_threads: int = field(default=1, metadata={"help": "torch threads of each rollout engine"})
     trainer_threads: int = field(
         default=1, metadata={"help": "torch threads left to the trainer when an engine shares its cores"}

@@ -493,6 +493,18 @@ class WorkerPool:
             # dead or closed producers: the callers' _check_workers() raises or restarts them
             time.sleep(0.05)
             return
+        self._take(got)
+
+    def poll(self) -> None:
+        """Take in every answer that has already arrived, without waiting (``answered`` then sees them)."""
+        while True:
+            try:
+                got = self.consumer.receive(0)
+            except (TimeoutError, ChannelClosedError):
+                return
+            self._take(got)
+
+    def _take(self, got: Any) -> None:
         meta = dict(got.meta)
         entry = (meta, {k: own(v) for k, v in got.batch.items()})
         got.release()

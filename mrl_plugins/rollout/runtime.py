@@ -212,6 +212,7 @@ class PoolRuntime:
         budgets: dict[str, tuple[list[int], int]] | None = None,
         exact: Any = None,
         spawn_cores: list[int] | None = None,
+        lend: bool = False,
     ) -> None:
         """``pool_factory()`` builds the :class:`~mrl_plugins.rollout.pool.WorkerPool`; ``local_engine()``
         (optional) builds an engine on the trainer's own model: it answers while the workers are still starting
@@ -224,7 +225,10 @@ class PoolRuntime:
         ``exact(local)``: called per generation with whether the batch came from the trainer's own current model
         (TRL's importance-sampling pass is then skipped, as in TRL's own generation); ``spawn_cores``: the CPU
         cores the workers are started on (a spawned process inherits the trainer's affinity, and a worker's
-        imports and model build would otherwise compete with the trainer on its cores for seconds)."""
+        imports and model build would otherwise compete with the trainer on its cores for seconds); ``lend`` (with
+        ``budgets``): in the split, once the workers have answered every lookahead they hold they have nothing to
+        do until the next generation, and the trainer borrows their cores (all cores, all threads: the turns
+        budget) until then, checked between its layers (:meth:`lend_check`)."""
         from .autoplace import SPLIT
 
         self.pm, self.ctx, self.gen = pm, ctx, gen
@@ -240,12 +244,17 @@ class PoolRuntime:
         self._budgets = budgets
         self.exact = exact  # settable after construction (the adapter's importance-sampling switch)
         self._spawn_cores = list(spawn_cores) if spawn_cores else None
+        self._lend = bool(lend and budgets)
+        self._lend_hooks: list[Any] = []
+        self._lent_at: float | None = None  # when the trainer last borrowed the workers' cores
+        self._lend_last = 0.0
         self.arrangement = placement.current if placement is not None else SPLIT
         self._budget_now: str | None = None
         self._unpublished = False  # a version was skipped while taking turns: publish before the workers serve
         self._background = False  # the workers were started at the lowest CPU priority (taking turns meanwhile)
         self._last_gen: tuple[float, float, float, str | None] | None = None  # (start, blocked s, engine s, tag)
-        self.served = {"split": 0, "turns": 0, "warmup": 0}  # batches per arrangement (tests, reports)
+        self.served = {"split": 0, "turns": 0, "warmup": 0, "hold": 0}  # batches per arrangement (tests, reports)
+        self._hold_since: float | None = None
         self.last_source = ""
         self._reset()
 
@@ -296,9 +305,10 @@ class PoolRuntime:
                 log.debug("rollout worker %d: nice %d not applied (%s)", pid, nice, exc)
         return done
 
-    def _foreground(self) -> None:
-        """The workers were started in the background and are ready: back to normal priority (where allowed)."""
-        if self._background and self._pool is not None and self._pool.ready:
+    def _foreground(self, now: bool = False) -> None:
+        """The workers were started in the background and are ready (or, ``now``, the split needs them): back to
+        normal priority (where allowed)."""
+        if self._background and self._pool is not None and (now or self._pool.ready):
             self._background = False
             self._renice(0)
 
@@ -324,6 +334,8 @@ class PoolRuntime:
         Warns once when the pool ran but delivered no batch (every batch came from the trainer's own model)."""
         pool, self._pool, self.balancer = self._pool, None, None
         self._budget_now = None  # train() ends: its process state (affinity, threads) is restored by the adapter
+        while self._lend_hooks:
+            self._lend_hooks.pop().remove()
         if pool is None:
             return
         try:
@@ -354,6 +366,7 @@ class PoolRuntime:
         if self.placement is not None and self.arrangement == "turns":
             self._unpublished = True  # the trainer's own model generates: no worker needs (or computes) it
             return None
+        self._unpublished = False  # the workers get the current version
         return self.pool.publish(version, named_tensors)
 
     def _apply_budget(self, arrangement: str) -> None:
@@ -367,8 +380,57 @@ class PoolRuntime:
         cores, threads = self._budgets[arrangement]
         os.sched_setaffinity(0, cores)
         torch.set_num_threads(threads)
+        lent, self._lent_at = self._lent_at, None
+        if lent is not None:  # the workers' cores go back before their next request
+            self.ctx.metrics.add("rollout/lent_s", time.perf_counter() - lent)
+        else:
+            log.info("mrl-plugins placement %s: trainer on cores %s, %d torch thread(s)", arrangement, cores, threads)
         self._budget_now = arrangement
-        log.info("mrl-plugins placement %s: trainer on cores %s, %d torch thread(s)", arrangement, cores, threads)
+
+    #: seconds between two looks at the workers' answers while the trainer computes (lending)
+    LEND_CHECK_S = 0.002
+
+    def lend_check(self, *_: Any) -> None:
+        """Between the trainer's layers (forward and backward hooks) in the split: when the workers have answered
+        every lookahead they hold (nothing left to generate until the next generation), the trainer borrows their
+        cores; :meth:`_generate_split` gives them back before it sends the next request."""
+        if not self._lend or self._budget_now != "split" or self.arrangement != "split" or not self._pending:
+            return
+        now = time.perf_counter()
+        if now - self._lend_last < self.LEND_CHECK_S:
+            return
+        self._lend_last = now
+        pool = self._pool
+        try:
+            if pool is None or not pool.ready:
+                return
+            pool.poll()
+            if not all(pool.answered(t) for t in self._pending.values()):
+                return
+        except Exception as exc:  # noqa: BLE001 - never fail a training step over lending: stop lending
+            log.warning("mrl-plugins: lending the workers' cores stopped (%s: %s)", type(exc).__name__, exc)
+            self._lend = False
+            return
+        import os
+
+        import torch
+
+        cores, threads = self._budgets["turns"]
+        os.sched_setaffinity(0, cores)
+        torch.set_num_threads(threads)
+        self._budget_now = "lent"  # the next generation applies the split's budget again first
+        self._lent_at = now
+        self.ctx.metrics.add("rollout/lends", 1)
+
+    def _install_lend_hooks(self) -> None:
+        """Forward and backward pre-hooks on the trainer model's layers (or the model) calling :meth:`lend_check`."""
+        if self._lend_hooks or not self._lend:
+            return
+        model = _unwrap(self.gen.trainer.model)
+        layers = [m for m in model.modules() if type(m).__name__.endswith(("DecoderLayer", "Block"))] or [model]
+        for m in layers:
+            self._lend_hooks.append(m.register_forward_pre_hook(self.lend_check))
+            self._lend_hooks.append(m.register_full_backward_pre_hook(self.lend_check))
 
     # ---------------------------------------------------------------- generation
     def _generate_locally(
@@ -401,14 +463,35 @@ class PoolRuntime:
             self.placement.report()
         if self.arrangement == "turns":
             result, engine_s, tag = self._generate_turns(prompts, num_generations, model_id)
+        elif self._hold_for_start(t0):  # the split is wanted, its workers are still starting in the background
+            result, engine_s, _ = self._generate_turns(prompts, num_generations, model_id)
+            tag = "hold"
         else:
             result, engine_s, tag = self._generate_split(prompts, num_generations, model_id)
-        if self.exact is not None:
-            self.exact(tag in ("turns", "warmup"))  # the trainer's own current model: no importance sampling
+        if self.exact is not None:  # the trainer's own current model generated: no importance sampling
+            self.exact(tag in ("turns", "warmup", "hold"))
         self.last_source = tag or "split"  # who generated this batch: split (workers), turns or warmup (trainer)
         self.served[self.last_source] += 1
         self._last_gen = (t0, time.perf_counter() - t0, engine_s, tag)
         return result
+
+    #: seconds the run keeps taking turns, once the split is chosen, for workers starting in the background
+    HOLD_S = 20.0
+
+    def _hold_for_start(self, now: float) -> bool:
+        """Whether to keep taking turns although the split is chosen: its workers, started in the background at
+        low priority, are not ready yet (taking turns costs nothing then; the split's warm-up would narrow the
+        trainer to its own cores). At most ``HOLD_S`` seconds, then the workers get their cores."""
+        pool = self._pool
+        if not self._background or pool is None or pool.ready:
+            self._hold_since = None
+            return False
+        if self._hold_since is None:
+            self._hold_since = now
+            log.info(
+                "mrl-plugins placement split: taking turns until its workers are ready (at most %.0f s)", self.HOLD_S
+            )
+        return now - self._hold_since < self.HOLD_S
 
     def _observe(self, now: float) -> None:
         """The interval since the previous generation, per optimizer step, as one placement sample."""
@@ -459,7 +542,7 @@ class PoolRuntime:
         metrics = self.ctx.metrics
         self._apply_budget("split")  # before the workers compute again on their cores
         pool = self.pool
-        self._foreground()
+        self._foreground(now=True)  # their cores are their own again: finish starting at normal priority
         if self._unpublished:  # versions skipped while taking turns: the workers get the current one now
             self._unpublished = False
             self.gen.sync_weights()
@@ -513,6 +596,8 @@ class PoolRuntime:
         if result.metrics.get("engine_apply_ms"):
             metrics.gauge("weights/engine_apply_ms", result.metrics["engine_apply_ms"])
         metrics.update(pool.stats(), gauge=True)
+        if self._lend and tag == "split":
+            self._install_lend_hooks()
         if pool.ready_s is not None and not self._ready_reported:
             metrics.gauge("rollout/worker_ready_s", pool.ready_s)
             self._ready_reported = True
@@ -537,6 +622,7 @@ class PoolRuntime:
         self._deferred = None
         if self._pool is None:  # released meanwhile
             return
+        self._apply_budget("split")  # lent cores back before the workers compute again
         self.gen.sync_weights()
         self._pending[_key(nxt)] = self.pool.submit(
             nxt, num_generations, model_id=model_id, min_version=self.gen.version
