@@ -16,6 +16,11 @@ verifies the payload checksum (xxh3 by default) of every frame, so its data are 
 is the median over ``reps`` runs, with min and max. The cases of one repetition run back to back in
 rotating order; each ratio is the median over repetitions of the ratio *within* a repetition (the
 machine's drift between repetitions cancels), and ``..._min`` is the worst repetition.
+
+``trainer_side``: what keeping one received batch costs the trainer (the pool's ``own``), in this process on
+a frame in memory: decode + copy out of the transport buffer, for each codec, with the rule in use (copy the
+fields that are views on the buffer, once) against the rule before it (copy every field: fp16-cast fields
+were copied twice), interleaved per repetition; microseconds per batch, median [min-max].
 """
 
 from __future__ import annotations
@@ -34,6 +39,8 @@ import torch
 from mrl_plugins.cli.bench_args import LINK_HELP
 
 from .payloads import SIZES, make_batch
+
+_KEEP_ITERS = {"64x1024": 40, "8x128": 400}
 
 CASES = {"pickle_queue": ("queue", "raw"), "shm_raw": ("shm", "raw"), "shm_fp16": ("shm", "fp16")}
 #: batches per timed run: (case kind, size) -> count, chosen so a run takes ~0.1-0.4 s here
@@ -189,6 +196,39 @@ def _run_cases(reps: int, scale: float) -> dict[str, Any]:
     return out
 
 
+def _trainer_side(reps: int, scale: float) -> dict[str, Any]:
+    """Decode + keep one batch (the pool's ``own``) vs decode + copy every field (the rule before), per codec."""
+    from mrl_plugins.comm.codec import Codec
+    from mrl_plugins.comm.frame import decode_frame, encode_frame
+    from mrl_plugins.rollout.assemble import own
+
+    def copy_all(v: Any) -> torch.Tensor:
+        return torch.as_tensor(v).clone()
+
+    out: dict[str, Any] = {}
+    for size, (b, t) in SIZES.items():
+        n = max(4, int(_KEEP_ITERS[size] * scale))
+        for codec in ("raw", "fp16"):
+            frame = memoryview(encode_frame(make_batch(b, t), {"seq": 0}, Codec(codec)))
+            per: dict[str, list[float]] = {"one_copy": [], "copy_every_field": []}
+            for rep in range(reps):
+                order = [("one_copy", own), ("copy_every_field", copy_all)]
+                for name, keep in order if rep % 2 == 0 else order[::-1]:
+                    t0 = time.perf_counter()
+                    for _ in range(n):
+                        _meta, batch = decode_frame(frame)
+                        kept = {k: keep(v) for k, v in batch.items()}
+                    per[name].append((time.perf_counter() - t0) / n * 1e6)
+                    del kept
+            out[f"{codec}_{size}"] = {
+                "us_per_batch": {k: _spread(v) for k, v in per.items()},
+                "one_copy_vs_before": statistics.median(
+                    a / b for a, b in zip(per["one_copy"], per["copy_every_field"])
+                ),
+            }
+    return out
+
+
 def _spread(xs: list[float]) -> dict[str, float]:
     return {"median": statistics.median(xs), "min": min(xs), "max": max(xs)}
 
@@ -203,6 +243,7 @@ def run_bench(reps: int = 5, json_path: str | None = None, quick: bool = False) 
     try:
         t0 = time.perf_counter()
         cases = _run_cases(reps, scale)  # producers are spawned (inheriting all cores) before the consumer pins
+        trainer_side = _trainer_side(reps, scale)  # one thread, on the consumer's core
         elapsed = time.perf_counter() - t0
     finally:
         torch.set_num_threads(threads)
@@ -235,6 +276,7 @@ def run_bench(reps: int = 5, json_path: str | None = None, quick: bool = False) 
     met = {k: (ratios[k] >= v if op == ">=" else ratios[k] <= v) for k, (op, v) in targets.items()}
     result = {
         "cases": cases,
+        "trainer_side": trainer_side,
         "ratios": ratios,
         "targets": {k: f"{op} {v}" for k, (op, v) in targets.items()},
         "targets_met": met,
@@ -264,6 +306,14 @@ def _print(res: dict[str, Any]) -> None:
                 f"{g['median']:>10.2f} [{g['min']:.2f}-{g['max']:.2f}]{r['bytes_per_batch']:>13}"
                 f"{b['median'] / base:>10.1f}x"
             )
+    print("trainer side, keeping one received batch (decode + copy out), us/batch median [min-max]:")
+    for key, r in res["trainer_side"].items():
+        one, before = r["us_per_batch"]["one_copy"], r["us_per_batch"]["copy_every_field"]
+        print(
+            f"  {key:<14} one copy at most {one['median']:>9.0f} [{one['min']:.0f}-{one['max']:.0f}]"
+            f"   every field copied {before['median']:>9.0f} [{before['min']:.0f}-{before['max']:.0f}]"
+            f"   ratio {r['one_copy_vs_before']:.2f}"
+        )
     for k, v in res["ratios"].items():
         tgt = res["targets"].get(k)
         ok = "" if tgt is None else f"  (target {tgt}: {'met' if res['targets_met'][k] else 'MISSED'})"
