@@ -31,9 +31,9 @@ def assemble(ticket: Ticket) -> RolloutResult:
 
     for c in sorted(ticket.chunks):
         meta, batch = ticket.results[c]
-        versions.append(int(meta["version"]))
-        gen_us = max(gen_us, int(meta.get("gen_us", 0)))
-        apply_us = max(apply_us, int(meta.get("apply_us", 0)))
+        versions.append(meta.version)  # a wire.BatchMeta
+        gen_us = max(gen_us, meta.gen_us)
+        apply_us = max(apply_us, meta.apply_us)
         lengths = batch["lengths"].tolist()
         ids, lps = batch["completion_ids"].tolist(), batch["logprobs"].tolist()
         scored = {k[len("score_") :]: v.tolist() for k, v in batch.items() if k.startswith("score_")}

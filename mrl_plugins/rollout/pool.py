@@ -40,7 +40,8 @@ from mrl_plugins.metrics import record_publish
 from .assemble import Ticket, assemble, own
 from .lifecycle import ReadyClock, finalizer, release, spawn_quiet
 from .pool_checks import check_pool_config, no_rejoin, stage_names
-from .worker import REQ_STOP, REQ_WEIGHTS, ServedModel, WorkerSpec, budget_metrics, worker_main
+from .wire import STOP, SWITCHED, BatchMeta, GenerateRequest, WeightsNotice, WorkerError, WorkerEvent
+from .worker import ServedModel, WorkerSpec, budget_metrics, worker_main
 
 log = logging.getLogger("mrl_plugins.rollout")
 
@@ -147,7 +148,7 @@ class WorkerPool:
         # released on close(), when the pool is garbage-collected, or at exit; holds the resources, never the pool
         self._finalizer = finalizer(
             self, self._procs, self._ready, self._requests, [*self._error_qs, *self._event_qs],
-            [self.consumer, *self.senders.values()], self._lifetime, REQ_STOP,
+            [self.consumer, *self.senders.values()], self._lifetime, STOP,
         )  # fmt: skip
         if remote:
             from .remote import RemoteSlots
@@ -236,10 +237,10 @@ class WorkerPool:
     def _check_workers(self) -> None:
         for q in self._error_qs:
             try:
-                idx, msg = q.get_nowait()
+                err: WorkerError = q.get_nowait()
             except queue.Empty:
                 continue
-            raise WorkerDiedError(f"rollout worker {idx} failed: {msg}")
+            raise WorkerDiedError(f"rollout worker {err.worker} failed: {err.text}")
         for i in self.remote.indices if self.remote is not None else ():
             why = self.remote.check_alive(i, self._ready[i].is_set())
             if why is not None:
@@ -279,7 +280,9 @@ class WorkerPool:
         t.chunks[chunk] = (w, prompts)
         self._assigned[w].add((t.req_id, chunk))
         score_with = self.score_with if t.model_id == "policy" else ()
-        self._requests[w].put((t.req_id, chunk, prompts, t.num_generations, t.model_id, t.min_version, score_with))
+        self._requests[w].put(
+            GenerateRequest(t.req_id, chunk, prompts, t.num_generations, t.model_id, t.min_version, tuple(score_with))
+        )
 
     def _resubmit_worker(self, i: int) -> None:
         for t in self._tickets.values():
@@ -316,7 +319,7 @@ class WorkerPool:
                         self._assigned[i].discard((t.req_id, chunk))
                         self._send(others[chunk % len(others)], t, chunk, prompts)
             proc = self._procs[i]
-            self._requests[i].put(REQ_STOP)
+            self._requests[i].put(STOP)
             proc.join(max(0.1, deadline - time.monotonic()))
             if proc.is_alive():
                 proc.kill()
@@ -378,7 +381,7 @@ class WorkerPool:
     def _notify(self, model_id: str, version: int) -> None:
         for w in range(self.n):
             if w not in self._draining:
-                self._requests[w].put((REQ_WEIGHTS, model_id, int(version)))
+                self._requests[w].put(WeightsNotice(model_id, int(version)))
 
     def worker_versions(self, model_id: str = "policy") -> list[int]:
         """The version of ``model_id`` each worker last reported switching to (-1: none yet)."""
@@ -390,13 +393,14 @@ class WorkerPool:
         for q in self._event_qs:
             while True:
                 try:
-                    kind, w, mid, version = q.get_nowait()
+                    ev: WorkerEvent = q.get_nowait()
                 except queue.Empty:
                     break
-                if kind == "switched":
-                    self._versions[(w, mid)] = max(version, self._versions.get((w, mid), -1))
-                elif kind in ("budget", "memory"):  # what the worker applied at start / reserved at its first batch
-                    self.budgets.setdefault(w, {})[kind] = version
+                w, mid = ev.worker, ev.model_id
+                if ev.kind == SWITCHED:
+                    self._versions[(w, mid)] = max(ev.value, self._versions.get((w, mid), -1))
+                else:  # BUDGET / MEMORY: what the worker applied at start / reserved at its first batch
+                    self.budgets.setdefault(w, {})[ev.kind] = ev.value
         now = time.monotonic()
         for mid, (version, deadline) in list(self._switching.items()):
             active = [w for w in range(self.n) if w not in self._draining]
@@ -505,16 +509,14 @@ class WorkerPool:
             self._take(got)
 
     def _take(self, got: Any) -> None:
-        meta = dict(got.meta)
+        meta = BatchMeta.from_meta(got.meta)
         entry = (meta, {k: own(v) for k, v in got.batch.items()})
         got.release()
-        key = (int(meta["seq"]), int(meta["chunk"]))
-        w = int(meta.get("worker", -1))
+        key = (meta.seq, meta.chunk)
+        w = meta.worker
         if 0 <= w < self.n:
             self._assigned[w].discard(key)
-            self._versions[(w, str(meta["model_id"]))] = max(
-                int(meta["version"]), self._versions.get((w, str(meta["model_id"])), -1)
-            )
+            self._versions[(w, meta.model_id)] = max(meta.version, self._versions.get((w, meta.model_id), -1))
         self._finish(key)
         if key[0] in self._tickets:
             self._stash[key] = entry

@@ -5,10 +5,10 @@ A worker builds its models from their configs, opens each model's weight receive
 and its experience producer (``mrl_comm_open_producer`` of the selected comm plugin), then serves
 requests from its queue: it switches to the version a request needs (``min_version``), generates,
 optionally scores the completions with further models, and sends the answer through the comm stage.
-A publish notice (``REQ_WEIGHTS``) makes it fetch the new version at once; between requests it also
-polls every ``weight_sync.poll_interval_s``. It exits when the
-trainer process is gone; an error is reported to the trainer before the process exits non-zero.
-The trainer side is :class:`~mrl_plugins.rollout.pool.WorkerPool`.
+A publish notice (:class:`~mrl_plugins.rollout.wire.WeightsNotice`) makes it fetch the new version at once;
+between requests it also polls every ``weight_sync.poll_interval_s``. It exits when the trainer process is
+gone; an error is reported to the trainer before the process exits non-zero.
+The trainer side is :class:`~mrl_plugins.rollout.pool.WorkerPool`; every message is in :mod:`.wire`.
 """
 
 from __future__ import annotations
@@ -26,8 +26,18 @@ from typing import Any
 from mrl_plugins.errors import MrlError, StageTimeoutError
 from mrl_plugins.hookspecs import StageContext
 
-REQ_STOP = None  # the pool puts this in a worker's request queue to stop it
-REQ_WEIGHTS = "weights"  # (REQ_WEIGHTS, model_id, version): a new version is (being) published, take it now
+from .wire import (
+    BUDGET,
+    MEMORY,
+    SWITCHED,
+    BatchMeta,
+    GenerateRequest,
+    StopRequest,
+    WeightsNotice,
+    WorkerError,
+    WorkerEvent,
+)
+
 NOTICE_GRACE_S = 5.0  # how long a notice makes an idle worker try for its version before it polls as usual
 
 
@@ -86,7 +96,7 @@ def worker_main(
 
         device, applied = apply_worker_budget(spec)
         if events is not None:
-            events.put(("budget", spec.index, "", applied.as_dict() | {"pid": os.getpid()}))
+            events.put(WorkerEvent(BUDGET, spec.index, applied.as_dict() | {"pid": os.getpid()}))
         pm = get_plugin_manager(spec.config)
         ctx = StageContext(config=spec.config, plugins=pm)
         timeline_dir = os.environ.get("MRL_TIMELINE_DIR")
@@ -124,7 +134,7 @@ def worker_main(
                     if mid == "policy":
                         clock.arrived()
                     if events is not None:
-                        events.put(("switched", spec.index, mid, version))
+                        events.put(WorkerEvent(SWITCHED, spec.index, version, mid))
 
         def await_version(mid: str, version: int, deadline: float, *, strict: bool = True) -> None:
             pull((mid,))
@@ -149,15 +159,18 @@ def worker_main(
                     pull()
                     last_poll = time.monotonic()
                 continue
-            if req is REQ_STOP:
+            if isinstance(req, StopRequest):
                 return
-            if req[0] == REQ_WEIGHTS:  # a publish notice: fetch now instead of at the next poll
-                _, mid, version = req
+            if isinstance(req, WeightsNotice):  # a publish notice: fetch now instead of at the next poll
+                mid, version = req.model_id, req.version
                 if mid in receivers:
                     await_version(mid, version, time.monotonic() + min(timeout, NOTICE_GRACE_S), strict=False)
                     last_poll = time.monotonic()
                 continue
-            req_id, chunk, prompts, num_generations, model_id, min_version, score_with = req
+            if not isinstance(req, GenerateRequest):
+                raise MrlError(f"worker {spec.index}: unknown request {type(req).__name__} (see rollout.wire)")
+            req_id, chunk, prompts, num_generations = req.req_id, req.chunk, req.prompts, req.num_generations
+            model_id, min_version, score_with = req.model_id, req.min_version, req.score_with
             for mid in (model_id, *score_with):
                 if mid not in engines:
                     raise MrlError(f"worker {spec.index}: model_id {mid!r} is not served; valid: {sorted(engines)}")
@@ -187,19 +200,19 @@ def worker_main(
                 with receivers[mid].active():
                     scores = engines[mid].score(out.prompt_ids, out.completion_ids)
                 batch[f"score_{mid}"] = torch.tensor(list(itertools.chain.from_iterable(scores)), dtype=torch.float32)
-            meta = {
-                "model_id": model_id,
-                "version": int(version),
-                "seq": int(req_id),
-                "chunk": int(chunk),
-                "worker": spec.index,
-                "gen_us": int(gen_s * 1e6),
-                "apply_us": int(getattr(engine, "last_apply_ms", 0.0) * 1e3),
-            }
-            producer.send(batch, meta, timeout=timeout)
+            meta = BatchMeta(
+                seq=int(req_id),
+                chunk=int(chunk),
+                worker=spec.index,
+                model_id=model_id,
+                version=int(version),
+                gen_us=int(gen_s * 1e6),
+                apply_us=int(getattr(engine, "last_apply_ms", 0.0) * 1e3),
+            )
+            producer.send(batch, meta.to_meta(), timeout=timeout)
     except BaseException as exc:  # noqa: BLE001 - report to the trainer, then exit non-zero
         try:
-            errors.put((spec.index, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"), timeout=2)
+            errors.put(WorkerError(spec.index, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"), timeout=2)
         except Exception:  # noqa: BLE001
             pass
         raise SystemExit(3) from None
@@ -248,7 +261,7 @@ def _memory_reservation(spec: WorkerSpec, device: Any, engine: Any, events: Any)
         if device.type != "cpu" and profile.peak_bytes > 0:
             fraction = reserve_memory(device, profile.peak_bytes, headroom)
         if events is not None:
-            events.put(("memory", spec.index, "", {"peak_bytes": profile.peak_bytes, "fraction": fraction}))
+            events.put(WorkerEvent(MEMORY, spec.index, {"peak_bytes": profile.peak_bytes, "fraction": fraction}))
         return result
 
     return run
@@ -294,8 +307,6 @@ def _pull_weights(receiver: Any, switch_timeout: float, timeout: float) -> int |
 
 
 __all__ = [
-    "REQ_STOP",
-    "REQ_WEIGHTS",
     "ServedModel",
     "WorkerSpec",
     "apply_worker_budget",
