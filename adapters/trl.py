@@ -5,8 +5,10 @@ The seam is TRL's own: an object with ``trainer.vllm_generation``'s interface pl
 With every stage on ``upstream`` nothing of TRL is replaced: only ``mrl/...`` metrics are added
 to the logs, and a run equals vanilla TRL step for step.
 
-Everything that can fail (TRL version, trainer type, config, plugin and backend names, device)
-is checked before the trainer is touched.
+``enable`` is check -> plan -> apply: everything that can fail (TRL version, trainer type, the TRL members used,
+config, plugin and backend names, device, placement) is checked before the trainer is touched; the plan is where
+the workers run; applying installs the stages and is undone if it fails half-way. Every member of the trainer
+this package reads, wraps or sets is listed in :mod:`mrl_plugins.adapters.trl_members`.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
 from mrl_plugins.adapters.trl_lifetime import State, at_exit, wrap_train
+from mrl_plugins.adapters.trl_members import check_members
 from mrl_plugins.device.placement import worker_placements as _placements
 from mrl_plugins.errors import ConfigError, PluginError, UnsupportedVersionError, choices
 
@@ -86,8 +89,10 @@ def enable(trainer: Any, config: Any = None) -> Any:
     from mrl_plugins.manager import get_plugin_manager
     from mrl_plugins.metrics import StageMetrics
 
-    check_trl_version()
+    # check (nothing changed yet) -> plan (where the workers run) -> apply (install the stages; undone on error)
+    trl_version = check_trl_version()
     kind = trainer_kind(trainer)
+    check_members(trainer, kind, trl_version)
     if config is None and os.environ.get("MRL_PLUGINS"):
         config = config_from_env(os.environ["MRL_PLUGINS"])
     cfg = load_config(config)

@@ -1,0 +1,86 @@
+"""Every member of a TRL trainer that mrl-plugins touches (TRL 1.16), in one table.
+
+``enable()`` is *check -> plan -> apply*: :func:`check_members` runs first, with the other checks, so that a TRL
+release that renamed or dropped one of these members is one error naming it, before anything was changed,
+rather than an ``AttributeError`` in the middle of training. A test scans the adapter and the rollout runtime
+for the members they use and fails on any that is missing here.
+
+Uses:
+
+* ``read`` -- read (an attribute or a method called as TRL defines it); must exist;
+* ``wrap`` -- replaced by a wrapper that calls TRL's own (restored by ``disable()`` / at the end); must exist;
+* ``set`` -- set by the adapter (the seams TRL reads: its vLLM generation object, its flags; restored by
+  ``disable()``); need not exist before.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from mrl_plugins.errors import UnsupportedVersionError
+
+BOTH = ("grpo", "rloo")
+
+
+@dataclass(frozen=True)
+class Member:
+    name: str
+    use: str  # read | wrap | set
+    why: str
+    kinds: tuple[str, ...] = BOTH
+    optional: bool = False  # read with a default where TRL may not have it (getattr(trainer, name, default))
+
+
+MEMBERS: tuple[Member, ...] = (
+    Member("accelerator", "read", "process index/count, device, unwrap_model for the policy and reference"),
+    Member("args", "read", "seed, sampling settings, gradient accumulation, steps_per_generation"),
+    Member("model", "read", "the policy the engine copies and the weight-sync stage publishes"),
+    Member("model_wrapped", "read", "the wrapped policy (DeepSpeed / FSDP) whose parameters are gathered"),
+    Member("ref_model", "read", "the frozen reference model (ref_logps: engine scores with a copy of it)"),
+    Member("state", "read", "global_step and log_history (metrics, staleness)"),
+    Member("processing_class", "read", "the tokenizer (EOS / pad ids of the engine's sampling)", optional=True),
+    Member("eos_token_ids", "read", "EOS ids TRL stops on", optional=True),
+    Member("num_iterations", "read", "GRPO's iterations per generation (lookahead timing)", optional=True),
+    Member("beta", "read", "KL weight: whether TRL computes reference logprobs at all", optional=True),
+    Member("tools", "read", "TRL tool calls, which the mrl rollout refuses", optional=True),
+    Member("_tokenize_prompts", "read", "prompt token ids for the trainer's own generation (placement auto)"),
+    Member("add_callback", "read", "the step-end callback of the rollout runtime"),
+    Member("remove_callback", "read", "removing that callback at the end"),
+    Member("train", "wrap", "start/stop of the worker pool and process state around TRL's train()"),
+    Member("get_train_dataloader", "wrap", "a dataloader the lookahead can peek at (next step's prompts)"),
+    Member("log", "wrap", "mrl/* metrics merged into TRL's logs"),
+    Member("_generate_single_turn", "wrap", "timing TRL's own generation (rollout: upstream)"),
+    Member("_generate_and_score_completions", "wrap", "old_logps: engine (GRPO's loss takes engine logprobs)"),
+    Member("_get_per_token_logps_and_entropies", "wrap", "ref_logps: engine (the workers' reference logprobs)"),
+    Member("vllm_generation", "set", "the seam: TRL generates through this object when use_vllm is set"),
+    Member("use_vllm", "set", "makes TRL call vllm_generation"),
+    Member("vllm_mode", "set", "'mrl' (TRL only compares it with its own modes)"),
+    Member("_last_loaded_step", "set", "TRL's weight-sync bookkeeping for vllm_generation (-1: sync now)"),
+    Member("vllm_importance_sampling_correction", "set", "TRL's IS correction of vLLM samples", ("grpo",)),
+)
+
+#: attributes of our own that the adapter sets on a trainer (not TRL's)
+OWN = ("_mrl_state",)
+
+
+def missing_members(trainer: Any, kind: str) -> list[str]:
+    """The ``read`` / ``wrap`` members of :data:`MEMBERS` that ``trainer`` (a TRL trainer of ``kind``) lacks."""
+    return [
+        m.name
+        for m in MEMBERS
+        if kind in m.kinds and m.use in ("read", "wrap") and not m.optional and not hasattr(trainer, m.name)
+    ]
+
+
+def check_members(trainer: Any, kind: str, trl_version: str = "?") -> None:
+    """One error naming every member mrl-plugins needs that this trainer does not have (before any change)."""
+    missing = missing_members(trainer, kind)
+    if missing:
+        raise UnsupportedVersionError(
+            f"mrl_plugins.enable: {type(trainer).__name__} (TRL {trl_version}) has no {', '.join(missing)}, which "
+            "mrl-plugins uses (see mrl_plugins.adapters.trl_members); supported: TRL 1.16.x"
+        )
+
+
+__all__ = ["MEMBERS", "OWN", "Member", "check_members", "missing_members"]
