@@ -134,6 +134,8 @@ def test_first_decision_explores_and_keeps_the_faster_measurement(split_step, ke
         c.observe(Sample(SPLIT, split_step, split_step, 0.2))
     assert c.check() == kept and c.decisions[-1].reason == "measured"
     assert c.decisions[-1].projected_steps_per_s[TURNS] == pytest.approx(2.0)  # the turns measurement
+    raw_turns = split_step / 1.7 + 0.2 / 1.06  # turns projected from the split's stage times
+    assert c.calibration[TURNS] == pytest.approx(min(2.0, 0.5 / raw_turns))  # calibrated by that measurement
     for _ in range(12):  # later decisions project (calibrated), every `interval` samples, no more exploring
         c.observe(Sample(kept, 0.5, 0.3, 0.2))
         c.check()

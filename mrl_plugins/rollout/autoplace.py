@@ -258,6 +258,10 @@ class PlacementController:
             other_measured=measured_other, explore_band=self.explore_band if explore else None,
         )  # fmt: skip
         self._ever.add(self.current)
+        if measured_other is not None and measured_other > 0 and decision.raw_projection_s > 0:
+            # both measured just now: the projection of the other one from this one's stage times is calibrated
+            lo, hi = CALIBRATION_RANGE
+            self.calibration[target] = min(hi, max(lo, (1.0 / measured_other) / decision.raw_projection_s))
         self._explored_from = (self.current, decision.measured_steps_per_s) if decision.reason == "explore" else None
         self._checked = True
         self._samples = []

@@ -26,11 +26,12 @@ from typing import Any
 
 from mrl_plugins.hookspecs import RolloutResult, StageContext
 
+from .arrangement import ArrangementMixin, prompt_key
+
 log = logging.getLogger("mrl_plugins.rollout")
 
 
-def _key(prompts: list[list[int]]) -> tuple[tuple[int, ...], ...]:
-    return tuple(tuple(int(t) for t in p) for p in prompts)
+_key = prompt_key
 
 
 class LookaheadIterator:
@@ -187,16 +188,13 @@ class LocalEngineRuntime:
             close()
 
 
-class PoolRuntime:
+class PoolRuntime(ArrangementMixin):
     """``rollout.workers >= 1``: worker processes, optionally one batch ahead of the trainer.
 
     The pool is started lazily: by :meth:`start` (the adapter calls it when ``train()`` begins) or by the first
     use (a generation or a weight sync), and :meth:`release` stops it (workers and shared memory gone); a later
     use starts a new one.
     """
-
-    #: nice value of rollout workers started while the trainer takes turns on all cores (placement auto)
-    BACKGROUND_NICE = 19
 
     def __init__(
         self,
@@ -253,8 +251,7 @@ class PoolRuntime:
         self._unpublished = False  # a version was skipped while taking turns: publish before the workers serve
         self._background = False  # the workers were started at the lowest CPU priority (taking turns meanwhile)
         self._last_gen: tuple[float, float, float, str | None] | None = None  # (start, blocked s, engine s, tag)
-        self.served = {"split": 0, "turns": 0, "warmup": 0, "hold": 0}  # batches per arrangement (tests, reports)
-        self._hold_since: float | None = None
+        self.served = {"split": 0, "turns": 0, "warmup": 0}  # batches per arrangement (tests, reports)
         self.last_source = ""
         self._reset()
 
@@ -290,27 +287,6 @@ class PoolRuntime:
             self._apply_budget("turns")
             return
         self._start_pool()
-
-    def _renice(self, nice: int) -> bool:
-        """Set the local workers' nice value (raising it is always allowed; lowering it back may need privileges:
-        then they keep the low priority, which costs nothing while they have their cores to themselves)."""
-        import os
-
-        done = False
-        for pid in self._pool.pids if self._pool is not None else ():
-            try:
-                os.setpriority(os.PRIO_PROCESS, pid, nice)
-                done = True
-            except (PermissionError, ProcessLookupError, OSError) as exc:
-                log.debug("rollout worker %d: nice %d not applied (%s)", pid, nice, exc)
-        return done
-
-    def _foreground(self, now: bool = False) -> None:
-        """The workers were started in the background and are ready (or, ``now``, the split needs them): back to
-        normal priority (where allowed)."""
-        if self._background and self._pool is not None and (now or self._pool.ready):
-            self._background = False
-            self._renice(0)
 
     def _start_pool(self) -> None:
         import os
@@ -369,70 +345,6 @@ class PoolRuntime:
         self._unpublished = False  # the workers get the current version
         return self.pool.publish(version, named_tensors)
 
-    def _apply_budget(self, arrangement: str) -> None:
-        """The trainer process's cores and torch threads for ``arrangement`` (CPU; no-op without budgets)."""
-        if self._budgets is None or self._budget_now == arrangement or arrangement not in self._budgets:
-            return
-        import os
-
-        import torch
-
-        cores, threads = self._budgets[arrangement]
-        os.sched_setaffinity(0, cores)
-        torch.set_num_threads(threads)
-        lent, self._lent_at = self._lent_at, None
-        if lent is not None:  # the workers' cores go back before their next request
-            self.ctx.metrics.add("rollout/lent_s", time.perf_counter() - lent)
-        else:
-            log.info("mrl-plugins placement %s: trainer on cores %s, %d torch thread(s)", arrangement, cores, threads)
-        self._budget_now = arrangement
-
-    #: seconds between two looks at the workers' answers while the trainer computes (lending)
-    LEND_CHECK_S = 0.002
-
-    def lend_check(self, *_: Any) -> None:
-        """Between the trainer's layers (forward and backward hooks) in the split: when the workers have answered
-        every lookahead they hold (nothing left to generate until the next generation), the trainer borrows their
-        cores; :meth:`_generate_split` gives them back before it sends the next request."""
-        if not self._lend or self._budget_now != "split" or self.arrangement != "split" or not self._pending:
-            return
-        now = time.perf_counter()
-        if now - self._lend_last < self.LEND_CHECK_S:
-            return
-        self._lend_last = now
-        pool = self._pool
-        try:
-            if pool is None or not pool.ready:
-                return
-            pool.poll()
-            if not all(pool.answered(t) for t in self._pending.values()):
-                return
-        except Exception as exc:  # noqa: BLE001 - never fail a training step over lending: stop lending
-            log.warning("mrl-plugins: lending the workers' cores stopped (%s: %s)", type(exc).__name__, exc)
-            self._lend = False
-            return
-        import os
-
-        import torch
-
-        cores, threads = self._budgets["turns"]
-        os.sched_setaffinity(0, cores)
-        torch.set_num_threads(threads)
-        self._budget_now = "lent"  # the next generation applies the split's budget again first
-        self._lent_at = now
-        self.ctx.metrics.add("rollout/lends", 1)
-
-    def _install_lend_hooks(self) -> None:
-        """Forward and backward pre-hooks on the trainer model's layers (or the model) calling :meth:`lend_check`."""
-        if self._lend_hooks or not self._lend:
-            return
-        model = _unwrap(self.gen.trainer.model)
-        layers = [m for m in model.modules() if type(m).__name__.endswith(("DecoderLayer", "Block"))] or [model]
-        for m in layers:
-            self._lend_hooks.append(m.register_forward_pre_hook(self.lend_check))
-            self._lend_hooks.append(m.register_full_backward_pre_hook(self.lend_check))
-
-    # ---------------------------------------------------------------- generation
     def _generate_locally(
         self, prompts: list[list[int]], num_generations: int, model_id: str, *, warmup: bool = True
     ) -> RolloutResult:
@@ -463,78 +375,14 @@ class PoolRuntime:
             self.placement.report()
         if self.arrangement == "turns":
             result, engine_s, tag = self._generate_turns(prompts, num_generations, model_id)
-        elif self._hold_for_start(t0):  # the split is wanted, its workers are still starting in the background
-            result, engine_s, _ = self._generate_turns(prompts, num_generations, model_id)
-            tag = "hold"
         else:
             result, engine_s, tag = self._generate_split(prompts, num_generations, model_id)
         if self.exact is not None:  # the trainer's own current model generated: no importance sampling
-            self.exact(tag in ("turns", "warmup", "hold"))
+            self.exact(tag in ("turns", "warmup"))
         self.last_source = tag or "split"  # who generated this batch: split (workers), turns or warmup (trainer)
         self.served[self.last_source] += 1
         self._last_gen = (t0, time.perf_counter() - t0, engine_s, tag)
         return result
-
-    #: seconds the run keeps taking turns, once the split is chosen, for workers starting in the background
-    HOLD_S = 20.0
-
-    def _hold_for_start(self, now: float) -> bool:
-        """Whether to keep taking turns although the split is chosen: its workers, started in the background at
-        low priority, are not ready yet (taking turns costs nothing then; the split's warm-up would narrow the
-        trainer to its own cores). At most ``HOLD_S`` seconds, then the workers get their cores."""
-        pool = self._pool
-        if not self._background or pool is None or pool.ready:
-            self._hold_since = None
-            return False
-        if self._hold_since is None:
-            self._hold_since = now
-            log.info(
-                "mrl-plugins placement split: taking turns until its workers are ready (at most %.0f s)", self.HOLD_S
-            )
-        return now - self._hold_since < self.HOLD_S
-
-    def _observe(self, now: float) -> None:
-        """The interval since the previous generation, per optimizer step, as one placement sample."""
-        from .autoplace import Sample
-
-        last = self._last_gen
-        if last is None:
-            return
-        start, blocked, engine_s, tag = last
-        every = self.generation_interval()
-        interval = now - start
-        if tag not in ("split", "turns") or interval <= 0:
-            self.placement.observe(None)  # warm-up or the switch itself: not a measurement of either
-            return
-        self.placement.observe(
-            Sample(tag, interval / every, max(0.0, interval - blocked) / every, max(0.0, engine_s) / every)
-        )
-
-    def _generate_turns(
-        self, prompts: list[list[int]], num_generations: int, model_id: str
-    ) -> tuple[RolloutResult, float, str | None]:
-        """Taking turns: the trainer's own model generates on all cores; a lookahead the workers already hold for
-        these prompts (submitted before the switch) is used, any other is dropped."""
-        ticket = self._pending.pop(_key(prompts), None) if self._pool is not None else None
-        self._deferred = None
-        tag: str | None = "turns"
-        if ticket is not None:
-            result = self._collect(ticket)  # generated before the switch: used, not lost, not generated twice
-            engine_s, tag = float(result.metrics.get("generate_s", 0.0)), None
-            self.ctx.metrics.add("rollout/lookahead_hits", 1)
-        if self._pool is not None:
-            self._drop_unused()
-        # all cores once no worker computes: a pool still starting would share them (15-200x slower)
-        # all cores once no worker computes at normal priority: one starting beside the trainer at the same
-        # priority would share its cores (15-200x slower); started in the background it takes only what is left
-        ready = self._pool is None or self._pool.ready
-        self._foreground()
-        self._apply_budget("turns" if ready or self._background else "split")
-        if ticket is None:
-            t0 = time.perf_counter()
-            result = self._generate_locally(prompts, num_generations, model_id, warmup=False)
-            engine_s = time.perf_counter() - t0
-        return result, engine_s, tag
 
     def _generate_split(
         self, prompts: list[list[int]], num_generations: int, model_id: str
