@@ -1,13 +1,15 @@
 """``mrl bench rollout``: (a) colocated inference latency with/without core binding, (b) GRPO steps/s of
-the async disaggregated pipeline against upstream TRL's synchronous generate.
+the async disaggregated pipeline and of ``rollout.placement: auto`` against upstream TRL's synchronous generate.
 
-(b) runs the embedded GRPO job (``small`` preset unless ``--model``) in separate processes, same seed,
-steps and total core budget (all cores of this machine): upstream TRL with 1 thread, with every core
-(torch's default) -- its best is the baseline -- and the plugins with ``configs/disaggregated.yaml``
-(trainer on one core, one rollout worker on the other). Each setting is repeated ``--grpo-reps``
-times; medians and spread are reported, for the whole run (worker start-up included) and for its second
-half (``steady_steps_per_s``). ``overlap_bound_vs_upstream``: the best a one-core-trainer / one-core-worker
-overlap can do, ``1 / max(generate, train)`` per step of the 1-thread upstream run, over the best upstream.
+(b) runs the embedded GRPO job (``small`` preset unless ``--model``) in separate processes (``mrl compare``'s
+runner), same seed, steps and total core budget (all cores of this machine): upstream TRL with 1 thread, with
+every core (torch's default) -- its best is the baseline --, the plugins with ``configs/disaggregated.yaml``
+(trainer on one core, one rollout worker on the other), and ``configs/compare_small.yaml``'s stages with
+``rollout.placement: auto`` (``auto_vs_upstream``). Each setting runs ``--grpo-reps`` times, the settings
+interleaved within a repetition; medians and spread are reported, for the whole run (worker start-up included)
+and for its second half (``steady_steps_per_s``). ``overlap_bound_vs_upstream``: the best a one-core-trainer /
+one-core-worker overlap can do, ``1 / max(generate, train)`` per step of the 1-thread upstream run, over the
+best upstream; ``share_of_overlap_bound``: how much of that bound the async pipeline reaches.
 """
 
 from __future__ import annotations
@@ -35,36 +37,41 @@ def _steady(step_times: list[float]) -> float:
 
 
 def run_grpo_part(*, steps: int, model: str, reps: int, out: Path) -> dict[str, Any]:
-    from mrl_plugins.cli.compare import run_one
-    from mrl_plugins.config import resolve_config_path
+    """The GRPO settings, each a separate process (``mrl compare``'s runner), repetitions interleaved."""
+    import yaml
+
+    from mrl_plugins.cli.compare import RunKind, kind_config, run_one
+    from mrl_plugins.config import load_yaml
 
     cores = len(os.sched_getaffinity(0))
-    settings = {
-        "upstream_1_thread": ("upstream", UPSTREAM, 1),
-        f"upstream_{cores}_threads_default": ("upstream", UPSTREAM, cores),
-        "disaggregated_async": ("disaggregated", ALL, None),
+    settings = {  # name: (bundled config, kind, config overrides)
+        "upstream_1_thread": ("upstream", RunKind(UPSTREAM), {"train": {"threads": 1}}),
+        f"upstream_{cores}_threads_default": ("upstream", RunKind(UPSTREAM, all_cores=True), {}),
+        "disaggregated_async": ("disaggregated", RunKind(ALL), {}),
+        "auto": ("compare_small", RunKind(ALL), {}),  # rollout.placement: auto
     }
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in settings}
+    for rep in range(reps):
+        for name, (config, kind, over) in settings.items():
+            data = kind_config(load_yaml(config), kind, steps=steps, model=model)
+            data["train"] = {**data["train"], **over.get("train", {})}
+            path = out / f"{name}-{rep}.yaml"
+            path.write_text(yaml.safe_dump(data), encoding="utf-8")
+            result, error, _load = run_one(
+                path, f"{name}-{rep}", kind, out / f"{name}-{rep}", timeout=1800, max_steps=steps,
+                on_poll=lambda *a: None,
+            )  # fmt: skip
+            if result is None:
+                raise RuntimeError(f"mrl bench rollout: run {name}-{rep} failed: {error}")
+            runs[name].append(result)
     results: dict[str, Any] = {}
-    for name, (config, plugins, threads) in settings.items():
-        runs = [
-            run_one(
-                str(resolve_config_path(config)),
-                f"{name}-{i}",
-                plugins,
-                out,
-                steps=steps,
-                model=model,
-                threads=threads,
-                timeout=1800,
-            )
-            for i in range(reps)
-        ]
+    for name, rs in runs.items():
         results[name] = {
-            "steps_per_s": _median([r["steps_per_s"] for r in runs]),
-            "steady_steps_per_s": _median([_steady(r["step_times"]) for r in runs]),
-            "final_reward": _median([r["final_reward"] for r in runs]),
-            "time_split": runs[0]["time_split"],
-            "threads": runs[0]["threads"],
+            "steps_per_s": _median([r["steps_per_s"] for r in rs]),
+            "steady_steps_per_s": _median([_steady(r["step_times"]) for r in rs]),
+            "final_reward": _median([r["final_reward"] for r in rs]),
+            "time_split": rs[0]["time_split"],
+            "threads": rs[0]["threads"],
         }
         print(
             f"  {name:<32} {results[name]['steps_per_s']['median']:.3f} steps/s "
@@ -75,28 +82,26 @@ def run_grpo_part(*, steps: int, model: str, reps: int, out: Path) -> dict[str, 
         )
     upstream_names = [n for n in settings if n.startswith("upstream")]
     best = max(upstream_names, key=lambda n: results[n]["steps_per_s"]["median"])
+    base = results[best]["steps_per_s"]["median"]
     ours = results["disaggregated_async"]
     # Upper bound of a one-core-each overlap: per step, the longer of upstream's 1-thread generation and
     # 1-thread training (no extra forward pass: rollout.old_logps: engine), from the 1-thread run's time split.
     one = results["upstream_1_thread"]["time_split"]
     bound_step_s = max(one["generate"], one["train"]) / steps
-    return {
-        "settings": results,
-        "upstream_best": best,
-        "steps": steps,
-        "model": model,
-        "ratios": {
-            "steps_per_s_vs_upstream": ours["steps_per_s"]["median"] / results[best]["steps_per_s"]["median"],
-            "steady_steps_per_s_vs_upstream": ours["steady_steps_per_s"]["median"]
-            / results[best]["steady_steps_per_s"]["median"],
-            "overlap_bound_vs_upstream": (1 / bound_step_s) / results[best]["steps_per_s"]["median"],
-            "final_reward_vs_upstream": (
-                ours["final_reward"]["median"] / results[best]["final_reward"]["median"]
-                if results[best]["final_reward"]["median"]
-                else float("nan")
-            ),
-        },
+    ratios = {
+        "steps_per_s_vs_upstream": ours["steps_per_s"]["median"] / base,
+        "steady_steps_per_s_vs_upstream": ours["steady_steps_per_s"]["median"]
+        / results[best]["steady_steps_per_s"]["median"],
+        "overlap_bound_vs_upstream": (1 / bound_step_s) / base,
+        "auto_vs_upstream": results["auto"]["steps_per_s"]["median"] / base,
+        "final_reward_vs_upstream": (
+            ours["final_reward"]["median"] / results[best]["final_reward"]["median"]
+            if results[best]["final_reward"]["median"]
+            else float("nan")
+        ),
     }
+    ratios["share_of_overlap_bound"] = ratios["steps_per_s_vs_upstream"] / ratios["overlap_bound_vs_upstream"]
+    return {"settings": results, "upstream_best": best, "steps": steps, "model": model, "ratios": ratios}
 
 
 def cli(argv: list[str]) -> int:
