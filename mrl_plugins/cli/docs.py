@@ -145,15 +145,19 @@ def render() -> str:
         if doc and key:
             out.append(doc + "\n")
         hints = typing.get_type_hints(cls)
-        rows = ["| key | type | default | what it does |", "|---|---|---|---|"]
-        for f in dataclasses.fields(cls):
-            help_text = _md(f.metadata.get("help", ""))
-            if not key and f.name in nested:
-                rows.append(f"| `{f.name}` | section | | {help_text}: see below |")
-                continue
-            name = f"{key}.{f.name}" if key else f.name
-            rows.append(f"| `{name}` | {_type_name(hints[f.name])} | `{_value(_default(f))}` | {help_text} |")
-        out.append("\n".join(rows) + "\n")
+        groups = getattr(cls, "SECTIONS", None) or (("", cls),)  # rollout: its keys in groups, flat in YAML
+        for group, part in groups:
+            if group:
+                out.append(f"### {group}\n\n{_doc(part)}\n")
+            rows = ["| key | type | default | what it does |", "|---|---|---|---|"]
+            for f in dataclasses.fields(part):
+                help_text = _md(f.metadata.get("help", ""))
+                if not key and f.name in nested:
+                    rows.append(f"| `{f.name}` | section | | {help_text}: see below |")
+                    continue
+                name = f"{key}.{f.name}" if key else f.name
+                rows.append(f"| `{name}` | {_type_name(hints[f.name])} | `{_value(_default(f))}` | {help_text} |")
+            out.append("\n".join(rows) + "\n")
         if key == "weight_sync":
             out.append(_weight_sync_defaults() + "\n")
     return "\n".join(out).rstrip() + "\n"

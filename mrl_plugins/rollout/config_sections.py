@@ -1,0 +1,186 @@
+"""The ``rollout:`` section's keys in three groups a reader can take in one at a time.
+
+:class:`~mrl_plugins.rollout.config.RolloutConfig` is all three (the keys stay flat in YAML: ``rollout.workers``);
+the groups are how ``docs/config.md`` and the code present them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class EngineSection:
+    """The engine: which one, its threads, cores, device budget and memory share."""
+
+    engine: str = field(
+        default="transformers", metadata={"help": "generation engine: 'transformers' or 'vllm' (or a plugin's)"}
+    )
+    engine_options: dict = field(
+        default_factory=dict,
+        metadata={
+            "help": "engine 'vllm' only: extra vllm.LLM keyword arguments (e.g. gpu_memory_utilization, "
+            "max_model_len, enforce_eager); the engine sets load_format, dtype (the trainer model's), "
+            "logprobs_mode and tensor_parallel_size 1 itself"
+        },
+    )
+    engine_threads: int = field(default=1, metadata={"help": "torch threads of each rollout engine"})
+    engine_cores: list[int] | None = field(
+        default=None, metadata={"help": "CPU cores for engines (None: split the process's cores)"}
+    )
+    engine_budget: dict = field(
+        default_factory=dict,
+        metadata={
+            "help": "device part of every rollout worker's compute budget: npu_cube_cores, npu_vector_cores "
+            "(torch_npu set_stream_limit/set_device_limit) and stream_priority (high|normal|low; generation runs on "
+            "that stream, a hardware priority on CUDA); the cores and threads come from the placement"
+        },
+    )
+    memory_headroom: float = field(
+        default=0.2,
+        metadata={
+            "help": "NPU/CUDA rollout workers (transformers engine): after the first generation the worker caps its "
+            "allocator at the measured peak x (1 + headroom) of the device (CPU: measured and reported only)"
+        },
+    )
+
+
+@dataclass
+class DeploymentSection:
+    """Where the workers run: how many, local or remote, the placement and its automatic choice, the trainer's
+    share, restarts and rebalancing."""
+
+    workers: int = field(
+        default=1, metadata={"help": "rollout worker processes; 0 = engine inside the trainer process (no overlap)"}
+    )
+    remote_workers: int = field(
+        default=0,
+        metadata={
+            "help": "workers on other hosts, each started there with `mrl worker --connect <rendezvous> --index i` "
+            "(indices after the local ones); need comm.transport: torch_distributed and weight_sync.transport: "
+            "directory (shared filesystem)"
+        },
+    )
+    rendezvous: str = field(
+        default="127.0.0.1:0",
+        metadata={"help": "HOST:PORT the trainer listens on for remote workers (reachable from them; port 0 = any)"},
+    )
+    colocated_workers: int = field(
+        default=0, metadata={"help": "hybrid mode: how many of the workers share the trainer's device"}
+    )
+    placement: str = field(
+        default="fixed",
+        metadata={
+            "help": "'fixed': the workers and the trainer keep the cores this section gives them; 'auto': the run "
+            "measures its stage times and keeps the faster of that split and taking turns on all of the "
+            "trainer's cores (the trainer's own model generates, the workers idle), re-checked every "
+            "placement_interval steps (mrl_plugins.rollout.autoplace; mrl/rollout/placement 0 split, 1 turns); "
+            "one training process, local workers, mode colocate or disaggregated"
+        },
+    )
+    placement_interval: int = field(
+        default=10, metadata={"help": "placement auto: optimizer steps between two decisions (the first after 3)"}
+    )
+    placement_margin: float = field(
+        default=0.1,
+        metadata={"help": "placement auto: switch only when the other arrangement is projected this much faster"},
+    )
+    lend_cores: bool = field(
+        default=True,
+        metadata={
+            "help": "placement auto, CPU: in the split, once the workers have answered every lookahead they hold the "
+            "trainer borrows their cores (all threads) until its next generation request, checked between its "
+            "layers (mrl/rollout/lends, mrl/rollout/lent_s)"
+        },
+    )
+    trainer_threads: int = field(
+        default=1, metadata={"help": "torch threads left to the trainer when an engine shares its cores"}
+    )
+    trainer_cores: list[int] | None = field(
+        default=None, metadata={"help": "CPU cores for the trainer (None: the rest)"}
+    )
+    oversubscribe: bool = field(
+        default=False,
+        metadata={
+            "help": "allow more dedicated rollout workers than the CPU cores free for them (workers then share "
+            "cores and every step slows down); off: such a config is refused before the model is built. "
+            "NPU/CUDA workers of mode disaggregated/hybrid need one device each either way"
+        },
+    )
+    restart_workers: int = field(
+        default=0, metadata={"help": "restarts allowed for dead workers (0: a dead worker is an error)"}
+    )
+    start_timeout_s: float = field(
+        default=180.0, metadata={"help": "max seconds for a worker to start and load the model"}
+    )
+    local_warmup: bool = field(
+        default=True,
+        metadata={"help": "generate with the trainer's own model while the workers are still starting"},
+    )
+    rebalance: bool = field(
+        default=False,
+        metadata={
+            "help": "hybrid mode: move workers between the colocated and dedicated pools by the trainer's wait "
+            "share (see mrl_plugins.rollout.hybrid); needs workers >= 2"
+        },
+    )
+    rebalance_window: int = field(
+        default=5, metadata={"help": "hybrid: generations averaged per decision (and waited after a move)"}
+    )
+    rebalance_high: float = field(
+        default=0.25, metadata={"help": "hybrid: mean wait share above which a dedicated worker becomes colocated"}
+    )
+    rebalance_low: float = field(
+        default=0.05, metadata={"help": "hybrid: mean wait share below which a colocated worker becomes dedicated"}
+    )
+
+
+@dataclass
+class SchedulingSection:
+    """How generation and training interleave: the pipeline, staleness, which logprobs the loss takes, time
+    limits and queues."""
+
+    pipeline: str = field(
+        default="async", metadata={"help": "'async': generate step k+1 while training step k; 'sync': take turns"}
+    )
+    max_staleness: int = field(
+        default=1,
+        metadata={
+            "help": "max weight versions a sample may lag the trainer "
+            "(with TRL num_iterations=k the lookahead is submitted one step before it is used)"
+        },
+    )
+    stale_policy: str = field(
+        default="drop",
+        metadata={"help": "samples older than max_staleness: 'drop' (regenerate) or 'keep' (count only)"},
+    )
+    old_logps: str = field(
+        default="trainer",
+        metadata={
+            "help": "GRPO's old logprobs in the loss: 'trainer' (TRL's extra forward pass per generation plus its "
+            "importance-sampling correction) or 'engine' (the engine's sampling logprobs, i.e. the behaviour "
+            "policy, as TRL's AsyncGRPO does; saves that forward pass; GRPO only, temperature-only sampling)"
+        },
+    )
+    ref_logps: str = field(
+        default="trainer",
+        metadata={
+            "help": "reference-model logprobs for the KL term (beta != 0): 'trainer' (TRL's forward pass of its "
+            "ref_model on the trainer) or 'engine' (every rollout worker holds a copy of the reference model and "
+            "scores the completions it generated; the trainer skips that pass; needs rollout workers)"
+        },
+    )
+    timeout_s: float = field(default=120.0, metadata={"help": "max seconds to wait for a worker's batch or reply"})
+    model_priorities: dict = field(
+        default_factory=lambda: {"policy": 0},
+        metadata={"help": "multi-model pool: model_id -> priority (lower runs first)"},
+    )
+    switch_throttle: int = field(
+        default=64, metadata={"help": "max queued requests per model admitted while a weight switch is pending"}
+    )
+
+
+#: (title, group) in the order the reference shows them
+SECTIONS = (("engine", EngineSection), ("deployment", DeploymentSection), ("scheduling", SchedulingSection))
+
+__all__ = ["SECTIONS", "DeploymentSection", "EngineSection", "SchedulingSection"]
