@@ -329,20 +329,11 @@ def cli(argv: list[str] | None = None) -> int:
     ap.add_argument("--link", metavar="RATE", help=LINK_HELP)
     args = ap.parse_args(argv)
     if args.link:
-        from mrl_plugins.errors import ConfigError
+        from .link import comm_link, link_cli
 
-        from .link import comm_link
-
-        try:
-            res = comm_link(args.link, reps=max(1, min(args.reps, 2) if args.quick else args.reps), quick=args.quick)
-        except ConfigError as exc:  # no namespaces here (not root), or a rate tc does not read
-            print(f"mrl bench comm: error: {exc}", file=sys.stderr)
-            return 2
-        if args.json:
-            with open(args.json, "w", encoding="utf-8") as f:
-                json.dump(res, f, indent=2)
-    else:
-        res = run_bench(reps=args.reps, json_path=args.json, quick=args.quick)
+        reps = max(1, min(args.reps, 2) if args.quick else args.reps)
+        return link_cli("mrl bench comm", comm_link, args.link, args.json, reps=reps, quick=args.quick)
+    res = run_bench(reps=args.reps, json_path=args.json, quick=args.quick)
     return 0 if all(res["targets_met"].values()) else 1
 
 

@@ -37,6 +37,20 @@ WORKER_ADDR = "10.77.0.2"
 _UNITS = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9}
 
 
+def link_cli(prog: str, measure: Any, rate: str, json_path: str | None, **kw: Any) -> int:
+    """The ``--link RATE`` branch of ``mrl bench comm|weights``: measure, write ``json_path``; 0 if every
+    target is met, 1 if not, 2 when the link cannot be made here (not root) or the rate is not one tc reads."""
+    try:
+        res = measure(rate, **kw)
+    except ConfigError as exc:
+        print(f"{prog}: error: {exc}", file=sys.stderr)
+        return 2
+    if json_path:
+        with open(json_path, "w", encoding="utf-8") as f:
+            json.dump(res, f, indent=2)
+    return 0 if all(res["targets_met"].values()) else 1
+
+
 def parse_rate(rate: str) -> float:
     """Bits per second of a ``tc`` rate such as ``1gbit``, ``200mbit`` (SI units, as tc reads them)."""
     m = re.fullmatch(r"(\d+(?:\.\d+)?)([kmg]?)bit", rate.strip().lower())

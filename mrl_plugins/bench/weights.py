@@ -382,19 +382,9 @@ def cli(argv: list[str] | None = None) -> int:
     if args.reps < 1:
         ap.error("--reps must be >= 1")
     if args.link:
-        from mrl_plugins.errors import ConfigError
+        from .link import link_cli, weights_link
 
-        from .link import weights_link
-
-        try:
-            res = weights_link(args.link, reps=args.reps, quick=args.quick)
-        except ConfigError as exc:  # no namespaces here (not root), or a rate tc does not read
-            print(f"mrl bench weights: error: {exc}", file=sys.stderr)
-            return 2
-        if args.json:
-            with open(args.json, "w", encoding="utf-8") as f:
-                json.dump(res, f, indent=2)
-        return 0 if all(res["targets_met"].values()) else 1
+        return link_cli("mrl bench weights", weights_link, args.link, args.json, reps=args.reps, quick=args.quick)
     r = run_bench(args.reps, args.json, args.quick)
     print("loopback (both processes on one host):")
     print(f"memcpy (1 thread)          GB/s {_fmt(r['memcpy_gbps'])}")
