@@ -21,6 +21,9 @@ The policy (pure functions below, :class:`PlacementController` applies them to a
   ``max(train x s_train, generate x s_gen) x (1 + overhead)``, where ``s_train`` / ``s_gen`` are the speed-ups
   of training / generating on all cores over the split's share (:func:`default_scaling`: x1.7 per doubling of
   threads for training, x1.06 for decode-bound generation, as measured on this kind of machine);
+* the run starts in ``rollout.placement_start``: taking turns (the workers start in the background at the lowest
+  CPU priority) or the split (the workers start at full speed on their cores; the trainer's own model answers on
+  the trainer's cores until they are ready: those warm-up steps are not a measurement of either arrangement);
 * the first decision comes after ``probe`` measured steps; the projection is a guess until both arrangements
   have run, so unless the other one is projected hopeless (slower by more than ``explore_band``) the run
   *explores* it for ``probe`` steps and then keeps whichever of the two *measured* faster, as an autotuner does;
@@ -316,7 +319,7 @@ def runtime_kwargs(
         wide, narrow = len(cores), split[1]
     out["placement"] = PlacementController(
         default_scaling(narrow, wide, rc.engine_threads),
-        initial=TURNS,
+        initial=rc.placement_start,
         interval=rc.placement_interval,
         margin=rc.placement_margin,
         metrics=metrics,

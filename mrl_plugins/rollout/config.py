@@ -13,6 +13,7 @@ PIPELINES = ("async", "sync")
 STALE_POLICIES = ("drop", "keep")
 OLD_LOGPS = ("trainer", "engine")
 PLACEMENTS = ("fixed", "auto")
+PLACEMENT_STARTS = ("split", "turns")
 REF_LOGPS = ("trainer", "engine")
 
 
@@ -62,6 +63,10 @@ class RolloutConfig(SchedulingSection, DeploymentSection, EngineSection):
             raise ConfigError(f"rollout.ref_logps: {self.ref_logps!r} invalid; valid: {choices(REF_LOGPS)}")
         if self.placement not in PLACEMENTS:
             raise ConfigError(f"rollout.placement: {self.placement!r} invalid; valid: {choices(PLACEMENTS)}")
+        if self.placement_start not in PLACEMENT_STARTS:
+            raise ConfigError(
+                f"rollout.placement_start: {self.placement_start!r} invalid; valid: {choices(PLACEMENT_STARTS)}"
+            )
         if self.placement_interval < 1:
             raise ConfigError(f"rollout.placement_interval: must be >= 1, got {self.placement_interval}")
         if not 0 <= self.placement_margin < 1:

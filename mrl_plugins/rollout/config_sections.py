@@ -78,6 +78,16 @@ class DeploymentSection:
             "one training process, local workers, mode colocate or disaggregated"
         },
     )
+    placement_start: str = field(
+        default="turns",
+        metadata={
+            "help": "placement auto: the arrangement of the first steps. 'turns': the trainer takes turns on all "
+            "cores while the workers start at the lowest CPU priority (they take what it leaves); 'split': the "
+            "workers start at full speed on their own cores while the trainer generates with its own model on "
+            "its cores (rollout.local_warmup), so the split is ready sooner; either way the other arrangement is "
+            "explored at the first decision"
+        },
+    )
     placement_interval: int = field(
         default=10, metadata={"help": "placement auto: optimizer steps between two decisions (the first after 3)"}
     )
