@@ -218,14 +218,26 @@ def _fill(model, seed: int):
 
 @require_vllm
 @pytest.mark.slow
-@pytest.mark.parametrize("transport", ["shm", "directory", "broadcast"])
-def test_a_worker_pool_serves_each_published_version_through_vllm(transport, tmp_path):
+@pytest.mark.parametrize(
+    "transport,staging",
+    [
+        pytest.param("shm", "device", id="shm"),
+        pytest.param("directory", "device", id="directory"),
+        pytest.param("broadcast", "device", id="broadcast"),
+        pytest.param("shm", "host", id="shm-staging-host"),  # the staged copy in host memory (no 2nd device copy)
+    ],
+)
+def test_a_worker_pool_serves_each_published_version_through_vllm(transport, staging, tmp_path):
     """The weight-sync stage's stream (checksummed, double-buffered) reaches vLLM in a real worker process."""
     import psutil
 
     from tests.pool_helpers import make_pool
 
-    ws = {"transport": transport, **({"directory": str(tmp_path)} if transport == "directory" else {})}
+    ws = {
+        "transport": transport,
+        "staging": staging,
+        **({"directory": str(tmp_path)} if transport == "directory" else {}),
+    }
     pool, model, _tok, _sampling, _pm, _ctx = make_pool(
         {"rollout": {"engine": "vllm", "start_timeout_s": 240}, "weight_sync": ws, "comm": {"codec": "raw"}}
     )
@@ -364,6 +376,7 @@ def test_a_trainer_built_with_use_vllm_trains_with_the_plugin(tmp_path, workers,
 @pytest.mark.slow
 def test_bench_engine_reports_both_engines_and_the_ratio_keys(tmp_path):
     import json
+    import math
     import subprocess
     import sys
 
@@ -380,7 +393,24 @@ def test_bench_engine_reports_both_engines_and_the_ratio_keys(tmp_path):
         assert e["idle_cpu_share"]["max"] < 0.5  # no busy-polling engine core next to the trainer
     assert set(res["ratios"]) == {
         "vllm_vs_transformers_tokens_per_s", "vllm_vs_transformers_cpu_per_token", "vllm_switch_ms",
+        "trainer_next_to_idle_vllm_vs_alone", "trainer_next_to_idle_transformers_vs_alone",
     }  # fmt: skip
+    keys = ("trainer_next_to_idle_vllm_vs_alone", "trainer_next_to_idle_transformers_vs_alone")
+    if len(os.sched_getaffinity(0)) < 2:  # no core left for the trainer-like loop: said, not made up
+        assert res["trainer"] is None and all(res["ratios"][k] is None for k in keys)
+        assert "trainer next to an idle engine: not measured" in proc.stdout
+        return
+    # the trainer-like loop on the core the engines do not use (2 cores: engines on 1, trainer on 0); values are the
+    # benchmark's, here only that each was measured
+    assert res["trainer"]["core"] not in res["settings"]["cores"]
+    assert res["trainer"]["steps_per_s_alone"]["n"] == 2
+    for name, e in res["engines"].items():
+        steps = e["trainer_steps_per_s_next_to_idle"]
+        assert steps["n"] == 2 and 0 < steps["min"] <= steps["max"] < math.inf, (name, steps)
+        assert res["trainer"]["next_to_idle_vs_alone"][name]["n"] == 2
+    for key in keys:
+        assert 0 < res["ratios"][key] < math.inf, key
+        assert key in proc.stdout
     assert "vllm_vs_transformers_tokens_per_s" in proc.stdout and "host load" in proc.stdout
 
 
@@ -393,6 +423,13 @@ def test_bench_engine_bad_cores_is_one_clear_error():
         capture_output=True, text=True, timeout=120, env=child_env(),
     )  # fmt: skip
     assert proc.returncode == 2 and "--cores: [99] not among this process's cores" in proc.stderr, proc.stderr
+    engine_core = max(os.sched_getaffinity(0))
+    proc = subprocess.run(  # the trainer-like loop on an engine's core would measure contention, not an idle engine
+        [sys.executable, "-m", "mrl_plugins.cli.main", "bench", "engine", "--cores", str(engine_core),
+         "--trainer-core", str(engine_core)], capture_output=True, text=True, timeout=120, env=child_env(),
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stderr
+    assert f"--trainer-core: {engine_core} is not among the cores outside --cores [{engine_core}]" in proc.stderr
 
 
 @require_vllm
