@@ -282,6 +282,46 @@ def test_handed_in_group_carries_the_stream_as_ordered_broadcasts():
         _stop(kids, None, q, hq)
 
 
+def _as_on_a_device_host() -> None:
+    """Make the device layer name nccl, as it does on a CUDA host (the transport then still builds its gloo group)."""
+    import mrl_plugins.device as device
+
+    device.collective_backend = lambda device_type=None: "nccl"
+
+
+def _receiver_on_a_device_host(handle, q) -> None:
+    torch.set_num_threads(1)
+    try:
+        _as_on_a_device_host()
+        rx = handle.attach()
+        ref = mixed_tensors(1)
+        dest = {n: torch.zeros_like(t) for n, t in ref}
+        rx.fetch_into(1, dest, 30)
+        q.put(all(torch.equal(dest[n], t) for n, t in ref))
+        rx.close()
+    except BaseException as exc:  # report instead of hanging the parent
+        q.put(f"{type(exc).__name__}: {exc}")
+
+
+def test_on_a_cuda_or_npu_host_the_built_in_group_carries_the_stream_over_gloo(monkeypatch):
+    """A config's ``transport: broadcast`` hands in no group: where the device layer names nccl / hccl the
+    dedicated group is still gloo (device tensors through host memory), not a refusal at the first publish."""
+    import mrl_plugins.device as device
+    from mrl_plugins.weight_sync.broadcast_group import backend_name
+
+    monkeypatch.setattr(device, "collective_backend", lambda device_type=None: "nccl")
+    assert backend_name() == "nccl"
+    sender = BroadcastSender(WeightSyncConfig(transport="broadcast", timeout_s=30), model_id="m")
+    q = CTX.Queue()
+    child = CTX.Process(target=_receiver_on_a_device_host, args=(sender.receiver_handle(), q), daemon=True)
+    child.start()
+    try:
+        assert sender.publish(1, mixed_tensors(1)).nbytes == sum(t.nbytes for _, t in mixed_tensors(1))
+        assert q.get(timeout=60) is True
+    finally:
+        _stop([child], sender, q)
+
+
 def _stop(children, sender, *queues) -> None:
     """Join the child processes (kill any that hangs), close the sender (if any) and the queues."""
     for child in children:

@@ -31,7 +31,10 @@ transfer only when a newer version is being sent.
     collective worker threads. The sender keeps up to ``WINDOW_BYTES`` (128 MiB) in flight, so it
     references at most that plus the group it is collecting; the receiver posts a whole group's
     receives on its control and checksums the group's last message only after posting the next
-    group's. With a group handed in (hccl/nccl) the messages are broadcasts in issue order.
+    group's. With a group handed in (hccl/nccl) the messages are broadcasts in issue order. The built-in group is
+    gloo on every device: on a CUDA / NPU host (``weight_sync.transport: broadcast`` from a config, which hands in
+    no group) device tensors are copied to host memory on the sender and from host memory into the destination on
+    the receiver (unverified on hardware; on CPU tested with the device layer naming nccl).
 
     Measured with ``mrl bench weights`` (988 MB Qwen2.5-0.5B-like list, 2 processes on 2 shared
     cores, load average ~2 from other jobs): 2.9-3.0 GB/s with checksums, 3.8-4.0 without, per-param

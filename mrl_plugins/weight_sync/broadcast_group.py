@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import logging
 import struct
 from typing import Any
 
@@ -16,6 +17,8 @@ from mrl_plugins.errors import StageTimeoutError
 
 from .shards import WeightSyncError
 
+LOG = logging.getLogger("mrl_plugins.weight_sync")
+_said_host_path: list[str] = []  # the host-path line is logged once per process
 CTRL_BYTES = 64 << 10
 MAGIC = b"MRLWSBC2"
 HEAD = 24  # MAGIC, JSON length, tag base
@@ -68,11 +71,12 @@ class _Group:
         import torch.distributed as dist
 
         backend = backend_name()
-        if backend != "gloo":
-            raise WeightSyncError(
-                f"collective backend {backend!r} needs a process group: pass group=<torch.distributed group> to the "
-                "broadcast transport (the built-in dedicated group is gloo)"
-            )
+        if backend != "gloo" and not _said_host_path:  # a CUDA / NPU host: the built-in group still moves host bytes
+            _said_host_path.append(backend)
+            LOG.info(
+                "weight sync: the dedicated broadcast group is gloo, device tensors go through host memory (the "
+                "device's %s carries the stream only in a group handed in as group=)", backend
+            )  # fmt: skip
         try:
             if hasattr(dist.ProcessGroupGloo, "_Options"):
                 opts = dist.ProcessGroupGloo._Options()
