@@ -247,7 +247,7 @@ class _Child:
         if cmd is not None:
             self.conn.send(cmd)
         if not self.conn.poll(self.timeout):
-            raise StageTimeoutError(f"bench engine {self.name}: no answer to {cmd or 'start'!r} in {self.timeout} s")
+            raise StageTimeoutError(f"bench engine {self.name}: no answer to {cmd or expect!r} in {self.timeout} s")
         kind, payload = self.conn.recv()
         if kind == "error":
             raise RuntimeError(f"bench engine {self.name}: {payload}")
