@@ -19,6 +19,18 @@ from mrl_plugins.hookspecs import RolloutResult
 log = logging.getLogger("mrl_plugins.rollout")
 
 
+def trainer_device(model: Any) -> Any:
+    """The :class:`~mrl_plugins.device.Device` the trainer's model lives on (CPU for a model without parameters)."""
+    from mrl_plugins.device import CpuDevice, get_device
+
+    model = getattr(model, "module", model)
+    try:
+        dev = next(model.parameters()).device
+    except StopIteration:
+        return CpuDevice()
+    return CpuDevice() if dev.type == "cpu" else get_device(f"{dev.type}:{dev.index or 0}")
+
+
 def prompt_key(prompts: list[list[int]]) -> tuple[tuple[int, ...], ...]:
     """A batch of prompt ids as a hashable key (lookahead tickets are filed under it)."""
     return tuple(tuple(int(t) for t in p) for p in prompts)
@@ -56,22 +68,69 @@ class ArrangementMixin:
             self._renice(0)
 
     def _apply_budget(self, arrangement: str) -> None:
-        """The trainer process's cores and torch threads for ``arrangement`` (CPU; no-op without budgets)."""
-        if self._budgets is None or self._budget_now == arrangement or arrangement not in self._budgets:
+        """The trainer process's cores and torch threads for ``arrangement`` (CPU; no-op without budgets) and, on
+        an NPU shared with a worker, its training stream's core limit (:meth:`_device_lend`)."""
+        lender = self._device_lend()
+        cpu = self._budgets is not None and arrangement in self._budgets
+        if self._budget_now == arrangement or not (cpu or lender is not None):
             return
-        import os
+        if cpu:
+            import os
 
-        import torch
+            import torch
 
-        cores, threads = self._budgets[arrangement]
-        os.sched_setaffinity(0, cores)
-        torch.set_num_threads(threads)
+            cores, threads = self._budgets[arrangement]
+            os.sched_setaffinity(0, cores)
+            torch.set_num_threads(threads)
+        if lender is not None:  # the split's share before the workers compute again; the whole device otherwise
+            lender.split() if arrangement == "split" else lender.lend()
+            if arrangement == "split":
+                self._install_lend_hooks()
         lent, self._lent_at = self._lent_at, None
         if lent is not None:  # the workers' cores go back before their next request
             self.ctx.metrics.add("rollout/lent_s", time.perf_counter() - lent)
-        else:
+        elif cpu:
             log.info("mrl-plugins placement %s: trainer on cores %s, %d torch thread(s)", arrangement, cores, threads)
         self._budget_now = arrangement
+
+    _device_lender: Any = None
+    _device_lend_open = False
+
+    def _device_lend(self) -> Any:
+        """The :class:`~mrl_plugins.device.lending.NpuStreamLender` of this run, opened at the first budget change:
+        ``rollout.placement: auto`` with ``lend_cores``, the trainer on an NPU that colocated workers share with an
+        ``engine_budget`` core limit and torch_npu's stream-limit API present; else None, with one info line saying
+        why (CUDA: nothing to lend). CPU runs never import torch_npu here."""
+        if self._device_lend_open:
+            return self._device_lender
+        self._device_lend_open = True
+        if getattr(self, "placement", None) is None or not self.ctx.config.rollout.lend_cores:
+            return None
+        device = trainer_device(self.gen.trainer.model)
+        if device.type == "cpu":
+            return None
+        from mrl_plugins.device.lending import open_lender
+        from mrl_plugins.device.placement import colocated_count
+
+        cfg = self.ctx.config
+        rc = cfg.rollout
+        colocated = colocated_count(cfg.mode, rc.workers, rc.colocated_workers)
+        try:
+            lender, why = open_lender(device, rc.engine_budget, colocated)
+        except Exception as exc:  # noqa: BLE001 - a device query failing costs the lending, never the run
+            lender, why = None, f"{type(exc).__name__}: {exc}"
+        if lender is None:
+            log.info("mrl-plugins rollout.lend_cores on %s: %s", device.spec, why)
+        else:
+            what = lender.describe()
+            log.info("mrl-plugins rollout.lend_cores on %s (unverified on hardware): %s", device.spec, what)
+        self._device_lender = lender
+        return lender
+
+    def _release_device_lend(self) -> None:
+        """The training stream back to torch_npu's default limit (the run ends)."""
+        if self._device_lender is not None:
+            self._device_lender.close()
 
     #: seconds between two looks at the workers' answers while the trainer computes (lending)
     LEND_CHECK_S = 0.002
@@ -79,8 +138,9 @@ class ArrangementMixin:
     def lend_check(self, *_: Any) -> None:
         """Between the trainer's layers (forward and backward hooks) in the split: when the workers have answered
         every lookahead they hold (nothing left to generate until the next generation), the trainer borrows their
-        cores; :meth:`_generate_split` gives them back before it sends the next request."""
-        if not self._lend or self._budget_now != "split" or self.arrangement != "split" or not self._pending:
+        cores (CPU: affinity and threads; NPU: the whole device for its training stream);
+        :meth:`_generate_split` gives them back before it sends the next request."""
+        if not self._lending() or self._budget_now != "split" or self.arrangement != "split" or not self._pending:
             return
         now = time.perf_counter()
         if now - self._lend_last < self.LEND_CHECK_S:
@@ -93,24 +153,31 @@ class ArrangementMixin:
             pool.poll()
             if not all(pool.answered(t) for t in self._pending.values()):
                 return
+            if self._device_lender is not None:
+                self._device_lender.lend()
         except Exception as exc:  # noqa: BLE001 - never fail a training step over lending: stop lending
             log.warning("mrl-plugins: lending the workers' cores stopped (%s: %s)", type(exc).__name__, exc)
-            self._lend = False
+            self._lend, self._device_lender = False, None
             return
-        import os
+        if self._lend:
+            import os
 
-        import torch
+            import torch
 
-        cores, threads = self._budgets["turns"]
-        os.sched_setaffinity(0, cores)
-        torch.set_num_threads(threads)
+            cores, threads = self._budgets["turns"]
+            os.sched_setaffinity(0, cores)
+            torch.set_num_threads(threads)
         self._budget_now = "lent"  # the next generation applies the split's budget again first
         self._lent_at = now
         self.ctx.metrics.add("rollout/lends", 1)
 
+    def _lending(self) -> bool:
+        """CPU cores (``_lend``: budgets given) or an NPU stream share (:meth:`_device_lend`) to lend."""
+        return bool(self._lend) or self._device_lender is not None
+
     def _install_lend_hooks(self) -> None:
         """Forward and backward pre-hooks on the trainer model's layers (or the model) calling :meth:`lend_check`."""
-        if self._lend_hooks or not self._lend:
+        if self._lend_hooks or not self._lending():
             return
         model = getattr(self.gen.trainer.model, "module", self.gen.trainer.model)
         layers = [m for m in model.modules() if type(m).__name__.endswith(("DecoderLayer", "Block"))] or [model]

@@ -98,9 +98,12 @@ class DeploymentSection:
     lend_cores: bool = field(
         default=True,
         metadata={
-            "help": "placement auto, CPU: in the split, once the workers have answered every lookahead they hold the "
-            "trainer borrows their cores (all threads) until its next generation request, checked between its "
-            "layers (mrl/rollout/lends, mrl/rollout/lent_s)"
+            "help": "placement auto: in the split, once the workers have answered every lookahead they hold the "
+            "trainer borrows what they leave idle until its next generation request, checked between its layers "
+            "(mrl/rollout/lends, mrl/rollout/lent_s). CPU: their cores (affinity, all threads). NPU, workers sharing "
+            "the trainer's NPU with engine_budget core limits: the training stream runs on the device's cube/vector "
+            "cores minus the workers' in the split and on all of them while lent (torch_npu set_stream_limit/"
+            "reset_stream_limit; unverified on hardware). CUDA: nothing to lend (torch has no per-stream SM share)"
         },
     )
     trainer_threads: int = field(

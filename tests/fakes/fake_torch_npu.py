@@ -5,7 +5,8 @@ It follows the documented torch_npu API that ``mrl_plugins.device`` uses, as fou
 
 * ``torch_npu.npu.is_available() / device_count() / current_device() / set_device(i) / synchronize(device)``
 * ``torch_npu.npu.Stream(device=None, priority=0)`` with ``stream_id``, ``device_index``, ``device_type``;
-  ``Event(enable_timing=False)``; ``stream(s)`` context; ``current_stream()``
+  ``Event(enable_timing=False)``; ``stream(s)`` context; ``current_stream(device)`` (outside a ``stream(s)``
+  context: the device's default stream, ``stream_id`` 0)
 * ``set_per_process_memory_fraction(fraction, device=None)`` (TypeError unless ``float``, ValueError outside 0..1),
   ``memory_allocated``, ``max_memory_allocated``, ``reset_peak_memory_stats``, ``mem_get_info`` -> (free, total)
 * core limits (torch_npu >= 2.6.0.post3 / 2.7.1): ``set_device_limit(device, cube_num=-1, vector_num=-1)`` which,
@@ -118,8 +119,11 @@ def make_module(
         def __init__(self, device: Any = None, priority: int = 0, **kwargs: Any) -> None:
             self.device_index = _index(device)
             self.device_type = 20  # PrivateUse1, as torch reports for torch_npu streams
-            self.stream_id = next(stream_ids)
             self.priority = priority
+            if kwargs.get("_default"):  # fake-internal: the device's default stream (id 0), not a user call
+                self.stream_id = 0
+                return
+            self.stream_id = next(stream_ids)
             calls.append(("Stream", self.device_index, priority))
 
         def synchronize(self) -> None:
@@ -165,6 +169,7 @@ def make_module(
             return (end._t - self._t) * 1000.0
 
     state["current_stream"] = None
+    state["default_streams"] = {}
 
     @contextlib.contextmanager
     def stream(s: Stream | None) -> Iterator[None]:
@@ -178,8 +183,14 @@ def make_module(
             state["current_stream"] = prev
             calls.append(("stream.exit", None if s is None else s.stream_id))
 
-    def current_stream(device: Any = None) -> Stream | None:
-        return state["current_stream"]
+    def current_stream(device: Any = None) -> Stream:
+        """The stream set by ``stream(s)``, else the device's default stream (as torch_npu returns)."""
+        if state["current_stream"] is not None:
+            return state["current_stream"]
+        idx = _index(device)
+        if idx not in state["default_streams"]:
+            state["default_streams"][idx] = Stream(idx, _default=True)
+        return state["default_streams"][idx]
 
     def set_per_process_memory_fraction(fraction: Any, device: Any = None) -> None:
         idx = _index(device)
