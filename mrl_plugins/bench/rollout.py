@@ -1,5 +1,7 @@
 """``mrl bench rollout``: (a) colocated inference latency with/without core binding, (b) GRPO steps/s of
-the async disaggregated pipeline and of ``rollout.placement: auto`` against upstream TRL's synchronous generate.
+the async disaggregated pipeline and of ``rollout.placement: auto`` against upstream TRL's synchronous generate,
+(c) ``rollout.lend_cores`` on vs off: steps/s, the generation requests' p50/p99 and oversubscription
+(:mod:`mrl_plugins.bench.lend`; ``--part c``, not in the default ``both``).
 
 (b) runs the embedded GRPO job (``small`` preset unless ``--model``) in separate processes (``mrl compare``'s
 runner), same seed, steps and total core budget (all cores of this machine): upstream TRL with 1 thread, with
@@ -112,24 +114,44 @@ def cli(argv: list[str]) -> int:
     p.add_argument("--steps", type=int, default=30, help="GRPO steps per run for part (b)")
     p.add_argument("--model", default="small", help="preset for part (b)")
     p.add_argument("--quick", action="store_true", help="short smoke run (tiny model, few steps, 1 rep)")
-    p.add_argument("--part", choices=["a", "b", "both"], default="both")
+    p.add_argument("--part", choices=["a", "b", "c", "both", "all"], default="both", help="both: a and b; all: a-c")
+    p.add_argument("--lend-config", default="compare_kl", help="bundled config or YAML for part (c)")
+    p.add_argument("--lend-reps", type=int, default=3, help="runs per setting (lend on, off) for part (c)")
+    p.add_argument(
+        "--lend-placement-start",
+        default="split",
+        choices=["split", "turns", ""],
+        help="part (c): rollout.placement_start for both settings (lending happens in the split; '': the config's)",
+    )
     ns = p.parse_args(argv)
     from mrl_plugins.bench.rollout_latency import run_bench as run_latency
 
     if ns.quick:
-        ns.reps, ns.grpo_reps, ns.steps, ns.model = 1, 1, 4, "tiny"
+        ns.reps, ns.grpo_reps, ns.steps, ns.model, ns.lend_reps = 1, 1, 4, "tiny", 1
     result: dict[str, Any] = {"ratios": {}}
-    if ns.part in ("a", "both"):
+    if ns.part in ("a", "both", "all"):
         print("(a) colocated inference latency while training runs next to it", flush=True)
         lat = run_latency(reps=ns.reps, json_path=None, quick=ns.quick)
         result["colocate"] = lat.get("colocate", lat)
         result["ratios"].update(lat.get("ratios", {}))
-    if ns.part in ("b", "both"):
+    if ns.part in ("b", "both", "all"):
         print(f"(b) GRPO on '{ns.model}', {ns.steps} steps: disaggregated async vs upstream TRL", flush=True)
         with tempfile.TemporaryDirectory(prefix="mrl-bench-") as tmp:
             grpo = run_grpo_part(steps=ns.steps, model=ns.model, reps=ns.grpo_reps, out=Path(tmp))
         result["grpo"] = grpo
         result["ratios"].update(grpo["ratios"])
+    if ns.part in ("c", "all"):
+        from mrl_plugins.bench.lend import run_lend_part
+
+        steps = 150 if ns.quick else ns.steps  # tiny: ~10 s, the worker is ready after ~5 s
+        print(f"(c) GRPO on '{ns.model}' ({ns.lend_config}), {steps} steps: rollout.lend_cores on vs off", flush=True)
+        with tempfile.TemporaryDirectory(prefix="mrl-bench-") as tmp:
+            lend = run_lend_part(
+                config=ns.lend_config, steps=steps, model=ns.model, reps=ns.lend_reps, out=Path(tmp),
+                placement_start=ns.lend_placement_start,
+            )  # fmt: skip
+        result["lend"] = lend
+        result["ratios"].update(lend["ratios"])
     print(json.dumps({"ratios": result["ratios"]}, indent=1))
     if ns.json:
         Path(ns.json).write_text(json.dumps(result, indent=1), encoding="utf-8")
