@@ -151,11 +151,14 @@ def test_npu_split_lends_the_stream_share_and_sets_it_back_before_each_request(t
         pool.submit = submit
         return pool
 
+    streams = []
+
     def lend_check(*a):
         was = runtime._budget_now
         orig_check(*a)
         if was == "split" and runtime._budget_now == "lent":
             while_lent.append(limit())
+            streams.append(runtime._device_lender.stream)
 
     runtime._pool_factory, runtime.lend_check = factory, lend_check
 
@@ -177,3 +180,5 @@ def test_npu_split_lends_the_stream_share_and_sets_it_back_before_each_request(t
     limit_calls = [c[0] for c in mod.calls if "stream_limit" in c[0]]
     assert limit_calls.count("reset_stream_limit") >= len(while_lent)
     assert trainer._mrl_state.ctx.metrics.totals["rollout/lends"] >= len(while_lent)
+    # train() ended: the training stream is back to the whole device, the lender gone
+    assert runtime._device_lender is None and dict(mod.npu.get_stream_limit(streams[-1])) == FULL

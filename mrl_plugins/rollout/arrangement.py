@@ -129,8 +129,9 @@ class ArrangementMixin:
 
     def _release_device_lend(self) -> None:
         """The training stream back to torch_npu's default limit (the run ends)."""
-        if self._device_lender is not None:
-            self._device_lender.close()
+        lender, self._device_lender = self._device_lender, None
+        if lender is not None:
+            lender.close()
 
     #: seconds between two looks at the workers' answers while the trainer computes (lending)
     LEND_CHECK_S = 0.002

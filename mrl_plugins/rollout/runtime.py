@@ -312,6 +312,7 @@ class PoolRuntime(ArrangementMixin):
         self._budget_now = None  # train() ends: its process state (affinity, threads) is restored by the adapter
         while self._lend_hooks:
             self._lend_hooks.pop().remove()
+        self._release_device_lend()  # NPU: the training stream's core limit goes (no-op on CPU)
         if pool is None:
             return
         try:
