@@ -2,16 +2,17 @@
 
 Two short runs of the config's embedded job (``train:`` section; each in its own process, like ``mrl compare``):
 
-1. **turns** -- ``rollout.placement: auto`` held in its first arrangement (taking turns on all of the trainer's
-   cores): measures steps/s and the stage times, and gives the projection of the split that ``auto`` computes
-   at its first decision (:mod:`mrl_plugins.rollout.autoplace`);
+1. **turns** -- ``rollout.placement: auto`` started and held in taking turns on all of the trainer's cores
+   (``placement_start: turns``, whatever the config says): measures steps/s and the stage times, and gives the
+   projection of the split that ``auto`` computes at its first decision (:mod:`mrl_plugins.rollout.autoplace`);
 2. **split** (unless ``split=False``) -- ``placement: fixed``, the workers serving from the first step
    (``local_warmup`` off): its steady-state steps/s (median step time of the run's second half), to set beside
    the projection.
 
 ``auto`` picks what its first decision would (:func:`pick`): the split when it is projected faster than the
 measured turns by more than ``rollout.placement_margin``, turns when the split is projected hopeless, otherwise it
-tries the split and keeps whichever of the two measured faster.
+tries the split and keeps whichever of the two measured faster. (A config with ``placement_start: split``
+reaches the same pair of measurements from the other end: split first, then turns explored.)
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 #: never reached in a short run: auto stays in its first arrangement and only reports its probe decision
-_HOLD = {"placement": "auto", "placement_interval": 100000, "placement_margin": 0.99}
+_HOLD = {"placement": "auto", "placement_start": "turns", "placement_interval": 100000, "placement_margin": 0.99}
 
 
 def _run(data: dict[str, Any], name: str, folder: Path, timeout: float) -> dict[str, Any]:
