@@ -219,7 +219,6 @@ class ArrangementMixin:
             self.ctx.metrics.add("rollout/lookahead_hits", 1)
         if self._pool is not None:
             self._drop_unused()
-        # all cores once no worker computes: a pool still starting would share them (15-200x slower)
         # all cores once no worker computes at normal priority: one starting beside the trainer at the same
         # priority would share its cores (15-200x slower); started in the background it takes only what is left
         ready = self._pool is None or self._pool.ready
