@@ -32,7 +32,8 @@ def test_request_seconds_skips_each_workers_first_generation():
 @require_trl
 def test_bench_rollout_part_c_reports_lend_on_and_off(tmp_path):
     out = tmp_path / "lend.json"
-    cmd = [sys.executable, "-m", "mrl_plugins.cli.main", "bench", "rollout", "--quick", "--part", "c", "--json", str(out)]
+    cmd = [sys.executable, "-m", "mrl_plugins.cli.main", "bench", "rollout", "--quick", "--part", "c"]
+    cmd += ["--json", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     data = json.loads(out.read_text())

@@ -160,10 +160,10 @@ def request_seconds(result: dict[str, Any]) -> list[float]:
 
 def run_lend_part(*, config: str, steps: int, model: str, reps: int, out: Path, placement_start: str) -> dict:
     """The lend on/off pair (module doc)."""
-    import yaml
-
-    from mrl_plugins.cli.compare import RunKind, kind_config, run_one
+    from mrl_plugins.cli.compare import RunKind, kind_config
     from mrl_plugins.config import load_yaml
+
+    from .job import run_job
 
     kind = RunKind({"rollout": "mrl", "weight_sync": "mrl", "comm": "mrl"})  # every stage of the plugins
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in SETTINGS}
@@ -176,15 +176,8 @@ def run_lend_part(*, config: str, steps: int, model: str, reps: int, out: Path, 
             if placement_start:
                 rollout["placement_start"] = placement_start
             data["rollout"] = rollout
-            path = out / f"{name}-{rep}.yaml"
-            path.write_text(yaml.safe_dump(data), encoding="utf-8")
             with CoreWatch() as watch:
-                result, error, load = run_one(
-                    path, f"{name}-{rep}", kind, out / f"{name}-{rep}", timeout=1800, max_steps=steps,
-                    on_poll=lambda *a: None,
-                )  # fmt: skip
-            if result is None:
-                raise RuntimeError(f"mrl bench rollout: run {name}-{rep} failed: {error}")
+                result, load = run_job(data, out, f"{name}-{rep}", kind, steps)
             mrl = result.get("mrl_metrics") or {}
             runs[name].append(
                 {

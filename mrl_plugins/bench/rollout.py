@@ -40,10 +40,10 @@ def _steady(step_times: list[float]) -> float:
 
 def run_grpo_part(*, steps: int, model: str, reps: int, out: Path) -> dict[str, Any]:
     """The GRPO settings, each a separate process (``mrl compare``'s runner), repetitions interleaved."""
-    import yaml
-
-    from mrl_plugins.cli.compare import RunKind, kind_config, run_one
+    from mrl_plugins.cli.compare import RunKind, kind_config
     from mrl_plugins.config import load_yaml
+
+    from .job import run_job
 
     cores = len(os.sched_getaffinity(0))
     settings = {  # name: (bundled config, kind, config overrides)
@@ -57,14 +57,7 @@ def run_grpo_part(*, steps: int, model: str, reps: int, out: Path) -> dict[str, 
         for name, (config, kind, over) in settings.items():
             data = kind_config(load_yaml(config), kind, steps=steps, model=model)
             data["train"] = {**data["train"], **over.get("train", {})}
-            path = out / f"{name}-{rep}.yaml"
-            path.write_text(yaml.safe_dump(data), encoding="utf-8")
-            result, error, _load = run_one(
-                path, f"{name}-{rep}", kind, out / f"{name}-{rep}", timeout=1800, max_steps=steps,
-                on_poll=lambda *a: None,
-            )  # fmt: skip
-            if result is None:
-                raise RuntimeError(f"mrl bench rollout: run {name}-{rep} failed: {error}")
+            result, _load = run_job(data, out, f"{name}-{rep}", kind, steps)
             runs[name].append(result)
     results: dict[str, Any] = {}
     for name, rs in runs.items():
