@@ -117,3 +117,15 @@ def install_dist(tmp_path, monkeypatch):
     for module in modules:
         sys.modules.pop(module, None)
     importlib.invalidate_caches()
+
+
+@pytest.fixture
+def keep_arrangement(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``rollout.placement: auto`` takes, logs and reports its decisions but keeps the current arrangement: for runs
+    that switch only by ``PlacementController.force`` (on a busy host the controller would rightly move them)."""
+    import dataclasses
+
+    from mrl_plugins.rollout import autoplace
+
+    real = autoplace.decide
+    monkeypatch.setattr(autoplace, "decide", lambda cur, *a, **k: dataclasses.replace(real(cur, *a, **k), chosen=cur))

@@ -211,7 +211,7 @@ def _cpu_s(pid: int) -> float:
 
 @pytest.mark.slow
 @require_trl
-def test_grpo_run_switches_arrangement_without_losing_samples(tmp_path, monkeypatch):
+def test_grpo_run_switches_arrangement_without_losing_samples(tmp_path, monkeypatch, keep_arrangement):
     """A real GRPO run with placement auto, switched turns -> split -> turns by force: every batch is answered
     once with the prompts asked for, versions stay within the bound (0 while taking turns), the trainer gets the
     worker's core while taking turns and the idle worker does not compute, and the decisions are logged."""
@@ -233,16 +233,7 @@ def test_grpo_run_switches_arrangement_without_losing_samples(tmp_path, monkeypa
     mrl_plugins.enable(trainer, {"mode": "colocate", "rollout": rollout})
     state = trainer._mrl_state
     runtime = state.runtime
-    # this run switches by force only: its decisions are taken, logged and reported, but keep the arrangement (on
-    # a busy host a two-thread trainer really is slower, and the controller would rightly move it)
-    import dataclasses
-
-    from mrl_plugins.rollout import autoplace
-
-    real_decide = autoplace.decide
-    monkeypatch.setattr(
-        autoplace, "decide", lambda cur, *a, **k: dataclasses.replace(real_decide(cur, *a, **k), chosen=cur)
-    )
+    # this run switches by force only (keep_arrangement: its decisions are taken, logged and reported)
     runtime._lend = False  # the split keeps the trainer on its own core here (lending: the next test)
     gen = state.generation
     calls: list[dict] = []
@@ -329,25 +320,19 @@ def test_grpo_run_switches_arrangement_without_losing_samples(tmp_path, monkeypa
 
 @pytest.mark.slow
 @require_trl
-def test_split_lends_the_idle_workers_core_to_the_trainer(tmp_path, monkeypatch):
+def test_split_lends_the_idle_workers_core_to_the_trainer(tmp_path, monkeypatch, keep_arrangement):
     """In the split, once the worker has answered the lookahead the trainer borrows its core between its layers and
     gives it back before the next request; while lent the worker computes nothing (no oversubscription)."""
-    import dataclasses
 
     import torch
     from transformers import TrainerCallback
 
     import mrl_plugins
     from mrl_plugins.config import load_config
-    from mrl_plugins.rollout import autoplace
     from mrl_plugins.run import build_trainer
 
     if len(os.sched_getaffinity(0)) < 2:
         pytest.skip("needs 2 cores")
-    real_decide = autoplace.decide  # forced arrangement only (see the test above)
-    monkeypatch.setattr(
-        autoplace, "decide", lambda cur, *a, **k: dataclasses.replace(real_decide(cur, *a, **k), chosen=cur)
-    )
     torch.set_num_threads(1)
     steps = 14
     cfg = load_config({"train": {"model": "tiny", "steps": steps, "output_dir": str(tmp_path)}})

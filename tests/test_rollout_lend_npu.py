@@ -10,7 +10,6 @@ CPU. The run itself is a real TRL GRPO run with a real rollout worker process; t
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 import types
@@ -108,22 +107,19 @@ def test_runtime_opens_no_device_lender_on_cpu_or_cuda(kind, monkeypatch, caplog
 
 @pytest.mark.slow
 @require_trl
-def test_npu_split_lends_the_stream_share_and_sets_it_back_before_each_request(tmp_path, monkeypatch, caplog):
+def test_npu_split_lends_the_stream_share_and_sets_it_back_before_each_request(
+    tmp_path, monkeypatch, caplog, keep_arrangement
+):
     import torch
     from transformers import TrainerCallback
 
     import mrl_plugins
     from mrl_plugins.config import load_config
-    from mrl_plugins.rollout import autoplace
     from mrl_plugins.run import build_trainer
     from tests.test_rollout_autoplace import _slow_reward
 
     mod = _fake_for_lender(monkeypatch)
     monkeypatch.setattr(arrangement, "trainer_device", lambda model: NpuDevice(index=0))
-    real_decide = autoplace.decide  # keep the split (the decision rule is tested in test_rollout_autoplace.py)
-    monkeypatch.setattr(
-        autoplace, "decide", lambda cur, *a, **k: dataclasses.replace(real_decide(cur, *a, **k), chosen=cur)
-    )
     torch.set_num_threads(1)
     steps = 10
     cfg = load_config({"train": {"model": "tiny", "steps": steps, "output_dir": str(tmp_path)}})
