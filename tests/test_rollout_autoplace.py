@@ -209,6 +209,26 @@ def _cpu_s(pid: int) -> float:
     return t.user + t.system
 
 
+def placement_run(tmp_path, steps: int, rollout: dict, *, slow_reward: bool = False):
+    """A ``tiny`` GRPO trainer with the plugins enabled in colocate mode with ``rollout`` (1 torch thread; skipped
+    below 2 cores). ``slow_reward``: the worker's lookahead is answered before the loss forward pass."""
+    import torch
+
+    import mrl_plugins
+    from mrl_plugins.config import load_config
+    from mrl_plugins.run import build_trainer
+
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("needs 2 cores")
+    torch.set_num_threads(1)
+    cfg = load_config({"train": {"model": "tiny", "steps": steps, "output_dir": str(tmp_path)}})
+    trainer = build_trainer(cfg, enable_plugins=False, output_dir=str(tmp_path))
+    if slow_reward:
+        trainer.reward_funcs = [_slow_reward]
+    mrl_plugins.enable(trainer, {"mode": "colocate", "rollout": rollout})
+    return trainer
+
+
 @pytest.mark.slow
 @require_trl
 def test_grpo_run_switches_arrangement_without_losing_samples(tmp_path, monkeypatch, keep_arrangement):
@@ -219,18 +239,8 @@ def test_grpo_run_switches_arrangement_without_losing_samples(tmp_path, monkeypa
     import torch
     from transformers import TrainerCallback
 
-    import mrl_plugins
-    from mrl_plugins.config import load_config
-    from mrl_plugins.run import build_trainer
-
-    if len(os.sched_getaffinity(0)) < 2:
-        pytest.skip("needs 2 cores")
-    torch.set_num_threads(1)
     steps = 16
-    cfg = load_config({"train": {"model": "tiny", "steps": steps, "output_dir": str(tmp_path)}})
-    trainer = build_trainer(cfg, enable_plugins=False, output_dir=str(tmp_path))
-    rollout = {"workers": 1, "placement": "auto", "local_warmup": True}
-    mrl_plugins.enable(trainer, {"mode": "colocate", "rollout": rollout})
+    trainer = placement_run(tmp_path, steps, {"workers": 1, "placement": "auto", "local_warmup": True})
     state = trainer._mrl_state
     runtime = state.runtime
     # this run switches by force only (keep_arrangement: its decisions are taken, logged and reported)
@@ -327,18 +337,8 @@ def test_split_lends_the_idle_workers_core_to_the_trainer(tmp_path, monkeypatch,
     import torch
     from transformers import TrainerCallback
 
-    import mrl_plugins
-    from mrl_plugins.config import load_config
-    from mrl_plugins.run import build_trainer
-
-    if len(os.sched_getaffinity(0)) < 2:
-        pytest.skip("needs 2 cores")
-    torch.set_num_threads(1)
     steps = 14
-    cfg = load_config({"train": {"model": "tiny", "steps": steps, "output_dir": str(tmp_path)}})
-    trainer = build_trainer(cfg, enable_plugins=False, output_dir=str(tmp_path))
-    trainer.reward_funcs = [_slow_reward]  # the worker's lookahead is answered before the loss forward pass
-    mrl_plugins.enable(trainer, {"mode": "colocate", "rollout": {"workers": 1, "placement": "auto"}})
+    trainer = placement_run(tmp_path, steps, {"workers": 1, "placement": "auto"}, slow_reward=True)
     state = trainer._mrl_state
     runtime = state.runtime
     lent: list[dict] = []  # per lend: trainer cores while lent, worker CPU seconds and wall seconds while lent

@@ -110,23 +110,15 @@ def test_runtime_opens_no_device_lender_on_cpu_or_cuda(kind, monkeypatch, caplog
 def test_npu_split_lends_the_stream_share_and_sets_it_back_before_each_request(
     tmp_path, monkeypatch, caplog, keep_arrangement
 ):
-    import torch
     from transformers import TrainerCallback
 
-    import mrl_plugins
-    from mrl_plugins.config import load_config
-    from mrl_plugins.run import build_trainer
-    from tests.test_rollout_autoplace import _slow_reward
+    from tests.test_rollout_autoplace import placement_run
 
     mod = _fake_for_lender(monkeypatch)
     monkeypatch.setattr(arrangement, "trainer_device", lambda model: NpuDevice(index=0))
-    torch.set_num_threads(1)
     steps = 10
-    cfg = load_config({"train": {"model": "tiny", "steps": steps, "output_dir": str(tmp_path)}})
-    trainer = build_trainer(cfg, enable_plugins=False, output_dir=str(tmp_path))
-    trainer.reward_funcs = [_slow_reward]  # the worker's lookahead is answered before the loss forward pass
     rollout = {"workers": 1, "placement": "auto", "placement_start": "split", "engine_budget": BUDGET}
-    mrl_plugins.enable(trainer, {"mode": "colocate", "rollout": rollout})
+    trainer = placement_run(tmp_path, steps, rollout, slow_reward=True)
     runtime = trainer._mrl_state.runtime
     at_submit: list[dict] = []  # the training stream's limit when each generation request goes out
     while_lent: list[dict] = []  # ... right after each lend

@@ -28,18 +28,11 @@ def test_a_run_starting_in_the_split_warms_up_on_the_trainers_core_and_measures_
     import torch
     from transformers import TrainerCallback
 
-    import mrl_plugins
-    from mrl_plugins.config import load_config
-    from mrl_plugins.run import build_trainer
+    from tests.test_rollout_autoplace import placement_run
 
-    if len(os.sched_getaffinity(0)) < 2:
-        pytest.skip("needs 2 cores")
-    torch.set_num_threads(1)
     steps = 10
-    cfg = load_config({"train": {"model": "tiny", "steps": steps, "output_dir": str(tmp_path)}})
-    trainer = build_trainer(cfg, enable_plugins=False, output_dir=str(tmp_path))
     rollout = {"workers": 1, "placement": "auto", "placement_start": "split", "local_warmup": True}
-    mrl_plugins.enable(trainer, {"mode": "colocate", "rollout": rollout})
+    trainer = placement_run(tmp_path, steps, rollout)
     runtime = trainer._mrl_state.runtime
     seen: dict[int, dict] = {}
 
