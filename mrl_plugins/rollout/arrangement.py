@@ -130,6 +130,7 @@ class ArrangementMixin:
     def _release_device_lend(self) -> None:
         """The training stream back to torch_npu's default limit (the run ends)."""
         lender, self._device_lender = self._device_lender, None
+        self._device_lend_open = False  # a later use of this runtime (a new pool) opens a lender again
         if lender is not None:
             lender.close()
 

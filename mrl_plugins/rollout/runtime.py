@@ -26,7 +26,7 @@ from typing import Any
 
 from mrl_plugins.hookspecs import RolloutResult, StageContext
 
-from .arrangement import ArrangementMixin, prompt_key
+from .arrangement import ArrangementMixin, prompt_key, trainer_device
 
 log = logging.getLogger("mrl_plugins.rollout")
 
@@ -144,7 +144,7 @@ class LocalEngineRuntime:
         self.model = inference_copy(_unwrap(model))  # PEFT: the merged base model, named as published
         options = dict(ctx.config.rollout.engine_options or {})
         self.engine = engine_factory(
-            self.model, None, params=sampling, device=str(_device_of(model)), seed=seed,
+            self.model, None, params=sampling, device=trainer_device(model).spec, seed=seed,
             **({"options": options} if options else {}),
         )  # fmt: skip
         # the weight-sync stage's ends, opened through its plugin's hooks: the receiver loads into this copy
@@ -504,10 +504,3 @@ class PoolRuntime(ArrangementMixin):
 
 def _unwrap(model: Any) -> Any:
     return getattr(model, "module", model)
-
-
-def _device_of(model: Any) -> Any:
-    try:
-        return next(model.parameters()).device
-    except StopIteration:
-        return "cpu"
