@@ -225,6 +225,7 @@ def _fill(model, seed: int):
         pytest.param("directory", "device", id="directory"),
         pytest.param("broadcast", "device", id="broadcast"),
         pytest.param("shm", "host", id="shm-staging-host"),  # the staged copy in host memory (no 2nd device copy)
+        pytest.param("vllm", "device", id="vllm-weight-transfer"),  # vLLM's own protocol (mrl_gloo backend on CPU)
     ],
 )
 def test_a_worker_pool_serves_each_published_version_through_vllm(transport, staging, tmp_path):
@@ -311,28 +312,32 @@ def test_in_process_vllm_with_filters_gives_is_ratios_of_one(tmp_path):
     assert len(lo) == 3 and min(lo) > 0.999 and max(hi) < 1.001, (lo, hi)
 
 
-def _learn(engine: str, tmp_path, steps: int = 60):
+def _learn(engine: str, tmp_path, steps: int = 60, transport: str = "shm"):
     from mrl_plugins.config import load_config, load_yaml
     from mrl_plugins.run import run_training
 
     cfg = load_yaml("colocate")
     cfg["rollout"].update(engine=engine, local_warmup=False, start_timeout_s=240)  # every batch from the worker
-    cfg["train"].update(model="tiny", steps=steps, seed=0, output_dir=str(tmp_path / engine))
+    cfg["weight_sync"] = {**cfg.get("weight_sync", {}), "transport": transport}
+    cfg["train"].update(model="tiny", steps=steps, seed=0, output_dir=str(tmp_path / f"{engine}-{transport}"))
     return run_training(load_config(cfg), name=engine)
 
 
 @require_vllm
 @pytest.mark.slow
 def test_grpo_with_the_vllm_engine_learns_like_the_transformers_engine(tmp_path):
-    """Same preset, seed and steps: the count-the-token reward ends within 10 % of the transformers engine's."""
+    """Same preset, seed and steps: the count-the-token reward ends within 10 % of the transformers engine's, with
+    the weights reaching vLLM through the shm stream + reload and through vLLM's own weight transfer."""
     ref = _learn("transformers", tmp_path)
-    run = _learn("vllm", tmp_path)
-    assert run.mrl_metrics.get("mrl/comm/frames", 0) >= 59  # the batches came from the vLLM worker
-    assert run.mrl_metrics.get("mrl/weights/engine_apply_ms", 0) > 0  # the worker's vLLM reload, reported
-    assert run.mrl_metrics.get("mrl/rollout/local_batches", 0) == 0
-    final_ref, final = sum(ref.rewards[-10:]) / 10, sum(run.rewards[-10:]) / 10
-    assert sum(run.rewards[:10]) / 10 < 0.5 < final  # it learned (a random policy scores about 1/16)
-    assert final >= 0.9 * final_ref, (final, final_ref)
+    final_ref = sum(ref.rewards[-10:]) / 10
+    for transport in ("shm", "vllm"):
+        run = _learn("vllm", tmp_path, transport=transport)
+        assert run.mrl_metrics.get("mrl/comm/frames", 0) >= 59  # the batches came from the vLLM worker
+        assert run.mrl_metrics.get("mrl/weights/engine_apply_ms", 0) > 0  # the worker's apply into vLLM, reported
+        assert run.mrl_metrics.get("mrl/rollout/local_batches", 0) == 0
+        final = sum(run.rewards[-10:]) / 10
+        assert sum(run.rewards[:10]) / 10 < 0.5 < final, transport  # it learned (a random policy scores ~1/16)
+        assert final >= 0.9 * final_ref, (transport, final, final_ref)
 
 
 @require_vllm

@@ -128,6 +128,9 @@ def _weight_sync_defaults() -> str:
 
     rows = ["| transport | `chunk_bytes: null` means | `bucket_bytes: null` means |", "|---|---|---|"]
     for name in KNOWN_TRANSPORTS:
+        if name not in DEFAULT_CHUNK_BYTES:  # 'vllm': vLLM's backend sizes its own transfer
+            rows.append(f"| {name} | (unused: vLLM's weight-transfer backend) | (unused) |")
+            continue
         rows.append(f"| {name} | {_value(DEFAULT_CHUNK_BYTES[name])} | {_value(DEFAULT_BUCKET_BYTES[name])} |")
     return "Per-transport defaults (`mrl_plugins.weight_sync.config`; measured in `mrl bench weights`):\n\n" + (
         "\n".join(rows)

@@ -45,9 +45,15 @@ class RolloutConfig(SchedulingSection, DeploymentSection, EngineSection):
                 f"rollout.engine_options: only engine 'vllm' takes options, got engine {self.engine!r} with "
                 f"{sorted(self.engine_options)}"
             )
-        fixed = sorted({"model", "load_format", "logprobs_mode", "tensor_parallel_size"} & set(self.engine_options))
+        fixed = sorted(
+            {"model", "load_format", "logprobs_mode", "tensor_parallel_size", "weight_transfer_config"}
+            & set(self.engine_options)
+        )
         if fixed:
-            raise ConfigError(f"rollout.engine_options: {fixed} are set by the engine itself; remove them")
+            raise ConfigError(
+                f"rollout.engine_options: {fixed} are set by the engine itself (weight_transfer_config: by "
+                f"weight_sync.transport 'vllm' and weight_sync.vllm_backend); remove them"
+            )
         if self.engine == "vllm" and self.ref_logps == "engine":
             raise ConfigError(
                 "rollout.ref_logps 'engine' scores with the 'transformers' engine in the workers; with "

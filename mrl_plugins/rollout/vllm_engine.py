@@ -222,7 +222,8 @@ class VLLMEngine:
             config.save_pretrained(self._tmpdir)
             kwargs.update(load_format="dummy", skip_tokenizer_init=True, dtype=model_dtype)
             self.llm = self._build(self._tmpdir, kwargs)
-            self.apply_weights(version=0)
+            if "weight_transfer_config" not in kwargs:  # else the first version arrives by vLLM's weight transfer
+                self.apply_weights(version=0)
             return
         import vllm
 
@@ -251,6 +252,11 @@ class VLLMEngine:
         kwargs.setdefault("tensor_parallel_size", 1)
         if self.seed is not None:
             kwargs.setdefault("seed", int(self.seed))
+        transfer = kwargs.get("weight_transfer_config")
+        if isinstance(transfer, dict) and transfer.get("backend") == "mrl_gloo":  # this package's CPU backend
+            from mrl_plugins.weight_sync.vllm_backends import register
+
+            register()
         saved = torch.set_num_threads
         # vLLM initialises torch.distributed (world size 1) when no process group exists; close() takes down only
         # one it created, never the trainer's (accelerate's, or the one TRL's own vLLM made)

@@ -112,7 +112,9 @@ def worker_main(
             receivers[mid] = pm.weight_sync_open_receiver(
                 ctx=ctx, model=model, handle=served.weight_handle, model_id=mid, rank=spec.index
             )
-            engines[mid] = build_engine(spec, model)
+            engines[mid] = build_engine(spec, model, getattr(served.weight_handle, "engine_options", None))
+            if getattr(receivers[mid], "into_engine", False):  # weight_sync 'vllm': rounds load into the engine
+                receivers[mid].bind_engine(engines[mid])
         producer = pm.comm_open_producer(ctx=ctx, handle=spec.comm_handle, index=spec.index)
         reserve = _memory_reservation(spec, device, engines.get("policy"), events)
         if ready is not None:
@@ -130,7 +132,8 @@ def worker_main(
             for mid in model_ids:
                 version = _pull_weights(receivers[mid], spec.config.weight_sync.timeout_s, timeout)
                 if version is not None:
-                    _apply_to_engine(engines[mid], version)  # between requests: nothing in flight
+                    if not getattr(receivers[mid], "into_engine", False):
+                        _apply_to_engine(engines[mid], version)  # between requests: nothing in flight
                     if mid == "policy":
                         clock.arrived()
                     if events is not None:
@@ -282,9 +285,10 @@ def budget_metrics(budgets: dict[int, dict]) -> dict[str, float]:
     return out
 
 
-def build_engine(spec: WorkerSpec, model: Any) -> Any:
-    """The worker's engine for ``model`` (``rollout.engine_options`` go to engines that take options)."""
-    options = dict(getattr(spec.config.rollout, "engine_options", None) or {})
+def build_engine(spec: WorkerSpec, model: Any, transport_options: dict | None = None) -> Any:
+    """The worker's engine for ``model`` (``rollout.engine_options`` go to engines that take options, with what the
+    weight transport needs the engine built with: ``weight_sync.transport: vllm``'s ``weight_transfer_config``)."""
+    options = dict(getattr(spec.config.rollout, "engine_options", None) or {}) | dict(transport_options or {})
     kwargs = {"options": options} if options else {}
     return spec.engine_factory(
         model, None, params=spec.sampling, device=spec.device, seed=spec.seed + spec.index, **kwargs

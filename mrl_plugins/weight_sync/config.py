@@ -36,7 +36,7 @@ from typing import Any
 
 from mrl_plugins.errors import ConfigError, choices
 
-KNOWN_TRANSPORTS = ("shm", "directory", "broadcast", "per_param")
+KNOWN_TRANSPORTS = ("shm", "directory", "broadcast", "per_param", "vllm")
 STAGING_CHOICES = ("device", "host")
 
 #: per-transport defaults (see the module docstring)
@@ -51,8 +51,9 @@ class WeightSyncConfig:
     transport: str = field(
         default="shm",
         metadata={
-            "help": "weight transport: 'shm', 'directory', 'broadcast', 'per_param' or a plugin's (the "
-            "manager checks the name against registered transports)"
+            "help": "weight transport: 'shm', 'directory', 'broadcast', 'per_param', 'vllm' (into rollout.engine "
+            "'vllm' through vLLM's weight-transfer protocol) or a plugin's (the manager checks the name against "
+            "registered transports)"
         },
     )
     chunk_bytes: int | None = field(
@@ -78,6 +79,14 @@ class WeightSyncConfig:
             "help": "seconds between version polls of an idle rollout worker; None = auto: 3/8 "
             "of the measured interval between versions (0.5 s until two were seen). A request that needs a newer "
             "version makes the worker fetch it at once"
+        },
+    )
+    vllm_backend: str = field(
+        default="auto",
+        metadata={
+            "help": "transport 'vllm' only: vLLM's weight-transfer backend: 'auto' (nccl on CUDA, hccl on Ascend "
+            "where vllm-ascend registers it, mrl_gloo on CPU) or a name registered in vLLM's weight-transfer "
+            "factories ('nccl', 'mrl_gloo', ...)"
         },
     )
     timeout_s: float = field(
@@ -116,6 +125,16 @@ class WeightSyncConfig:
         t = self.timeout_s
         if isinstance(t, bool) or not isinstance(t, (int, float)) or t <= 0:
             raise ConfigError(f"weight_sync.timeout_s must be a number > 0, got {t!r}")
+        if not isinstance(self.vllm_backend, str) or not self.vllm_backend:
+            raise ConfigError(
+                f"weight_sync.vllm_backend must be 'auto' or a vLLM weight-transfer backend name, got "
+                f"{self.vllm_backend!r}"
+            )
+        if self.vllm_backend != "auto" and self.transport != "vllm":
+            raise ConfigError(
+                f"weight_sync.vllm_backend {self.vllm_backend!r} is read by weight_sync.transport 'vllm' only "
+                f"(transport is {self.transport!r}); remove it or set transport: vllm"
+            )
         if self.directory is not None and (not isinstance(self.directory, str) or not self.directory):
             raise ConfigError(f"weight_sync.directory must be a non-empty path or null, got {self.directory!r}")
         if self.transport == "directory" and self.directory is None:

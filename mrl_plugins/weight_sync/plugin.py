@@ -1,6 +1,6 @@
 """The built-in weight-sync stage plugin (registered as ``mrl.weight_sync``, selected as ``plugins.weight_sync: mrl``).
 
-Transports ``shm``, ``directory``, ``broadcast`` and ``per_param``, each registered with what its ends can do
+Transports ``shm``, ``directory``, ``broadcast``, ``per_param`` and ``vllm``, each registered with what its ends can do
 (:class:`~mrl_plugins.hookspecs.channels.Capabilities`). It opens the weight stream's ends from the registration
 ``weight_sync.transport`` names (third-party transports included):
 
@@ -20,12 +20,13 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-from mrl_plugins.errors import ConfigError
+from mrl_plugins.errors import ConfigError, choices
 from mrl_plugins.hookspecs import Capabilities, StageContext, WeightTransport, hookimpl
 
 from .broadcast import BroadcastHandle, BroadcastSender, PerParamSender
 from .directory import DirectorySender
 from .shm import ShmSender
+from .vllm_transfer import VLLMTransferHandle, VLLMTransferSender
 
 TRANSPORTS = "mrl_weight_sync_register_transports"
 
@@ -60,7 +61,7 @@ def attach_handle(handle: Any, rank: int) -> Any:
 
 
 class WeightSyncPlugin:
-    """Transports ``shm``, ``directory``, ``broadcast``, ``per_param`` and the two ends built from them."""
+    """Transports ``shm``, ``directory``, ``broadcast``, ``per_param``, ``vllm`` and the two ends built from them."""
 
     @hookimpl
     def mrl_weight_sync_register_transports(self) -> Iterator[WeightTransport]:
@@ -89,6 +90,13 @@ class WeightSyncPlugin:
             capabilities=Capabilities(collective=True, cross_host=True),
         )
 
+        yield WeightTransport(
+            name="vllm",
+            factory=VLLMTransferSender,
+            description="into rollout.engine 'vllm' through vLLM's weight-transfer protocol (nccl / hccl / mrl_gloo)",
+            capabilities=Capabilities(collective=True),
+        )
+
     @hookimpl
     def mrl_weight_sync_capabilities(self, ctx: StageContext) -> Capabilities:
         return _transport(ctx).capabilities
@@ -98,6 +106,11 @@ class WeightSyncPlugin:
         self, ctx: StageContext, model_id: str, run_id: str, receivers: int, same_process: bool
     ) -> Any:
         reg = _transport(ctx)
+        if reg.name == "vllm" and getattr(getattr(ctx.config, "rollout", None), "engine", None) != "vllm":
+            raise ConfigError(
+                f"weight_sync.transport 'vllm' loads the weights into vLLM engines; it needs rollout.engine: vllm "
+                f"(got {ctx.config.rollout.engine!r}), or use transport {choices(['shm', 'broadcast'])}"
+            )
         if same_process and reg.capabilities.collective:
             raise ConfigError(
                 f"weight_sync.transport {reg.name!r} sends through a process group, which an inference copy in the "
@@ -111,6 +124,10 @@ class WeightSyncPlugin:
     ) -> Any:
         from .receiver import DoubleBufferedReceiver
 
+        if isinstance(handle, VLLMTransferHandle):  # into the worker's vLLM engine: bound by the worker
+            receiver = handle.attach(rank + 1, model)
+            receiver.capabilities = _transport(ctx).capabilities
+            return receiver
         receiver = DoubleBufferedReceiver(
             model,
             attach_handle(handle, rank),
