@@ -14,6 +14,7 @@ STALE_POLICIES = ("drop", "keep")
 OLD_LOGPS = ("trainer", "engine")
 PLACEMENTS = ("fixed", "auto")
 PLACEMENT_STARTS = ("split", "turns")
+START_METHODS = ("auto", "spawn", "fork")
 REF_LOGPS = ("trainer", "engine")
 
 
@@ -73,6 +74,8 @@ class RolloutConfig(SchedulingSection, DeploymentSection, EngineSection):
             raise ConfigError(
                 f"rollout.placement_start: {self.placement_start!r} invalid; valid: {choices(PLACEMENT_STARTS)}"
             )
+        if self.start_method not in START_METHODS:
+            raise ConfigError(f"rollout.start_method: {self.start_method!r} invalid; valid: {choices(START_METHODS)}")
         if self.placement_interval < 1:
             raise ConfigError(f"rollout.placement_interval: must be >= 1, got {self.placement_interval}")
         if not 0 <= self.placement_margin < 1:

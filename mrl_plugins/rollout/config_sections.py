@@ -126,6 +126,16 @@ class DeploymentSection:
     start_timeout_s: float = field(
         default=180.0, metadata={"help": "max seconds for a worker to start and load the model"}
     )
+    start_method: str = field(
+        default="auto",
+        metadata={
+            "help": "how a local worker process starts: 'auto' (fork where it is safe: a CPU worker of the "
+            "'transformers' engine with 1 thread and no device runtime or process group in the trainer, so it "
+            "inherits the imported torch and transformers and is ready in well under a second; else spawn), "
+            "'spawn' (a fresh interpreter that imports everything again: seconds of one core) or 'fork' (an error "
+            "where it is unsafe)"
+        },
+    )
     local_warmup: bool = field(
         default=True,
         metadata={"help": "generate with the trainer's own model while the workers are still starting"},

@@ -3,6 +3,10 @@ trainer behind it) alive.
 
 - :func:`spawn_quiet` starts a process with SIGINT ignored: Ctrl-C reaches the whole foreground process group,
   and the trainer, not each worker, decides what happens (it stops them).
+- :func:`start_method` picks how a worker process starts: ``fork`` where it is safe (a CPU worker of the
+  ``transformers`` engine with one thread, nothing device- or collective-related initialised in the trainer), so the
+  worker inherits the imported torch and transformers instead of importing them again (seconds of one core on a
+  small host), else ``spawn``.
 - :class:`ReadyClock` records when every worker of a pool was first ready (``mrl/rollout/worker_ready_s``).
 - :func:`teardown` releases a pool's processes, queues and shared memory. It is the pool's ``weakref.finalize``
   callback, so it runs on ``close()``, when the pool is garbage-collected, or at interpreter exit, whichever comes
@@ -14,9 +18,11 @@ from __future__ import annotations
 
 import atexit
 import logging
+import multiprocessing as mp
 import signal
 import threading
 import time
+import warnings
 import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -45,10 +51,77 @@ def sigint_ignored() -> Iterator[None]:
         signal.signal(signal.SIGINT, previous if previous is not None else signal.SIG_DFL)
 
 
+@contextmanager
+def main_not_reimported() -> Iterator[None]:
+    """Spawned workers need nothing from ``__main__``: do not re-run the user's script in them.
+
+    ``multiprocessing`` spawn re-executes the main script in each child (unless it is guarded by
+    ``if __name__ == "__main__"``); a training script that builds a trainer at top level would then
+    build it again in every worker. Hiding ``__main__.__file__`` while starting the process skips that.
+    """
+    import sys
+
+    main = sys.modules.get("__main__")
+    saved = {k: main.__dict__[k] for k in ("__file__", "__spec__") if main is not None and k in main.__dict__}
+    try:
+        if main is not None and getattr(main, "__spec__", None) is None:
+            main.__dict__.pop("__file__", None)
+        yield
+    finally:
+        if main is not None:
+            main.__dict__.update(saved)
+
+
 def spawn_quiet(proc: Any) -> None:
     """``proc.start()`` with SIGINT ignored in the child."""
-    with sigint_ignored():
+    with sigint_ignored(), warnings.catch_warnings():
+        # Python >= 3.12 warns on fork() in a process with threads; start_method forks only a worker that
+        # never starts an OpenMP team or touches a device runtime, the parts that do not survive a fork
+        warnings.filterwarnings(
+            "ignore", message=r".*use of fork\(\) may lead to deadlocks", category=DeprecationWarning
+        )
         proc.start()
+
+
+def _fork_unsafe(device: str, threads: int | None, engine: str) -> str | None:
+    """Why a worker of this kind must not be forked from this process (None: it may)."""
+    import sys
+
+    if "fork" not in mp.get_all_start_methods():
+        return "this platform has no fork"
+    if str(device).split(":")[0] != "cpu":
+        return f"worker device {device!r}: a CUDA / NPU runtime does not survive a fork"
+    if threads != 1:
+        return (
+            f"worker threads {threads}: a forked child hangs in its first OpenMP region with more than one thread "
+            f"once the trainer has used OpenMP (GNU libgomp, measured)"
+        )
+    if engine != "transformers":
+        return f"rollout.engine {engine!r}: only the 'transformers' engine is known to be safe in a forked worker"
+    import torch
+
+    if torch.cuda.is_initialized() or "torch_npu" in sys.modules or "vllm" in sys.modules:
+        return "the trainer process has a device runtime (CUDA, torch_npu or vllm) loaded"
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return "the trainer process is part of a torch.distributed group (its threads and sockets)"
+    return None
+
+
+def start_method(asked: str, *, device: str, threads: int | None, engine: str) -> tuple[str, str]:
+    """``(method, why)`` for a local worker: ``rollout.start_method`` ``spawn`` / ``fork`` as asked (a fork that is
+    unsafe here is a ConfigError naming the reason), ``auto``: fork where :func:`_fork_unsafe` finds nothing."""
+    from mrl_plugins.errors import ConfigError, choices
+
+    from .config import START_METHODS
+
+    if asked not in START_METHODS:
+        raise ConfigError(f"rollout.start_method: {asked!r} invalid; valid: {choices(START_METHODS)}")
+    if asked == "spawn":
+        return "spawn", "asked"
+    unsafe = _fork_unsafe(device, threads, engine)
+    if asked == "fork" and unsafe:
+        raise ConfigError(f"rollout.start_method 'fork' is unsafe here ({unsafe}); use start_method: spawn or auto")
+    return ("spawn", unsafe) if unsafe else ("fork", "imports inherited from the trainer")
 
 
 class ReadyClock:

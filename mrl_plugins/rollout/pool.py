@@ -28,8 +28,6 @@ import os
 import queue
 import time
 import uuid
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 from mrl_plugins.comm.base import ChannelClosedError
@@ -38,7 +36,7 @@ from mrl_plugins.hookspecs import RolloutResult, StageContext
 from mrl_plugins.metrics import record_publish
 
 from .assemble import Ticket, assemble, own
-from .lifecycle import ReadyClock, finalizer, release, spawn_quiet
+from .lifecycle import ReadyClock, finalizer, main_not_reimported, release, spawn_quiet, start_method
 from .pool_checks import check_pool_config, no_rejoin, stage_names
 from .wire import STOP, SWITCHED, BatchMeta, GenerateRequest, WeightsNotice, WorkerError, WorkerEvent
 from .worker import ServedModel, WorkerSpec, budget_metrics, worker_main
@@ -118,6 +116,10 @@ class WorkerPool:
         self._closed = False
         self._comm_caps, self._ws_caps = comm_caps, ws_caps
         self._names = stage_names(pm, cfg)
+        for place in placements:  # an unsafe rollout.start_method 'fork' is refused before anything opens
+            threads = place.get("threads", cfg.rollout.engine_threads)
+            start_method(cfg.rollout.start_method, device=place.get("device", "cpu"), threads=threads,
+                         engine=cfg.rollout.engine)  # fmt: skip
         # the other stages' ends, opened through their plugins' hooks and owned by this pool
         self.consumer = pm.comm_open_consumer(ctx=ctx, run_id=self.run_id, producers=self.n)
         self.senders: dict[str, Any] = {}
@@ -188,18 +190,22 @@ class WorkerPool:
 
     # ------------------------------------------------------------------ processes
     def _start(self, i: int) -> None:
-        proc = self._mp.Process(
+        spec = self._specs[i]
+        method, why = start_method(
+            self.cfg.rollout.start_method, device=spec.device, threads=spec.threads, engine=self.cfg.rollout.engine
+        )
+        proc = mp.get_context(method).Process(
             target=worker_main,
             args=(self._specs[i], self._requests[i], self._errors, os.getpid(), self._new_ready(i), self._events),
             name=f"mrl-rollout-{i}",
             daemon=True,
         )
-        with _main_not_reimported():
+        with main_not_reimported():
             spawn_quiet(proc)  # SIGINT ignored: on Ctrl-C the trainer stops its workers
         self._procs[i] = proc
         for mid in self.models:
             self._versions.pop((i, mid), None)  # a fresh process loads the latest version again
-        log.info("rollout worker %d started (pid %d, cores %s)", i, proc.pid, self._specs[i].cores)
+        log.info("rollout worker %d started (pid %d, cores %s, %s: %s)", i, proc.pid, spec.cores, method, why)
 
     def _fresh_queue(self, i: int) -> None:
         """A restarted worker gets a new request queue: one killed inside ``Queue.get()`` keeps the old queue's
@@ -569,24 +575,3 @@ class WorkerPool:
             self._lifetime["grace"] = float(timeout)
         self.scheduler.close()
         release(self._finalizer)
-
-
-@contextmanager
-def _main_not_reimported() -> Iterator[None]:
-    """Spawned workers need nothing from ``__main__``: do not re-run the user's script in them.
-
-    ``multiprocessing`` spawn re-executes the main script in each child (unless it is guarded by
-    ``if __name__ == "__main__"``); a training script that builds a trainer at top level would then
-    build it again in every worker. Hiding ``__main__.__file__`` while starting the process skips that.
-    """
-    import sys
-
-    main = sys.modules.get("__main__")
-    saved = {k: main.__dict__[k] for k in ("__file__", "__spec__") if main is not None and k in main.__dict__}
-    try:
-        if main is not None and getattr(main, "__spec__", None) is None:
-            main.__dict__.pop("__file__", None)
-        yield
-    finally:
-        if main is not None:
-            main.__dict__.update(saved)

@@ -1,0 +1,78 @@
+"""``rollout.start_method``: local workers are forked where that is safe (they inherit the trainer's imported torch
+and transformers instead of importing them again), spawned elsewhere; an unsafe fork is refused up front."""
+
+from __future__ import annotations
+
+import pytest
+
+from mrl_plugins.errors import ConfigError
+from mrl_plugins.rollout.lifecycle import start_method
+from tests.marks import require_trl
+from tests.pool_helpers import make_pool
+
+PROMPTS = [[3, 4, 5], [6, 7]]
+
+
+def test_auto_forks_only_a_one_thread_cpu_worker_of_the_transformers_engine():
+    assert start_method("auto", device="cpu", threads=1, engine="transformers")[0] == "fork"
+    method, why = start_method("auto", device="cpu", threads=2, engine="transformers")
+    assert method == "spawn" and "OpenMP" in why
+    method, why = start_method("auto", device="cuda:1", threads=1, engine="transformers")
+    assert method == "spawn" and "CUDA" in why
+    method, why = start_method("auto", device="cpu", threads=1, engine="vllm")
+    assert method == "spawn" and "'vllm'" in why
+    assert start_method("spawn", device="cpu", threads=1, engine="transformers") == ("spawn", "asked")
+
+
+def test_an_unknown_start_method_is_refused_by_the_config():
+    from mrl_plugins.config import load_config
+
+    with pytest.raises(ConfigError, match=r"rollout.start_method: 'thread' invalid; valid: .*fork"):
+        load_config({"rollout": {"start_method": "thread"}})
+
+
+@require_trl
+def test_an_unsafe_fork_is_refused_before_any_process_starts():
+    import psutil
+
+    with pytest.raises(ConfigError, match="start_method 'fork' is unsafe here .*OpenMP"):
+        make_pool({"rollout": {"start_method": "fork"}}, placements=[{"cores": [0, 1], "threads": 2}])
+    assert psutil.Process().children(recursive=True) == []
+
+
+@require_trl
+@pytest.mark.slow
+@pytest.mark.parametrize(("asked", "expect"), [("auto", "fork"), ("spawn", "spawn"), ("fork", "fork")])
+def test_a_worker_started_either_way_serves_the_published_version(asked, expect):
+    """The trainer has used a 2-thread OpenMP team before the fork (as a training step does): the forked worker,
+    on its one thread, still generates, with the weights of the version it reports."""
+    import psutil
+    import torch
+
+    from mrl_plugins.rollout.engine import TransformersEngine
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        a = torch.randn(256, 256)
+        for _ in range(5):
+            a = (a @ a).tanh()  # the parent's OpenMP team exists now
+        pool, model, tok, sampling, _pm, _ctx = make_pool({"rollout": {"start_method": asked}})
+    finally:
+        torch.set_num_threads(threads)
+    try:
+        (pid,) = pool.pids
+        spawned = "--multiprocessing-fork" in psutil.Process(pid).cmdline()  # spawn's child re-executes Python
+        assert ("spawn" if spawned else "fork") == expect
+        gen = torch.Generator().manual_seed(7)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.2)
+        pool.publish(7, list(model.named_parameters()))
+        res = pool.collect(pool.submit(PROMPTS, 2, min_version=7), timeout=120)
+        assert res.weight_version == 7
+        local = TransformersEngine(model, tok, params=sampling, seed=0).generate(PROMPTS, 2)
+        assert res.completion_ids == local.completion_ids  # same seed, same weights: the same samples
+        assert psutil.Process(pid).cpu_affinity() == [1] and psutil.Process(pid).num_threads() >= 1
+    finally:
+        pool.close()
