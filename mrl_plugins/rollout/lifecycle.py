@@ -100,8 +100,8 @@ def _fork_unsafe(device: str, threads: int | None, engine: str) -> str | None:
         return f"rollout.engine {engine!r}: only the 'transformers' engine is known to be safe in a forked worker"
     import torch
 
-    if torch.cuda.is_initialized() or "torch_npu" in sys.modules or "vllm" in sys.modules:
-        return "the trainer process has a device runtime (CUDA, torch_npu or vllm) loaded"
+    if torch.cuda.is_initialized() or "torch_npu" in sys.modules:
+        return "the trainer process has a device runtime (CUDA or torch_npu) loaded"
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         return "the trainer process is part of a torch.distributed group (its threads and sockets)"
     return None
