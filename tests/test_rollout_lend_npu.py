@@ -117,7 +117,10 @@ def test_npu_split_lends_the_stream_share_and_sets_it_back_before_each_request(
     mod = _fake_for_lender(monkeypatch)
     monkeypatch.setattr(arrangement, "trainer_device", lambda model: NpuDevice(index=0))
     steps = 10
-    rollout = {"workers": 1, "placement": "auto", "placement_start": "split", "engine_budget": BUDGET}
+    # spawned: a forked worker would inherit this test's fake NPU (and pytest's warnings-as-errors for its
+    # "NPU core limits on a CPU worker" warning); the fake stands for the trainer's device only
+    rollout = {"workers": 1, "placement": "auto", "placement_start": "split", "engine_budget": BUDGET,
+               "start_method": "spawn"}  # fmt: skip
     trainer = placement_run(tmp_path, steps, rollout, slow_reward=True)
     runtime = trainer._mrl_state.runtime
     at_submit: list[dict] = []  # the training stream's limit when each generation request goes out

@@ -31,7 +31,10 @@ def test_a_run_starting_in_the_split_warms_up_on_the_trainers_core_and_measures_
     from tests.test_rollout_autoplace import placement_run
 
     steps = 10
-    rollout = {"workers": 1, "placement": "auto", "placement_start": "split", "local_warmup": True}
+    # spawned: the behaviour under test is the trainer's warm-up while a worker takes seconds to start (a forked
+    # worker is ready within a second, before the first decision)
+    rollout = {"workers": 1, "placement": "auto", "placement_start": "split", "local_warmup": True,
+               "start_method": "spawn"}  # fmt: skip
     trainer = placement_run(tmp_path, steps, rollout)
     runtime = trainer._mrl_state.runtime
     seen: dict[int, dict] = {}
