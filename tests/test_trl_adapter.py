@@ -346,9 +346,13 @@ def test_env_variable_switches_plugins_on_at_startup(tmp_path):
 def test_trainer_model_answers_while_workers_start(tmp_path):
     """local_warmup: the first batches come from the trainer's own model; training mode is kept."""
     import mrl_plugins
+    from mrl_plugins.config import load_config, load_yaml
 
     trainer = _trainer(tmp_path, steps=3)
-    mrl_plugins.enable(trainer, "disaggregated")
+    cfg = load_yaml("disaggregated")
+    cfg["rollout"]["start_method"] = "spawn"  # a worker that takes seconds to start (a forked one is ready at once)
+    cfg.pop("train", None)
+    mrl_plugins.enable(trainer, load_config(cfg))
     trainer.train()
     assert len(_history(trainer, "reward")) == 3  # logged as training steps, not eval_*
     assert sum(_history(trainer, "mrl/rollout/local_batches")) >= 1

@@ -177,7 +177,7 @@ def test_short_run_gets_batches_from_the_worker(tmp_path):
     import mrl_plugins
 
     trainer = _trainer(tmp_path, steps=20, model="small")
-    mrl_plugins.enable(trainer, _colocate())
+    mrl_plugins.enable(trainer, _colocate(start_method="spawn"))  # a worker that takes seconds to start
     trainer.train()
     ready = _history(trainer, "mrl/rollout/worker_ready_s")
     assert ready and ready[0] > 0
@@ -198,7 +198,7 @@ def test_run_shorter_than_worker_start_warns_and_does_not_wait(tmp_path, caplog)
     import mrl_plugins
 
     trainer = _trainer(tmp_path, steps=1)
-    mrl_plugins.enable(trainer, _colocate())
+    mrl_plugins.enable(trainer, _colocate(start_method="spawn"))  # spawned: still starting after one step
     runtime = trainer._mrl_state.runtime
     seen = {}
 
