@@ -77,3 +77,23 @@ def test_a_worker_started_either_way_serves_the_published_version(asked, expect)
         assert psutil.Process(pid).cpu_affinity() == [1] and psutil.Process(pid).num_threads() >= 1
     finally:
         pool.close()
+
+
+@require_trl
+@pytest.mark.slow
+def test_a_forked_worker_does_not_keep_the_trainers_sigterm_handler():
+    """A trainer that ignores SIGTERM (frameworks install handlers) still gets its forked worker terminated."""
+    import signal
+
+    import psutil
+
+    previous = signal.signal(signal.SIGTERM, lambda *_: None)
+    try:
+        pool, *_ = make_pool({"rollout": {"start_method": "fork"}})
+        (pid,) = pool.pids
+        proc = psutil.Process(pid)
+        proc.terminate()
+        proc.wait(timeout=10)  # psutil.TimeoutExpired if the inherited handler swallowed it
+        pool.close(timeout=2)
+    finally:
+        signal.signal(signal.SIGTERM, previous)

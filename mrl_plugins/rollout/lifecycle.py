@@ -1,8 +1,8 @@
 """Lifetime of rollout worker processes, apart from the pool object so that nothing here keeps a pool (or the
 trainer behind it) alive.
 
-- :func:`spawn_quiet` starts a process with SIGINT ignored: Ctrl-C reaches the whole foreground process group,
-  and the trainer, not each worker, decides what happens (it stops them).
+- :func:`spawn_quiet` starts a process with SIGINT ignored (and SIGTERM at its default): Ctrl-C reaches the
+  whole foreground process group, and the trainer, not each worker, decides what happens (it stops them).
 - :func:`start_method` picks how a worker process starts: ``fork`` where it is safe (a CPU worker of the
   ``transformers`` engine with one thread, nothing device- or collective-related initialised in the trainer), so the
   worker inherits the imported torch and transformers instead of importing them again (seconds of one core on a
@@ -37,18 +37,22 @@ REMOTE_GRACE_S = 10.0
 
 
 @contextmanager
-def sigint_ignored() -> Iterator[None]:
-    """SIGINT ignored while a child is spawned (an ignored signal stays ignored across exec, and Python then
-    installs no KeyboardInterrupt handler in the child). Off the main thread nothing is changed."""
+def child_signals() -> Iterator[None]:
+    """While a child starts: SIGINT ignored (an ignored signal stays ignored across fork and exec, and Python then
+    installs no KeyboardInterrupt handler in the child) and SIGTERM at its default action (a forked child would
+    otherwise inherit the trainer's own SIGTERM handler, and the pool's ``terminate()`` would not end it). Off the
+    main thread nothing is changed."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    previous = signal.getsignal(signal.SIGINT)
+    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     try:
         yield
     finally:
-        signal.signal(signal.SIGINT, previous if previous is not None else signal.SIG_DFL)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
 
 
 @contextmanager
@@ -73,8 +77,8 @@ def main_not_reimported() -> Iterator[None]:
 
 
 def spawn_quiet(proc: Any) -> None:
-    """``proc.start()`` with SIGINT ignored in the child."""
-    with sigint_ignored(), warnings.catch_warnings():
+    """``proc.start()`` with SIGINT ignored and SIGTERM at its default in the child."""
+    with child_signals(), warnings.catch_warnings():
         # Python >= 3.12 warns on fork() in a process with threads; start_method forks only a worker that
         # never starts an OpenMP team or touches a device runtime, the parts that do not survive a fork
         warnings.filterwarnings(
