@@ -37,22 +37,29 @@ REMOTE_GRACE_S = 10.0
 
 
 @contextmanager
-def child_signals() -> Iterator[None]:
-    """While a child starts: SIGINT ignored (an ignored signal stays ignored across fork and exec, and Python then
-    installs no KeyboardInterrupt handler in the child) and SIGTERM at its default action (a forked child would
-    otherwise inherit the trainer's own SIGTERM handler, and the pool's ``terminate()`` would not end it). Off the
-    main thread nothing is changed."""
+def _signal_as(sig: int, handler: Any) -> Iterator[None]:
+    """``handler`` for ``sig`` inside the block, the previous one after; off the main thread nothing changes."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    previous = signal.getsignal(sig)
+    signal.signal(sig, handler)
     try:
         yield
     finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
+        signal.signal(sig, previous if previous is not None else signal.SIG_DFL)
+
+
+def sigint_ignored() -> Any:
+    """SIGINT ignored while a child starts (an ignored signal stays ignored across fork and exec, and Python then
+    installs no KeyboardInterrupt handler in the child) or while the trainer shuts its stages down."""
+    return _signal_as(signal.SIGINT, signal.SIG_IGN)
+
+
+def sigterm_default() -> Any:
+    """SIGTERM at its default action while a child starts: a forked child would otherwise inherit the trainer's
+    SIGTERM handler (the TRL adapter installs one) and the pool's ``terminate()`` would not end it."""
+    return _signal_as(signal.SIGTERM, signal.SIG_DFL)
 
 
 @contextmanager
@@ -78,7 +85,7 @@ def main_not_reimported() -> Iterator[None]:
 
 def spawn_quiet(proc: Any) -> None:
     """``proc.start()`` with SIGINT ignored and SIGTERM at its default in the child."""
-    with child_signals(), warnings.catch_warnings():
+    with sigint_ignored(), sigterm_default(), warnings.catch_warnings():
         # Python >= 3.12 warns on fork() in a process with threads; start_method forks only a worker that
         # never starts an OpenMP team or touches a device runtime, the parts that do not survive a fork
         warnings.filterwarnings(
