@@ -121,13 +121,9 @@ def _fork_unsafe(device: str, threads: int | None, engine: str) -> str | None:
 def start_method(asked: str, *, device: str, threads: int | None, engine: str) -> tuple[str, str]:
     """``(method, why)`` for a local worker: ``rollout.start_method`` ``spawn`` / ``fork`` as asked (a fork that is
     unsafe here is a ConfigError naming the reason), ``auto``: fork where :func:`_fork_unsafe` finds nothing."""
-    from mrl_plugins.errors import ConfigError, choices
+    from mrl_plugins.errors import ConfigError
 
-    from .config import START_METHODS
-
-    if asked not in START_METHODS:
-        raise ConfigError(f"rollout.start_method: {asked!r} invalid; valid: {choices(START_METHODS)}")
-    if asked == "spawn":
+    if asked == "spawn":  # the value itself is validated with the config (RolloutConfig.validate)
         return "spawn", "asked"
     unsafe = _fork_unsafe(device, threads, engine)
     if asked == "fork" and unsafe:

@@ -201,7 +201,7 @@ class WorkerPool:
             daemon=True,
         )
         with main_not_reimported():
-            spawn_quiet(proc)  # SIGINT ignored: on Ctrl-C the trainer stops its workers
+            spawn_quiet(proc)  # SIGINT ignored (the trainer stops its workers), SIGTERM at its default
         self._procs[i] = proc
         for mid in self.models:
             self._versions.pop((i, mid), None)  # a fresh process loads the latest version again
