@@ -3,15 +3,16 @@ the async disaggregated pipeline and of ``rollout.placement: auto`` against upst
 (c) ``rollout.lend_cores`` on vs off: steps/s, the generation requests' p50/p99 and oversubscription
 (:mod:`mrl_plugins.bench.lend`; ``--part c``, not in the default ``both``).
 
-(b) runs the embedded GRPO job (``small`` preset unless ``--model``) in separate processes (``mrl compare``'s
-runner), same seed, steps and total core budget (all cores of this machine): upstream TRL with 1 thread, with
-every core (torch's default) -- its best is the baseline --, the plugins with ``configs/disaggregated.yaml``
-(trainer on one core, one rollout worker on the other), and ``configs/compare_small.yaml``'s stages with
-``rollout.placement: auto`` (``auto_vs_upstream``). Each setting runs ``--grpo-reps`` times, the settings
-interleaved within a repetition; medians and spread are reported, for the whole run (worker start-up included)
-and for its second half (``steady_steps_per_s``). ``overlap_bound_vs_upstream``: the best a one-core-trainer /
-one-core-worker overlap can do, ``1 / max(generate, train)`` per step of the 1-thread upstream run, over the
-best upstream; ``share_of_overlap_bound``: how much of that bound the async pipeline reaches.
+(b) runs one GRPO job, ``configs/compare_small.yaml``'s ``train`` section (``small`` preset unless ``--model``), in
+separate processes (``mrl compare``'s runner), same seed, steps, learning rate and total core budget (all cores of
+this machine): upstream TRL with 1 thread, with every core (torch's default) -- its best is the baseline --, the
+plugins with ``configs/disaggregated.yaml`` (trainer on one core, one rollout worker on the other), and
+``configs/compare_small.yaml``'s stages with ``rollout.placement: auto`` (``auto_vs_upstream``). Each setting runs
+``--grpo-reps`` times, the settings interleaved within a repetition; medians and spread are reported, for the whole
+run (worker start-up included) and for its second half (``steady_steps_per_s``). ``overlap_bound_vs_upstream``: the
+best a one-core-trainer / one-core-worker overlap can do, ``1 / max(generate, train)`` per step of the 1-thread
+upstream run, over the best upstream; ``share_of_overlap_bound``: how much of that bound the async pipeline
+reaches.
 """
 
 from __future__ import annotations
@@ -38,25 +39,39 @@ def _steady(step_times: list[float]) -> float:
     return 1.0 / statistics.median(tail) if tail else float("nan")
 
 
-def run_grpo_part(*, steps: int, model: str, reps: int, out: Path) -> dict[str, Any]:
-    """The GRPO settings, each a separate process (``mrl compare``'s runner), repetitions interleaved."""
+def grpo_settings(*, steps: int, model: str) -> dict[str, tuple[Any, dict[str, Any]]]:
+    """Part (b)'s settings: ``name -> (RunKind, config)``, every config with the same job.
+
+    The job is ``configs/compare_small.yaml``'s ``train`` section (model, steps, learning rate, TRL arguments): the
+    settings differ only in their stages, placement and threads (the bundled configs' own train sections differ:
+    ``upstream`` and ``disaggregated`` keep the default learning rate, 3x compare_small's)."""
     from mrl_plugins.cli.compare import RunKind, kind_config
     from mrl_plugins.config import load_yaml
 
-    from .job import run_job
-
     cores = len(os.sched_getaffinity(0))
-    settings = {  # name: (bundled config, kind, config overrides)
-        "upstream_1_thread": ("upstream", RunKind(UPSTREAM), {"train": {"threads": 1}}),
+    job = dict(load_yaml("compare_small").get("train") or {})
+    settings = {  # name: (bundled config, kind, train overrides)
+        "upstream_1_thread": ("upstream", RunKind(UPSTREAM), {"threads": 1}),
         f"upstream_{cores}_threads_default": ("upstream", RunKind(UPSTREAM, all_cores=True), {}),
         "disaggregated_async": ("disaggregated", RunKind(ALL), {}),
         "auto": ("compare_small", RunKind(ALL), {}),  # rollout.placement: auto
     }
+    out: dict[str, tuple[Any, dict[str, Any]]] = {}
+    for name, (config, kind, over) in settings.items():
+        data = kind_config({**load_yaml(config), "train": job}, kind, steps=steps, model=model)
+        data["train"] = {**data["train"], **over}
+        out[name] = (kind, data)
+    return out
+
+
+def run_grpo_part(*, steps: int, model: str, reps: int, out: Path) -> dict[str, Any]:
+    """The GRPO settings, each a separate process (``mrl compare``'s runner), repetitions interleaved."""
+    from .job import run_job
+
+    settings = grpo_settings(steps=steps, model=model)
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in settings}
     for rep in range(reps):
-        for name, (config, kind, over) in settings.items():
-            data = kind_config(load_yaml(config), kind, steps=steps, model=model)
-            data["train"] = {**data["train"], **over.get("train", {})}
+        for name, (kind, data) in settings.items():
             result, _load = run_job(data, out, f"{name}-{rep}", kind, steps)
             runs[name].append(result)
     results: dict[str, Any] = {}
