@@ -70,16 +70,20 @@ def run_grpo_part(*, steps: int, model: str, reps: int, out: Path) -> dict[str, 
 
     settings = grpo_settings(steps=steps, model=model)
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in settings}
+    loads: dict[str, list[Any]] = {name: [] for name in settings}
     for rep in range(reps):
         for name, (kind, data) in settings.items():
-            result, _load = run_job(data, out, f"{name}-{rep}", kind, steps)
+            result, load = run_job(data, out, f"{name}-{rep}", kind, steps)
             runs[name].append(result)
+            loads[name].append(load)
     results: dict[str, Any] = {}
     for name, rs in runs.items():
         results[name] = {
             "steps_per_s": _median([r["steps_per_s"] for r in rs]),
             "steady_steps_per_s": _median([_steady(r["step_times"]) for r in rs]),
             "final_reward": _median([r["final_reward"] for r in rs]),
+            "tokens_per_s": _median([r["tokens_per_s"] for r in rs]),
+            "host_load": loads[name],  # before and during each run (mrl compare's sampler)
             "time_split": rs[0]["time_split"],
             "threads": rs[0]["threads"],
         }
@@ -87,7 +91,8 @@ def run_grpo_part(*, steps: int, model: str, reps: int, out: Path) -> dict[str, 
             f"  {name:<32} {results[name]['steps_per_s']['median']:.3f} steps/s "
             f"(min {results[name]['steps_per_s']['min']:.3f}, max {results[name]['steps_per_s']['max']:.3f}), "
             f"second half {results[name]['steady_steps_per_s']['median']:.3f} steps/s, "
-            f"final reward {results[name]['final_reward']['median']:.3f}",
+            f"final reward {results[name]['final_reward']['median']:.3f}, "
+            f"{results[name]['tokens_per_s']['median']:.0f} tokens/s",
             flush=True,
         )
     upstream_names = [n for n in settings if n.startswith("upstream")]
