@@ -296,6 +296,32 @@ def test_sigterm_unlinks_shm_segments():
         p.stdout.close()
 
 
+def test_sigterm_mid_publish_exits_with_the_handlers_code():
+    """SIGTERM while a version is being written, with a handler of the trainer's that raises SystemExit (the TRL
+    adapter's): the shm cleanup closes the sender first, then the handler's exit must come through (it once
+    became a TypeError from the abort path writing into the closed segment)."""
+    code = (
+        "import os, signal, sys, torch\n"
+        "def on_term(signum, frame):\n"
+        "    raise SystemExit(128 + signum)\n"
+        "signal.signal(signal.SIGTERM, on_term)\n"
+        "from mrl_plugins.weight_sync import ShmSender, WeightSyncConfig\n"
+        "s = ShmSender(WeightSyncConfig(), model_id='policy', run_id='sigterm-mid')\n"
+        "print(s.ctl.path, *[x.path for x in s.slots], flush=True)\n"
+        "def tensors():\n"
+        "    yield 'a', torch.ones(1000)\n"
+        "    os.kill(os.getpid(), signal.SIGTERM)\n"
+        "    yield 'b', torch.ones(1000)\n"
+        "s.publish(1, tensors())\n"
+        "print('PUBLISHED', flush=True)\n"
+    )
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    paths = p.stdout.split("\n")[0].split()
+    assert p.returncode == 128 + signal.SIGTERM, p.stderr[-3000:]
+    assert "Traceback" not in p.stderr and "PUBLISHED" not in p.stdout, p.stderr[-3000:]
+    assert len(paths) == 3 and not any(os.path.exists(x) for x in paths)
+
+
 def test_broadcast_receiver_sees_abort_when_source_fails():
     cfg = WeightSyncConfig(transport="broadcast", timeout_s=20, bucket_bytes=100_000)
     sender = BroadcastSender(cfg)

@@ -195,7 +195,8 @@ class ShmSender:
             seg.write("<32s", _UUID_OFF, uid.encode())
             seg.write("<QQ", _WRITING_OFF, version + 1, 0)  # writing version + 1, shards done
         finally:
-            fcntl.flock(seg.fd, fcntl.LOCK_UN)
+            if seg.fd >= 0:  # closed by a signal's cleanup meanwhile: the lock went with the descriptor
+                fcntl.flock(seg.fd, fcntl.LOCK_UN)
         self.ctl.write("<QQ", _CTL_WRITING_OFF, version + 1, si)
         try:
             sink = _SlotSink(seg)
@@ -214,9 +215,10 @@ class ShmSender:
             seg.write("<Q", 8, seq + 2)  # even: complete
             seg.write("<Q", _WRITING_OFF, 0)
         except BaseException:
-            seg.write("<QQ", _WRITING_OFF, 0, 0)  # streamers see the abort
-            seg.write("<QQ", 8, seq + 2, 0)
-            self.ctl.write("<QQ", _CTL_WRITING_OFF, 0, 0)
+            if not self._closed:  # a SIGTERM/SIGINT cleanup may have closed (and unlinked) us mid-write: then
+                seg.write("<QQ", _WRITING_OFF, 0, 0)  # there is nothing to mark; else streamers see the abort
+                seg.write("<QQ", 8, seq + 2, 0)
+                self.ctl.write("<QQ", _CTL_WRITING_OFF, 0, 0)
             raise
         (cseq,) = self.ctl.read("<Q", 8)
         self.ctl.write("<Q", 8, cseq + 1)
