@@ -65,7 +65,7 @@ class RunResult:
 
 
 def _trl_args(cfg: MrlConfig, output_dir: str) -> dict[str, Any]:
-    from mrl_plugins.models import preset
+    from mrl_plugins.models import PRESETS, preset
 
     p = preset(cfg.train.model)
     args = {
@@ -88,6 +88,13 @@ def _trl_args(cfg: MrlConfig, output_dir: str) -> dict[str, Any]:
         if get_device(cfg.device).type == "cpu":
             args["use_cpu"] = True
             args["bf16"] = False  # TRL defaults to bf16 autocast; on CPU the embedded job trains in fp32
+    if cfg.train.model in PRESETS and not {"activation_checkpointing", "gradient_checkpointing"} & set(
+        cfg.train.trl_args
+    ):
+        # TRL turns activation (gradient) checkpointing on by default; for a preset of a few MB it saves no memory
+        # worth having and recomputes every layer in the backward pass: vanilla TRL ran compare_kl 1.26x faster
+        # without it (benchmarks/README.md), so every run of the embedded job, the baseline first, goes without
+        args["activation_checkpointing"] = False
     args.update(cfg.train.trl_args)
     return args
 

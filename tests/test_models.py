@@ -100,6 +100,24 @@ def test_trainer_of_a_preset_carries_the_folder_name_and_the_folder_trains(tmp_p
     assert count_reward([text]) == [0.4]
 
 
+@pytest.mark.slow
+def test_presets_train_without_activation_checkpointing_unless_asked(tmp_path):
+    """TRL checkpoints activations by default; the embedded job's presets (a few MB) train without it, baseline and
+    plugins alike. A user's own setting wins, and a checkpoint folder keeps TRL's default."""
+    from mrl_plugins.run import build_trainer
+
+    train = {"model": "tiny", "steps": 1, "output_dir": str(tmp_path / "out")}
+    plain = build_trainer(cfg_obj({"train": train}), enable_plugins=False)
+    asked = {**train, "trl_args": {"activation_checkpointing": True}}
+    on = build_trainer(cfg_obj({"train": asked}), enable_plugins=False)
+    for trainer in (plain, on):
+        trainer.train()  # the Trainer turns checkpointing on in the model when training starts
+    assert plain.args.gradient_checkpointing is False and not plain.model.is_gradient_checkpointing
+    assert on.args.gradient_checkpointing is True and on.model.is_gradient_checkpointing
+    folder = build_trainer(cfg_obj({"train": {**train, "model": plain.model.name_or_path}}), enable_plugins=False)
+    assert folder.args.gradient_checkpointing is True  # TRL 1.16's GRPOConfig default
+
+
 def cfg_obj(data):
     from mrl_plugins.config import load_config
 
