@@ -3,16 +3,23 @@ the async disaggregated pipeline and of ``rollout.placement: auto`` against upst
 (c) ``rollout.lend_cores`` on vs off: steps/s, the generation requests' p50/p99 and oversubscription
 (:mod:`mrl_plugins.bench.lend`; ``--part c``, not in the default ``both``).
 
-(b) runs one GRPO job, ``configs/compare_small.yaml``'s ``train`` section (``small`` preset unless ``--model``), in
-separate processes (``mrl compare``'s runner), same seed, steps, learning rate and total core budget (all cores of
-this machine): upstream TRL with 1 thread, with every core (torch's default) -- its best is the baseline --, the
-plugins with ``configs/disaggregated.yaml`` (trainer on one core, one rollout worker on the other), and
-``configs/compare_small.yaml``'s stages with ``rollout.placement: auto`` (``auto_vs_upstream``). Each setting runs
-``--grpo-reps`` times, the settings interleaved within a repetition; medians and spread are reported, for the whole
-run (worker start-up included) and for its second half (``steady_steps_per_s``). ``overlap_bound_vs_upstream``: the
-best a one-core-trainer / one-core-worker overlap can do, ``1 / max(generate, train)`` per step of the 1-thread
-upstream run, over the best upstream; ``share_of_overlap_bound``: how much of that bound the async pipeline
-reaches.
+(b) runs one GRPO job, the ``train`` section of ``--job`` (a bundled config or YAML, default ``compare_small``;
+``small`` preset unless ``--model``), in separate processes (``mrl compare``'s runner), same seed, steps, learning
+rate and total core budget (all cores of this machine): upstream TRL with 1 thread, with every core (torch's
+default) -- its best is the baseline --, the plugins with ``configs/disaggregated.yaml`` (trainer on one core, one
+rollout worker on the other; with a KL term in the job the worker also scores the reference, ``ref_logps:
+engine``, as ``compare_kl`` does), and the job config's stages with ``rollout.placement: auto``
+(``auto_vs_upstream``). Each setting runs ``--grpo-reps`` times, the settings interleaved within a repetition;
+medians and spread are reported, for the whole run (worker start-up included) and for its second half
+(``steady_steps_per_s``).
+
+Bounds, over the best upstream: ``balance_bound_vs_upstream``, the best any one-core-each arrangement can do with
+the same work, two processes each doing half of the 1-thread run with no overhead (2x its steps/s);
+``overlap_bound_vs_upstream``, the best the async pipeline's split can do, ``1 / max(generate, train)`` per step of
+the 1-thread upstream run -- with a KL term the pipeline moves the reference pass from the trainer to the worker,
+which that split does not show, so there it is the balance bound. ``share_of_overlap_bound``: how much of it the
+async pipeline reaches. ``*_tokens_per_step_vs_upstream``: completion tokens per step against the baseline's (the
+pipeline's batches come from a policy one step older, so its completions, and the work of a step, differ).
 """
 
 from __future__ import annotations
@@ -39,36 +46,46 @@ def _steady(step_times: list[float]) -> float:
     return 1.0 / statistics.median(tail) if tail else float("nan")
 
 
-def grpo_settings(*, steps: int, model: str) -> dict[str, tuple[Any, dict[str, Any]]]:
+def has_kl(job: dict[str, Any]) -> bool:
+    """A job's ``train`` section has a KL term (GRPO's ``beta`` > 0: TRL runs a reference forward pass)."""
+    return float((job.get("trl_args") or {}).get("beta", 0.0) or 0.0) > 0
+
+
+def grpo_settings(*, steps: int, model: str, job: str = "compare_small") -> dict[str, tuple[Any, dict[str, Any]]]:
     """Part (b)'s settings: ``name -> (RunKind, config)``, every config with the same job.
 
-    The job is ``configs/compare_small.yaml``'s ``train`` section (model, steps, learning rate, TRL arguments): the
-    settings differ only in their stages, placement and threads (the bundled configs' own train sections differ:
-    ``upstream`` and ``disaggregated`` keep the default learning rate, 3x compare_small's)."""
+    The job is ``job``'s ``train`` section (model, steps, learning rate, TRL arguments): the settings differ only in
+    their stages, placement and threads (the bundled configs' own train sections differ: ``upstream`` and
+    ``disaggregated`` keep the default learning rate, 3x compare_small's)."""
     from mrl_plugins.cli.compare import RunKind, kind_config
     from mrl_plugins.config import load_yaml
 
     cores = len(os.sched_getaffinity(0))
-    job = dict(load_yaml("compare_small").get("train") or {})
-    settings = {  # name: (bundled config, kind, train overrides)
-        "upstream_1_thread": ("upstream", RunKind(UPSTREAM), {"threads": 1}),
-        f"upstream_{cores}_threads_default": ("upstream", RunKind(UPSTREAM, all_cores=True), {}),
-        "disaggregated_async": ("disaggregated", RunKind(ALL), {}),
-        "auto": ("compare_small", RunKind(ALL), {}),  # rollout.placement: auto
+    job_config = load_yaml(job)
+    train = dict(job_config.get("train") or {})
+    disaggregated = load_yaml("disaggregated")
+    if has_kl(train):  # the worker scores the reference too (compare_kl), else the trainer keeps that pass
+        disaggregated["rollout"] = {**disaggregated["rollout"], "ref_logps": "engine"}
+    auto = {**job_config, "rollout": {**(job_config.get("rollout") or {}), "placement": "auto"}}
+    settings = {  # name: (config, kind, train overrides)
+        "upstream_1_thread": (load_yaml("upstream"), RunKind(UPSTREAM), {"threads": 1}),
+        f"upstream_{cores}_threads_default": (load_yaml("upstream"), RunKind(UPSTREAM, all_cores=True), {}),
+        "disaggregated_async": (disaggregated, RunKind(ALL), {}),
+        "auto": (auto, RunKind(ALL), {}),
     }
     out: dict[str, tuple[Any, dict[str, Any]]] = {}
     for name, (config, kind, over) in settings.items():
-        data = kind_config({**load_yaml(config), "train": job}, kind, steps=steps, model=model)
+        data = kind_config({**config, "train": train}, kind, steps=steps, model=model)
         data["train"] = {**data["train"], **over}
         out[name] = (kind, data)
     return out
 
 
-def run_grpo_part(*, steps: int, model: str, reps: int, out: Path) -> dict[str, Any]:
+def run_grpo_part(*, steps: int, model: str, reps: int, out: Path, job: str = "compare_small") -> dict[str, Any]:
     """The GRPO settings, each a separate process (``mrl compare``'s runner), repetitions interleaved."""
     from .job import run_job
 
-    settings = grpo_settings(steps=steps, model=model)
+    settings = grpo_settings(steps=steps, model=model, job=job)
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in settings}
     loads: dict[str, list[Any]] = {name: [] for name in settings}
     for rep in range(reps):
@@ -99,16 +116,23 @@ def run_grpo_part(*, steps: int, model: str, reps: int, out: Path) -> dict[str, 
     best = max(upstream_names, key=lambda n: results[n]["steps_per_s"]["median"])
     base = results[best]["steps_per_s"]["median"]
     ours = results["disaggregated_async"]
-    # Upper bound of a one-core-each overlap: per step, the longer of upstream's 1-thread generation and
-    # 1-thread training (no extra forward pass: rollout.old_logps: engine), from the 1-thread run's time split.
+    # Upper bounds of one core each: two processes sharing the 1-thread run's work evenly (any arrangement), and
+    # the pipeline's split: per step, the longer of upstream's 1-thread generation and 1-thread training (no extra
+    # forward pass: rollout.old_logps: engine), from the 1-thread run's time split -- with a KL term the reference
+    # pass moves to the worker, which that split does not show: then the even one.
+    balance = 2 * results["upstream_1_thread"]["steps_per_s"]["median"] / base
     one = results["upstream_1_thread"]["time_split"]
-    bound_step_s = max(one["generate"], one["train"]) / steps
+    overlap = balance if has_kl(settings["auto"][1]["train"]) else (steps / max(one["generate"], one["train"])) / base
+    tokens_per_step = {n: r["tokens_per_s"]["median"] / r["steps_per_s"]["median"] for n, r in results.items()}
     ratios = {
         "steps_per_s_vs_upstream": ours["steps_per_s"]["median"] / base,
         "steady_steps_per_s_vs_upstream": ours["steady_steps_per_s"]["median"]
         / results[best]["steady_steps_per_s"]["median"],
-        "overlap_bound_vs_upstream": (1 / bound_step_s) / base,
+        "overlap_bound_vs_upstream": overlap,
+        "balance_bound_vs_upstream": balance,
         "auto_vs_upstream": results["auto"]["steps_per_s"]["median"] / base,
+        "async_tokens_per_step_vs_upstream": tokens_per_step["disaggregated_async"] / tokens_per_step[best],
+        "auto_tokens_per_step_vs_upstream": tokens_per_step["auto"] / tokens_per_step[best],
         "final_reward_vs_upstream": (
             ours["final_reward"]["median"] / results[best]["final_reward"]["median"]
             if results[best]["final_reward"]["median"]
@@ -116,7 +140,7 @@ def run_grpo_part(*, steps: int, model: str, reps: int, out: Path) -> dict[str, 
         ),
     }
     ratios["share_of_overlap_bound"] = ratios["steps_per_s_vs_upstream"] / ratios["overlap_bound_vs_upstream"]
-    return {"settings": results, "upstream_best": best, "steps": steps, "model": model, "ratios": ratios}
+    return {"settings": results, "upstream_best": best, "job": job, "steps": steps, "model": model, "ratios": ratios}
 
 
 def cli(argv: list[str]) -> int:
@@ -126,6 +150,7 @@ def cli(argv: list[str]) -> int:
     p.add_argument("--grpo-reps", type=int, default=2, help="GRPO runs per setting for part (b)")
     p.add_argument("--steps", type=int, default=30, help="GRPO steps per run for part (b)")
     p.add_argument("--model", default="small", help="preset for part (b)")
+    p.add_argument("--job", default="compare_small", help="part (b): bundled config or YAML whose train section runs")
     p.add_argument("--quick", action="store_true", help="short smoke run (tiny model, few steps, 1 rep)")
     p.add_argument("--part", choices=["a", "b", "c", "both", "all"], default="both", help="both: a and b; all: a-c")
     p.add_argument("--lend-config", default="compare_kl", help="bundled config or YAML for part (c)")
@@ -141,6 +166,8 @@ def cli(argv: list[str]) -> int:
 
     if ns.quick:
         ns.reps, ns.grpo_reps, ns.steps, ns.model, ns.lend_reps = 1, 1, 4, "tiny", 1
+    if ns.part in ("b", "both", "all"):  # a --job that cannot be read: its error now, before anything runs
+        grpo_settings(steps=ns.steps, model=ns.model, job=ns.job)
     result: dict[str, Any] = {"ratios": {}}
     if ns.part in ("a", "both", "all"):
         print("(a) colocated inference latency while training runs next to it", flush=True)
@@ -148,9 +175,11 @@ def cli(argv: list[str]) -> int:
         result["colocate"] = lat.get("colocate", lat)
         result["ratios"].update(lat.get("ratios", {}))
     if ns.part in ("b", "both", "all"):
-        print(f"(b) GRPO on '{ns.model}', {ns.steps} steps: disaggregated async vs upstream TRL", flush=True)
+        print(
+            f"(b) GRPO on '{ns.model}' ({ns.job}), {ns.steps} steps: disaggregated async vs upstream TRL", flush=True
+        )
         with tempfile.TemporaryDirectory(prefix="mrl-bench-") as tmp:
-            grpo = run_grpo_part(steps=ns.steps, model=ns.model, reps=ns.grpo_reps, out=Path(tmp))
+            grpo = run_grpo_part(steps=ns.steps, model=ns.model, reps=ns.grpo_reps, out=Path(tmp), job=ns.job)
         result["grpo"] = grpo
         result["ratios"].update(grpo["ratios"])
     if ns.part in ("c", "all"):
