@@ -88,6 +88,10 @@ def _send_then_hang(handle) -> None:
 
 
 def _owner_child(run_id: str, q) -> None:
+    # a spawned child inherits an ignored SIGINT from its parent, and the cleanup respects a signal the process
+    # chose to ignore: this owner starts with Python's own dispositions, whatever the test session's are
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     torch.set_num_threads(1)
     cons = shm_factory(_cfg(), n_producers=1, run_id=run_id)
     q.put(cons.path)
@@ -272,8 +276,8 @@ def test_owner_signal_removes_its_segment(sig):
         assert os.path.exists(path)
         os.kill(p.pid, sig)
         p.join(timeout=30)
-        assert not os.path.exists(path) and not os.path.exists(path + ".d")
         assert not p.is_alive(), _proc_state(p.pid)
+        assert not os.path.exists(path) and not os.path.exists(path + ".d")
         assert p.exitcode != 0
     finally:
         _join(p, timeout=5)
