@@ -92,11 +92,22 @@ def _trl_args(cfg: MrlConfig, output_dir: str) -> dict[str, Any]:
         cfg.train.trl_args
     ):
         # TRL turns activation (gradient) checkpointing on by default; for a preset of a few MB it saves no memory
-        # worth having and recomputes every layer in the backward pass: vanilla TRL ran compare_kl 1.26x faster
-        # without it (benchmarks/README.md), so every run of the embedded job, the baseline first, goes without
-        args["activation_checkpointing"] = False
+        # worth having and recomputes every layer in the backward pass: vanilla TRL ran the bundled comparison
+        # jobs 1.11-1.12x faster without it (benchmarks/README.md), so every run of the embedded job, the baseline
+        # first, goes without (transformers >= 5.20 names it activation_checkpointing, older ones gradient_...)
+        args[_checkpointing_arg()] = False
     args.update(cfg.train.trl_args)
     return args
+
+
+def _checkpointing_arg() -> str:
+    """The name of the training arguments' activation-checkpointing switch in the installed transformers."""
+    import dataclasses
+
+    from transformers import TrainingArguments
+
+    names = {f.name for f in dataclasses.fields(TrainingArguments)}
+    return "activation_checkpointing" if "activation_checkpointing" in names else "gradient_checkpointing"
 
 
 def preflight(cfg: MrlConfig | Any, *, enable_plugins: bool = True) -> MrlConfig:
