@@ -482,7 +482,8 @@ def test_mrl_run_without_vllm_installed_fails_before_the_model_is_built(tmp_path
 
 
 ORPHAN_SCRIPT = """
-import sys, time
+import signal, sys, time
+signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal, even under a background test run
 sys.path.insert(0, sys.argv[1])
 from tests.pool_helpers import make_pool
 
