@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import signal
 import sys
 import textwrap
 import time
@@ -17,6 +18,16 @@ import pytest
 os.environ["TRL_EXPERIMENTAL_SILENCE"] = "1"
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Ctrl-C as in a terminal's foreground job, even when the tests run as a background job (a shell starts those
+    with SIGINT ignored, and every process they start, spawned workers and the Ctrl-C tests' trainers included,
+    would inherit it: the plugin rightly respects a signal its process chose to ignore)."""
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
 SHM_DIR = Path("/dev/shm")
 SHM_PREFIXES = ("mrl", "psm_")
 

@@ -88,10 +88,6 @@ def _send_then_hang(handle) -> None:
 
 
 def _owner_child(run_id: str, q) -> None:
-    # a spawned child inherits an ignored SIGINT from its parent, and the cleanup respects a signal the process
-    # chose to ignore: this owner starts with Python's own dispositions, whatever the test session's are
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     torch.set_num_threads(1)
     cons = shm_factory(_cfg(), n_producers=1, run_id=run_id)
     q.put(cons.path)

@@ -235,10 +235,7 @@ def test_warmup_engine_is_transformers_whatever_the_rollout_engine(tmp_path, ins
 
 SCRIPT = textwrap.dedent(
     """
-    import os, signal, sys
-    # Ctrl-C as a terminal's foreground job gets it, even when the tests run as a background job (which starts
-    # every child with SIGINT ignored)
-    signal.signal(signal.SIGINT, signal.default_int_handler)
+    import os, sys
     os.environ["TRL_EXPERIMENTAL_SILENCE"] = "1"
     import torch
     from transformers import TrainerCallback

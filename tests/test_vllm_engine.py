@@ -482,8 +482,7 @@ def test_mrl_run_without_vllm_installed_fails_before_the_model_is_built(tmp_path
 
 
 ORPHAN_SCRIPT = """
-import signal, sys, time
-signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal, even under a background test run
+import sys, time
 sys.path.insert(0, sys.argv[1])
 from tests.pool_helpers import make_pool
 
