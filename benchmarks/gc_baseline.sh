@@ -13,12 +13,12 @@ import sys
 import yaml
 
 from mrl_plugins.config import load_yaml
-from mrl_plugins.run import _checkpointing_arg
+from mrl_plugins.run import checkpointing_arg
 
 job, out = sys.argv[1:]
 data = load_yaml(job)
 train = data["train"]
-on = {**data, "train": {**train, "trl_args": {**(train.get("trl_args") or {}), _checkpointing_arg(): True}}}
+on = {**data, "train": {**train, "trl_args": {**(train.get("trl_args") or {}), checkpointing_arg(): True}}}
 yaml.safe_dump(on, open(f"{out}/{job}_gc_on.yaml", "w"))
 yaml.safe_dump(data, open(f"{out}/{job}_gc_off.yaml", "w"))  # the embedded job's presets train without it
 PY

@@ -93,14 +93,14 @@ def _trl_args(cfg: MrlConfig, output_dir: str) -> dict[str, Any]:
     ):
         # TRL turns activation (gradient) checkpointing on by default; for a preset of a few MB it saves no memory
         # worth having and recomputes every layer in the backward pass: vanilla TRL ran the bundled comparison
-        # jobs 1.11-1.12x faster without it (benchmarks/README.md), so every run of the embedded job, the baseline
+        # jobs 1.11-1.21x faster without it (benchmarks/README.md), so every run of the embedded job, the baseline
         # first, goes without (transformers >= 5.20 names it activation_checkpointing, older ones gradient_...)
-        args[_checkpointing_arg()] = False
+        args[checkpointing_arg()] = False
     args.update(cfg.train.trl_args)
     return args
 
 
-def _checkpointing_arg() -> str:
+def checkpointing_arg() -> str:
     """The name of the training arguments' activation-checkpointing switch in the installed transformers."""
     import dataclasses
 

@@ -104,11 +104,11 @@ def test_trainer_of_a_preset_carries_the_folder_name_and_the_folder_trains(tmp_p
 def test_presets_train_without_activation_checkpointing_unless_asked(tmp_path):
     """TRL checkpoints activations by default; the embedded job's presets (a few MB) train without it, baseline and
     plugins alike. A user's own setting wins, and a checkpoint folder keeps TRL's default."""
-    from mrl_plugins.run import _checkpointing_arg, build_trainer
+    from mrl_plugins.run import build_trainer, checkpointing_arg
 
     train = {"model": "tiny", "steps": 1, "output_dir": str(tmp_path / "out")}
     plain = build_trainer(cfg_obj({"train": train}), enable_plugins=False)
-    asked = {**train, "trl_args": {_checkpointing_arg(): True}}  # activation_ (transformers >= 5.20) or gradient_
+    asked = {**train, "trl_args": {checkpointing_arg(): True}}  # activation_ (transformers >= 5.20) or gradient_
     on = build_trainer(cfg_obj({"train": asked}), enable_plugins=False)
     for trainer in (plain, on):
         trainer.train()  # the Trainer turns checkpointing on in the model when training starts

@@ -123,8 +123,9 @@ def run_grpo_part(*, steps: int, model: str, reps: int, out: Path, job: str = "c
     # pass moves to the worker, which that split does not show: then the even one.
     balance = 2 * results["upstream_1_thread"]["steps_per_s"]["median"] / base
     one = results["upstream_1_thread"]["time_split"]
-    split = balance if has_kl(settings["auto"][1]["train"]) else (steps / max(one["generate"], one["train"])) / base
-    overlap = min(split, balance)  # the time split leaves out the step's other work: then the even one is tighter
+    overlap = balance  # the time split leaves out the step's other work: the even bound may be the tighter one
+    if not has_kl(settings["auto"][1]["train"]):
+        overlap = min(overlap, (steps / max(one["generate"], one["train"])) / base)
     tokens_per_step = {n: r["tokens_per_s"]["median"] / r["steps_per_s"]["median"] for n, r in results.items()}
     ratios = {
         "steps_per_s_vs_upstream": ours["steps_per_s"]["median"] / base,
