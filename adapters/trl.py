@@ -28,8 +28,10 @@ from mrl_plugins.errors import ConfigError, PluginError, UnsupportedVersionError
 
 log = logging.getLogger("mrl_plugins.adapters.trl")
 
-#: TRL releases this adapter is written and tested against (it uses private trainer attributes)
-SUPPORTED_TRL = (">=1.16.0", "<1.17.0")
+#: TRL releases this adapter is written and tested against (it uses private trainer attributes); what differs
+#: between them is in :mod:`mrl_plugins.adapters.trl_members`
+SUPPORTED_TRL = (">=1.14.0", "<1.17.0")
+TESTED_TRL = ("1.14", "1.15", "1.16")
 SUPPORTED_TRAINERS = ("GRPOTrainer", "RLOOTrainer")
 
 
@@ -51,8 +53,9 @@ def check_trl_version(installed: str | None = None) -> str:
     spec = SpecifierSet(",".join(SUPPORTED_TRL))
     if installed not in spec:
         raise UnsupportedVersionError(
-            f"TRL {installed} is not supported by this mrl-plugins release; supported: trl{spec} "
-            f"(install a supported TRL or an mrl-plugins release for TRL {installed})"
+            f"TRL {installed} is not supported by this mrl-plugins release; supported: trl{spec} (tested: TRL "
+            f"{', '.join(v + '.x' for v in TESTED_TRL)}; install one of those or an mrl-plugins release for TRL "
+            f"{installed})"
         )
     return installed
 
@@ -443,6 +446,10 @@ def summary_line(trainer: Any, state: State, device: Any, plan: tuple | None = N
                 where += f"; trainer cores {state.budget[0]}"
             if rc.placement == "auto":
                 where += "; placement auto: this split or taking turns on all cores, from measured stage times"
+            elif rc.warmup:
+                where += "; until ready: the trainer's own model generates (rollout.local_warmup)"
+            else:
+                where += f"; until ready: the first generation waits (at most {rc.start_timeout_s:g} s)"
         parts.append(f"rollout={name} ({where})")
     ws = "upstream" if pm.is_upstream("weight_sync") else _plugin(pm, "weight_sync")
     if ws == "mrl":

@@ -92,11 +92,13 @@ def test_unsupported_trl_version_and_trainer_type():
     from mrl_plugins.adapters.trl import check_trl_version, trainer_kind
     from mrl_plugins.errors import PluginError, UnsupportedVersionError
 
-    with pytest.raises(UnsupportedVersionError, match=r"1\.15\.2.*supported: trl"):
-        check_trl_version("1.15.2")
+    tested = r"tested: TRL 1\.14\.x, 1\.15\.x, 1\.16\.x"
+    with pytest.raises(UnsupportedVersionError, match=rf"1\.13\.0.*supported: trl.*{tested}"):
+        check_trl_version("1.13.0")
     with pytest.raises(UnsupportedVersionError, match="1.17.0"):
         check_trl_version("1.17.0")
-    assert check_trl_version("1.16.3") == "1.16.3"
+    for ok in ("1.14.0", "1.14.2", "1.15.0", "1.16.3"):
+        assert check_trl_version(ok) == ok
     with pytest.raises(PluginError, match="GRPOTrainer"):
         trainer_kind(object())
 
@@ -338,7 +340,10 @@ def test_env_variable_switches_plugins_on_at_startup(tmp_path):
         colocate = subprocess.run(
             [sys.executable, str(script), str(tmp_path)], env=env, capture_output=True, text=True, timeout=300
         )
-        line = "mrl-plugins: rollout=mrl (1 worker, cores [1]; trainer cores [0]), weight_sync=shm, comm=shm/fp16"
+        line = (
+            "mrl-plugins: rollout=mrl (1 worker, cores [1]; trainer cores [0]; until ready: the trainer's own model "
+            "generates (rollout.local_warmup)), weight_sync=shm, comm=shm/fp16"
+        )
         assert line in colocate.stderr, colocate.stderr[-2000:]
 
 

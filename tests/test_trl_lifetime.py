@@ -15,6 +15,7 @@ import gc
 import logging
 import os
 import queue
+import re
 import signal
 import subprocess
 import sys
@@ -90,7 +91,11 @@ def test_process_state_changes_only_while_training(tmp_path, capsys):
     capsys.readouterr()
     mrl_plugins.enable(trainer, _colocate(local_warmup=False))
     err = capsys.readouterr().err
-    assert "mrl-plugins: rollout=mrl (1 worker, cores [1]; trainer cores [0]), weight_sync=shm, comm=shm/fp16" in err
+    line = (
+        "mrl-plugins: rollout=mrl (1 worker, cores [1]; trainer cores [0]; until ready: the first generation waits "
+        "(at most 180 s)), weight_sync=shm, comm=shm/fp16"
+    )
+    assert line in err, err
     assert _process_state() == before
     runtime = trainer._mrl_state.runtime
     assert not runtime.started
@@ -186,6 +191,44 @@ def test_short_run_gets_batches_from_the_worker(tmp_path):
     assert 1 <= local < 20
     assert max(_history(trainer, "mrl/rollout/sched/policy/queue_depth")) <= 1  # nothing piled up while starting
     assert not _history(trainer, "mrl/rollout/discarded_batches")
+
+
+@TWO_CORES
+@pytest.mark.slow
+def test_without_warm_up_every_batch_is_the_workers_and_the_wait_is_said_on_stderr(tmp_path, capfd):
+    """local_warmup false (what 'auto' is for any engine but 'transformers'): enable() says the first generation
+    waits; the wait for a worker that takes seconds to start is reported on stderr while it lasts; every batch of
+    the run comes from the worker (mrl/rollout/worker_batches), none from the trainer's own model."""
+    import mrl_plugins
+
+    trainer = _trainer(tmp_path, steps=6)
+    mrl_plugins.enable(trainer, _colocate(start_method="spawn", local_warmup=False))
+    assert "until ready: the first generation waits (at most 180 s)" in capfd.readouterr().err
+    trainer.train()
+    err = capfd.readouterr().err
+    assert re.search(r"mrl-plugins: waiting for 1 rollout worker \(transformers engine\) to start: \d+ s so far, "
+                     r"at most 180 s \(rollout.start_timeout_s\)", err), err[-3000:]  # fmt: skip
+    assert re.search(r"mrl-plugins: 1 rollout worker \(transformers engine\) ready [\d.]+ s after the start", err)
+    assert sum(_history(trainer, "mrl/rollout/worker_batches")) == 6
+    assert not _history(trainer, "mrl/rollout/local_batches")
+    assert sum(_history(trainer, "mrl/rollout/start_wait_s")) >= 1.0
+
+
+@TWO_CORES
+@pytest.mark.slow
+def test_workers_not_ready_within_start_timeout_is_one_clear_error(tmp_path):
+    """A worker slower to start than rollout.start_timeout_s: train() fails with the bound named, nothing hangs."""
+    import mrl_plugins
+    from mrl_plugins.errors import StageTimeoutError
+
+    trainer = _trainer(tmp_path, steps=2)
+    mrl_plugins.enable(trainer, _colocate(start_method="spawn", local_warmup=False, start_timeout_s=0.5))
+    t0 = time.monotonic()
+    with pytest.raises(
+        StageTimeoutError, match=r"not ready \d+ s after they started \(rollout.start_timeout_s = 0.5\)"
+    ):
+        trainer.train()
+    assert time.monotonic() - t0 < 30
 
 
 @TWO_CORES

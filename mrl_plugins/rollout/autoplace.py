@@ -307,7 +307,7 @@ def runtime_kwargs(
 
     rc = cfg.rollout
     worker_cores = sorted({c for p in places for c in (p.get("cores") or [])}) if device_type == "cpu" else []
-    out: dict[str, Any] = {"spawn_cores": worker_cores or None, "warmup": rc.local_warmup}
+    out: dict[str, Any] = {"spawn_cores": worker_cores or None, "warmup": rc.warmup}
     if rc.placement != "auto":
         return out
     budgets = None

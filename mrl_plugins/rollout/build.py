@@ -78,7 +78,7 @@ def open_runtime(ctx: StageContext, setup: RolloutSetup) -> Any:
         ctx,
         setup.generation,
         start_pool,
-        local_engine if cfg.rollout.local_warmup or auto else None,
+        local_engine if cfg.rollout.warmup or auto else None,
         balancer_factory=balancer,
         **runtime_kwargs(cfg, places, _trainer_cores, device.type, ctx.metrics),
     )

@@ -74,6 +74,8 @@ class RolloutConfig(SchedulingSection, DeploymentSection, EngineSection):
             raise ConfigError(
                 f"rollout.placement_start: {self.placement_start!r} invalid; valid: {choices(PLACEMENT_STARTS)}"
             )
+        if self.local_warmup not in (True, False, "auto"):
+            raise ConfigError(f"rollout.local_warmup: {self.local_warmup!r} invalid; valid: true, false, 'auto'")
         if self.start_method not in START_METHODS:
             raise ConfigError(f"rollout.start_method: {self.start_method!r} invalid; valid: {choices(START_METHODS)}")
         if self.placement_interval < 1:
@@ -130,6 +132,11 @@ class RolloutConfig(SchedulingSection, DeploymentSection, EngineSection):
             )
         if not self.model_priorities or not all(isinstance(v, int) for v in self.model_priorities.values()):
             raise ConfigError("rollout.model_priorities: a mapping model_id -> int priority is required")
+
+    @property
+    def warmup(self) -> bool:
+        """Whether the trainer's own model generates while the workers start (``local_warmup``, 'auto' resolved)."""
+        return self.engine == "transformers" if self.local_warmup == "auto" else bool(self.local_warmup)
 
     def check_placement_on(self, mode: str, device: Any) -> None:
         """:meth:`check_placement` against this process's cores and the visible devices of ``device``'s type."""

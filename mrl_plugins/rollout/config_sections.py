@@ -136,9 +136,14 @@ class DeploymentSection:
             "where it is unsafe)"
         },
     )
-    local_warmup: bool = field(
-        default=True,
-        metadata={"help": "generate with the trainer's own model while the workers are still starting"},
+    local_warmup: bool | str = field(
+        default="auto",
+        metadata={
+            "help": "while the workers are still starting: true = the trainer's own model generates (on-policy, "
+            "said at enable()), false = the first generation waits for the workers (progress on stderr, at most "
+            "rollout.start_timeout_s), 'auto' = true for the 'transformers' engine (the trainer's own model is that "
+            "same engine), false for any other (rollout.engine: vllm generates with vLLM from the first step)"
+        },
     )
     rebalance: bool = field(
         default=False,
