@@ -1,4 +1,4 @@
-"""Every member of a TRL trainer that mrl-plugins touches (TRL 1.16), in one table.
+"""Every member of a TRL trainer that mrl-plugins touches (TRL 1.14, 1.15, 1.16), in one table.
 
 ``enable()`` is *check -> plan -> apply*: :func:`check_members` runs first, with the other checks, so that a TRL
 release that renamed or dropped one of these members is one error naming it, before anything was changed,
@@ -60,6 +60,26 @@ MEMBERS: tuple[Member, ...] = (
     Member("vllm_importance_sampling_correction", "set", "TRL's IS correction of vLLM samples", ("grpo",)),
 )
 
+#: what differs between the tested TRL releases (1.14.x, 1.15.x, 1.16.x) in the members above, read from TRL's
+#: own sources, and how the adapter copes; tests/test_trl_members.py checks the installed TRL against it
+VERSION_NOTES: dict[str, str] = {
+    "_generate_single_turn": "GRPO 1.14.0/1.14.1: (prompt_ids, images, multimodal_fields, has_tool_images), so "
+    "the tool loop's follow-up turns asked vllm_generation for num_generations completions per prompt; 1.14.2+: "
+    "num_generations before has_tool_images (1 for a follow-up turn). RLOO never takes it. The adapter only wraps "
+    "it (*args) and the upstream runtime retries without it",
+    "eos_token_ids": "1.14.2+: every EOS id of the model's generation config; 1.14.0/1.14.1: none (TRL stops on the "
+    "tokenizer's EOS only). Read as optional: the engines stop where that TRL stops",
+    "_get_per_token_logps_and_entropies": "1.14: full logits (or Liger's chunked path with use_liger_kernel); "
+    "1.15+: the fused LM head patched onto the model (1.15.0: a Triton-only kernel, so vanilla TRL 1.15 cannot "
+    "train on CPU; 1.16 folds it in torch there). The same positional signature everywhere (model, input_ids, "
+    "attention_mask, logits_to_keep, ...), which is all the ref_logps wrapper relies on",
+    "vllm_generation": "the interface the adapter replaces is the same in 1.14.2-1.16: generate(prompts, images, "
+    "num_generations, profiler) -> (prompt_ids, completion_ids, logprobs, logprob_token_ids) and sync_weights(); "
+    "1.16 only changed how TRL's own copy gathers FSDP2 weights",
+    "tools": "the tool loop (_tool_call_loop, calling _generate_single_turn per turn) is in all three; 1.16 parses "
+    "each completion with the tools of its prompt's environment (environment_factory dicts)",
+}
+
 #: attributes of our own that the adapter sets on a trainer (not TRL's)
 OWN = ("_mrl_state",)
 
@@ -79,8 +99,8 @@ def check_members(trainer: Any, kind: str, trl_version: str = "?") -> None:
     if missing:
         raise UnsupportedVersionError(
             f"mrl_plugins.enable: {type(trainer).__name__} (TRL {trl_version}) has no {', '.join(missing)}, which "
-            "mrl-plugins uses (see mrl_plugins.adapters.trl_members); supported: TRL 1.16.x"
+            "mrl-plugins uses (see mrl_plugins.adapters.trl_members); tested: TRL 1.14.x, 1.15.x, 1.16.x"
         )
 
 
-__all__ = ["MEMBERS", "OWN", "Member", "check_members", "missing_members"]
+__all__ = ["MEMBERS", "OWN", "VERSION_NOTES", "Member", "check_members", "missing_members"]

@@ -530,7 +530,7 @@ def test_doctor_reports_supported_versions():
 
     proc = _doctor_proc()
     line = next(line for line in proc.stdout.splitlines() if "supported versions" in line)
-    assert line.startswith("ok ") and f"trl {version('trl')} (trl<1.17.0,>=1.16.0)" in line
+    assert line.startswith("ok ") and f"trl {version('trl')} (trl<1.17.0,>=1.14.0)" in line
     assert f"transformers {version('transformers')} (transformers>=" in line and f"torch {version('torch')}" in line
 
 
@@ -543,7 +543,7 @@ def _fake_dist(root, name: str, ver: str) -> None:
 @pytest.mark.parametrize(
     "name,ver,expected",
     [
-        ("trl", "1.15.2", "TRL 1.15.2 is not supported by this mrl-plugins release; supported: trl<1.17.0,>=1.16.0"),
+        ("trl", "1.13.0", "TRL 1.13.0 is not supported by this mrl-plugins release; supported: trl<1.17.0,>=1.14.0"),
         ("trl", "1.17.0", "TRL 1.17.0 is not supported"),
         ("transformers", "4.57.0", "transformers 4.57.0 is outside the supported range transformers>=5.0"),
     ],
@@ -562,7 +562,21 @@ def test_version_problems_missing_and_local_versions():
 
     have = {"trl": None, "transformers": "5.1.0", "torch": "2.13.0+cpu", "accelerate": "1.10.0"}
     ok, missing, bad = version_problems(have.get, {"transformers": ">=5.0", "torch": ">=2.4", "accelerate": ">=1.10"})
-    assert missing == ["trl not installed (supported: trl<1.17.0,>=1.16.0)"] and not bad
+    assert missing == ["trl not installed (supported: trl<1.17.0,>=1.14.0)"] and not bad
     assert "torch 2.13.0+cpu (torch>=2.4)" in ok  # a local build tag (+cpu, +cu121) is the same release
     ok, missing, bad = version_problems({**have, "torch": "2.3.1+cu121"}.get, {"torch": ">=2.4"})
     assert bad == ["torch 2.3.1+cu121 is outside the supported range torch>=2.4"]
+
+
+def test_trl_1_15_without_triton_is_named_as_a_limit_of_trl_itself(monkeypatch):
+    import importlib.util
+
+    from mrl_plugins.cli.doctor_versions import trl_version_notes
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "triton" else real(name, *a))
+    (note,) = trl_version_notes({"trl": "1.15.0"}.get)
+    assert "TRL 1.15.0" in note and "Triton" in note and "use TRL 1.14 or 1.16 on CPU" in note
+    assert trl_version_notes({"trl": "1.16.0"}.get) == [] and trl_version_notes({"trl": "1.14.2"}.get) == []
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "triton" else None)
+    assert trl_version_notes({"trl": "1.15.0"}.get) == []

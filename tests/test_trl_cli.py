@@ -55,7 +55,8 @@ def _workspace(tmp_path: Path, mrl_value: str | None) -> Path:
 
 def _run(cmd: list[str], cwd: Path, probe: Path) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k != "MRL_PLUGINS"}
-    env.update(PROBE_OUT=str(probe), HF_HUB_OFFLINE="1", TRL_EXPERIMENTAL_SILENCE="1", PYTHONPATH=str(cwd))
+    path = os.pathsep.join([str(cwd), *filter(None, [os.environ.get("PYTHONPATH")])])  # keep tox's (TRL 1.15 on CPU)
+    env.update(PROBE_OUT=str(probe), HF_HUB_OFFLINE="1", TRL_EXPERIMENTAL_SILENCE="1", PYTHONPATH=path)
     return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
 
 

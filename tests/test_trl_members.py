@@ -52,3 +52,29 @@ def test_real_trainers_have_every_member_and_a_missing_one_is_named_before_any_c
     with pytest.raises(UnsupportedVersionError, match="has no _tokenize_prompts"):
         mrl_plugins.enable(trainer, "colocate")
     assert trainer.__dict__ == before  # nothing was changed
+
+
+@require_trl
+def test_version_notes_hold_for_the_installed_trl(tmp_path):
+    """What the table says differs between TRL 1.14, 1.15 and 1.16 is what the installed TRL has."""
+    import inspect
+    from importlib.metadata import version
+
+    from packaging.version import Version
+    from trl import GRPOTrainer, RLOOTrainer
+
+    from mrl_plugins.adapters.trl_members import MEMBERS, VERSION_NOTES
+    from mrl_plugins.config import load_config
+    from mrl_plugins.run import build_trainer
+
+    trl = Version(version("trl"))
+    assert set(VERSION_NOTES) <= {m.name for m in MEMBERS}
+    grpo_turn = inspect.signature(GRPOTrainer._generate_single_turn).parameters
+    assert ("num_generations" in grpo_turn) == (trl >= Version("1.14.2"))
+    assert "num_generations" not in inspect.signature(RLOOTrainer._generate_single_turn).parameters
+    assert hasattr(GRPOTrainer, "_tool_call_loop")
+    cfg = load_config({"train": {"model": "tiny", "steps": 1, "output_dir": str(tmp_path)}})
+    trainer = build_trainer(cfg, enable_plugins=False, output_dir=str(tmp_path))
+    assert hasattr(trainer, "eos_token_ids") == (trl >= Version("1.14.2"))
+    gen = inspect.signature(type(trainer)._get_per_token_logps_and_entropies).parameters
+    assert list(gen)[:2] == ["self", "model"]

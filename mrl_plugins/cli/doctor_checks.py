@@ -449,15 +449,16 @@ def check_threads(threads: Sequence[int], cores: int, source: str = "") -> Check
 
 def check_supported_versions() -> Check:
     """TRL (the adapter's range: ``enable()`` refuses others), transformers, torch, accelerate (declared ranges)."""
-    from mrl_plugins.cli.doctor_versions import version_problems
+    from mrl_plugins.cli.doctor_versions import trl_version_notes, version_problems
 
     ok, missing, bad = version_problems()
     also = f"; ok: {', '.join(ok)}" if ok else ""
     if bad:
         return Check("fail", "supported versions", "; ".join(bad + missing) + also)
-    if missing:
-        hint = " (pip install 'mrl-plugins[trl]' for mrl run / enable())"
-        return Check("warn", "supported versions", "; ".join(missing) + hint + also)
+    notes = trl_version_notes()
+    if missing or notes:
+        hint = " (pip install 'mrl-plugins[trl]' for mrl run / enable())" if missing else ""
+        return Check("warn", "supported versions", "; ".join(missing + notes) + hint + also)
     return Check("ok", "supported versions", ", ".join(ok))
 
 

@@ -76,3 +76,17 @@ def version_problems(
                 continue
         ok.append(f"{name} {got}" + (f" ({name}{SpecifierSet(spec)})" if spec else ""))
     return ok, missing, bad
+
+
+def trl_version_notes(installed: Callable[[str], str | None] = _installed) -> list[str]:
+    """Known limits of the installed TRL release on this machine (see ``trl_members.VERSION_NOTES``)."""
+    import importlib.util
+
+    got = installed("trl")
+    if got is not None and got.startswith("1.15.") and importlib.util.find_spec("triton") is None:
+        return [
+            f"TRL {got} computes every log-probability with a Triton-only kernel: without Triton (a CUDA build of "
+            "torch brings it) vanilla TRL cannot train on this machine, with or without the plugins; use TRL 1.14 or "
+            "1.16 on CPU"
+        ]
+    return []
