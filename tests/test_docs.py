@@ -1,33 +1,26 @@
-"""The documentation a TRL user reads first: ``docs/config.md`` is what the config dataclasses say, the README's
-quick-start script runs as pasted (fewer steps), and what the README promises about commands and metrics holds."""
+"""The documentation a TRL user reads first: ``docs/config.md`` is what the config dataclasses say, and what the
+README promises about links, the test command, the bundled configs and the TRL CLI line holds (its code blocks,
+the quick start run as pasted included: tests/test_readme_blocks.py)."""
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import re
 import subprocess
 import sys
-from pathlib import Path
 
-import pytest
-
-from tests.marks import require_trl
-
-REPO_ROOT = Path(__file__).resolve().parents[1]
-README = REPO_ROOT / "README.md"
+from tests import doc_blocks
+from tests.doc_blocks import REPO_ROOT
 
 
 def _readme() -> str:
-    return README.read_text(encoding="utf-8")
+    return doc_blocks.text("README.md")
 
 
 def _block(heading: str, lang: str) -> str:
     """The first fenced ``lang`` block after the README heading ``heading``."""
-    match = re.search(rf"^#+ {re.escape(heading)}\s*$(.*?)^```{lang}\n(.*?)^```", _readme(), re.S | re.M)
-    assert match, f"README.md has no ```{lang} block under a heading {heading!r}"
-    return match.group(2)
+    return doc_blocks.block(heading, lang)
 
 
 def _clean_env() -> dict[str, str]:
@@ -85,7 +78,7 @@ def test_generator_cli_writes_and_checks(tmp_path):
 
 def test_readme_links_and_commands():
     """The files the README links exist; the test command is ``tox`` on a line of its own; the bundled configs
-    the README's table names are the shipped ones."""
+    the README's table names are the shipped ones, and the TRL CLI's ``MRL_PLUGINS`` line names one of them."""
     from mrl_plugins.config import bundled_configs
 
     text = _readme()
@@ -97,38 +90,7 @@ def test_readme_links_and_commands():
     section = section[: section.index("\n## ", 1)]
     named = set(re.findall(r"^\| `(\w+)` \|", section, re.M))
     assert named == set(bundled_configs()), (named, sorted(bundled_configs()))
-    for line in re.findall(r"^\s*MRL_PLUGINS: (\S+)", _block("Quick start", "yaml"), re.M):
-        assert line in bundled_configs()
-
-
-@require_trl
-@pytest.mark.slow
-def test_readme_quickstart_runs_as_pasted(tmp_path):
-    """The quick-start script, extracted from the README, trains (4 steps instead of 60) with the plugins on:
-    enable() prints its line, every step is taken, and the metrics the README lists as logged every step are
-    in TRL's logs."""
-    script = _block("Quick start", "python")
-    script, n_steps = re.subn(r"max_steps=\d+", "max_steps=4", script)
-    script, n_log = re.subn(r"logging_steps=\d+", "logging_steps=1", script)
-    assert n_steps == 1 and n_log == 1, "the quick start must set max_steps and logging_steps once"
-    (tmp_path / "quickstart.py").write_text(script, encoding="utf-8")
-    runner = (
-        "import json, runpy\n"
-        "g = runpy.run_path('quickstart.py')\n"
-        "json.dump({'history': g['trainer'].state.log_history, 'step': g['trainer'].state.global_step},"
-        " open('history.json', 'w'))\n"
-    )
-    proc = subprocess.run(
-        [sys.executable, "-c", runner], cwd=tmp_path, capture_output=True, text=True, env=_clean_env(), timeout=600
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert re.search(r"^mrl-plugins: rollout=mrl \(", proc.stderr, re.M), proc.stderr[-2000:]
-    assert re.search(r"^reward \d\.\d{3} -> \d\.\d{3}$", proc.stdout, re.M), proc.stdout[-1000:]
-    result = json.loads((tmp_path / "history.json").read_text())
-    assert result["step"] == 4
-    logged = {k for log in result["history"] for k in log}
-    text = _readme()
-    every_step = text[text.index("Logged every step") : text.index("When they happen")]
-    promised = set(re.findall(r"`(mrl/[a-z_]+/[a-z_0-9]+)`", every_step))
-    assert len(promised) >= 10, promised
-    assert promised <= logged, sorted(promised - logged)
+    named = re.findall(r"^\s*MRL_PLUGINS: (\S+)", _block("With the TRL CLI", "yaml"), re.M)
+    assert named, "the TRL CLI block sets no MRL_PLUGINS"
+    for name in named:
+        assert name in bundled_configs()

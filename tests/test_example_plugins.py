@@ -1,6 +1,7 @@
 """Third-party plugins replace each stage: ``tests/plugins/mrl_example_plugins`` is pip-installed (its own
 pyproject, entry points in the ``mrl_plugins`` group) and selected by name for a GRPO run on the tiny model,
-one stage at a time; the README's "Writing a plugin" example is that package's comm plugin, verbatim."""
+one stage at a time; the complete example of docs/plugins.md (linked from the README) is that package's comm
+plugin, verbatim."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from tests import doc_blocks
 from tests.marks import require_trl
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -115,12 +117,11 @@ def test_a_registered_codec_is_used_end_to_end(example_plugins):
         pool.close(timeout=2)
 
 
-def test_readme_plugin_example_is_the_tested_package():
-    """The README's "Writing a plugin" shows the example comm plugin and its entry points, exactly."""
-    readme = (REPO_ROOT / "README.md").read_text(encoding="utf-8")
-    section = re.search(r"^## Writing a plugin\s*$(.*?)(?=^## )", readme, re.S | re.M)
-    assert section, "README.md has no '## Writing a plugin' section"
-    blocks = dict(re.findall(r"^```(\w+)\n(.*?)^```", section.group(1), re.S | re.M))
+def test_docs_plugin_example_is_the_tested_package():
+    """docs/plugins.md's complete example shows the example comm plugin and its entry points, exactly."""
+    section = doc_blocks.section("A complete example: the tested comm plugin", "docs/plugins.md")
+    blocks = dict(re.findall(r"^```(\w+)\n(.*?)^```", section, re.S | re.M))
+    assert sorted(blocks) == ["python", "toml"], sorted(blocks)
     assert blocks["python"] == (PACKAGE / "mrl_example_plugins" / "comm.py").read_text(encoding="utf-8")
     toml = (PACKAGE / "pyproject.toml").read_text(encoding="utf-8")
     assert blocks["toml"].strip() in toml

@@ -1,5 +1,5 @@
 """`mrl bench comm --link RATE`: experience between two network namespaces over a shaped link (smoke run of the
-real command; the measured figures are in the README's multi-host section)."""
+real command; the measured figures are in docs/multi-host.md)."""
 
 from __future__ import annotations
 

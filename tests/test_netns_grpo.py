@@ -1,4 +1,4 @@
-"""The README's multi-host config, run as pasted: a GRPO run across two network hosts (Linux network
+"""The multi-host config of docs/multi-host.md, run as pasted: a GRPO run across two network hosts (Linux network
 namespaces on a veth link, 1 Gbit/s tbf): the trainer (`mrl run`) in one namespace, `mrl worker --connect` in
 the other; experience over torch_distributed, weights over the broadcast transport (no shared filesystem: the
 worker has no weight directory at all)."""
@@ -12,16 +12,15 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 import yaml
 
+from tests import doc_blocks
 from tests import netns as two_hosts
 from tests.marks import require_trl
-from tests.test_readme_and_ignores import _readme_yaml
 
-README = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
+MULTI_HOST = "docs/multi-host.md"  # the README links it
 
 pytestmark = [pytest.mark.slow]
 hosts = two_hosts.hosts  # the fixture
@@ -54,8 +53,10 @@ def test_harness_joins_two_hosts_by_a_shaped_link_and_cuts_it(hosts):
 
 
 def _readme_config(steps: int) -> str:
-    """The README's multi-host config as pasted, on the harness's addresses, with a short run of the tiny model."""
-    data = yaml.safe_load(_readme_yaml("Workers on other hosts").replace("10.0.0.1", two_hosts.TRAINER))
+    """docs/multi-host.md's config as pasted, on the harness's addresses, with a short run of the tiny model."""
+    data = yaml.safe_load(
+        doc_blocks.block("Workers on other hosts", "yaml", MULTI_HOST).replace("10.0.0.1", two_hosts.TRAINER)
+    )
     assert data["rollout"]["rendezvous"] == f"{two_hosts.TRAINER}:{two_hosts.RENDEZVOUS_PORT}"
     data["rollout"].update(local_warmup=False, engine_threads=1, trainer_threads=1)
     data["train"] = {"model": "tiny", "steps": steps, "threads": 1}
@@ -66,7 +67,7 @@ def _readme_config(steps: int) -> str:
 def test_grpo_trains_across_hosts_with_weights_broadcast_over_the_link(hosts, tmp_path):
     h = hosts(1, rate="1gbit")
     (tmp_path / "run.yaml").write_text(_readme_config(STEPS))
-    assert f"mrl worker --connect 10.0.0.1:{two_hosts.RENDEZVOUS_PORT} --index 0" in README
+    assert f"mrl worker --connect 10.0.0.1:{two_hosts.RENDEZVOUS_PORT} --index 0" in doc_blocks.text(MULTI_HOST)
     wdir = tmp_path / "worker"  # the worker's own folder: nothing shared with the trainer's
     wdir.mkdir()
     env = two_hosts.child_env(PYTHONFAULTHANDLER="1")

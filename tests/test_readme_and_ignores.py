@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import shutil
 import subprocess
 import sys
@@ -15,6 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests import doc_blocks
 from tests.marks import require_trl
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -22,10 +22,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 
 def _readme_yaml(heading: str) -> str:
     """The first ```yaml block after the README heading ``heading``."""
-    text = (REPO_ROOT / "README.md").read_text(encoding="utf-8")
-    match = re.search(rf"^#+ {re.escape(heading)}\s*$(.*?)^```yaml\n(.*?)^```", text, re.S | re.M)
-    assert match, f"README.md has no ```yaml block under a heading {heading!r}"
-    return match.group(2)
+    return doc_blocks.block(heading, "yaml")
 
 
 def _clean_env() -> dict[str, str]:

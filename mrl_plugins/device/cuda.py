@@ -1,4 +1,4 @@
-"""CUDA device. Unverified on hardware in this project (no GPU where it was written); see the README matrix.
+"""CUDA device. Unverified on hardware in this project (no GPU where it was written); see docs/architecture.md.
 
 Stream priority is a real hardware priority on CUDA: ``high`` maps to the greatest priority of
 ``torch.cuda.Stream.priority_range()``, ``normal`` and ``low`` to the least (the default, 0 — CUDA has nothing

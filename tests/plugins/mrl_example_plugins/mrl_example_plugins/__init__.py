@@ -5,5 +5,5 @@
 * ``plugins.rollout: example-rollout`` -- an in-process engine on a copy of the policy (:mod:`.rollout`).
 
 Small on purpose: they show the hooks and the ends each stage builds (``mrl_plugins.hookspecs.channels``),
-not a fast transport. The README's "Writing a plugin" example is :mod:`.comm`.
+not a fast transport. The complete example in docs/plugins.md is :mod:`.comm`.
 """
