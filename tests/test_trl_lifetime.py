@@ -271,6 +271,8 @@ def test_warmup_engine_is_transformers_whatever_the_rollout_engine(tmp_path, ins
     install_dist("slowplug", {"slowplug": "tests.pool_helpers:slow_engine_plugin"}, {})
     trainer = _trainer(tmp_path)
     mrl_plugins.enable(trainer, _colocate(engine="slow"))
+    assert trainer._mrl_state.runtime._local_factory is None  # 'auto': no warm-up for an engine but 'transformers'
+    mrl_plugins.enable(trainer, _colocate(engine="slow", local_warmup=True))  # asked for: the light engine
     runtime = trainer._mrl_state.runtime
     assert isinstance(runtime._local_factory(), TransformersEngine)
     assert not runtime.started
