@@ -1,6 +1,8 @@
 """A user's own ``GRPOTrainer(..., use_vllm=True, vllm_mode="colocate")`` switched by ``enable()`` to the plugin's vLLM
 engine: a 40-step run generates every batch with vLLM (not with the trainer's own model while vLLM starts), the
-wait is said on stderr, the logprobs equal teacher forcing under each batch's weight version, the reward learns."""
+wait is said on stderr, the logprobs equal teacher forcing under each batch's weight version, the reward learns. The
+worker is spawned here: a vLLM worker forked from a process where TRL's own vLLM engine ran hung at its first
+request (measured), so start_method 'auto' spawns it."""
 
 from __future__ import annotations
 
@@ -44,7 +46,20 @@ def test_a_40_step_use_vllm_trainer_generates_every_batch_with_vllm_and_learns(t
     mrl_plugins.enable(trainer, {"rollout": {"engine": "vllm", "start_timeout_s": 300}})  # local_warmup: 'auto'
     assert "until ready: the first generation waits" in capfd.readouterr().err
     recorder = VersionRecorder(trainer)
+    import psutil
+    from transformers import TrainerCallback
+
+    started = {}
+
+    class Probe(TrainerCallback):  # TRL's engine ran in this process (and left its process group): spawned
+        def on_step_end(self, args, state, control, **kwargs):
+            if not started:
+                (pid,) = trainer._mrl_state.runtime.pool.pids
+                started["spawned"] = "--multiprocessing-fork" in psutil.Process(pid).cmdline()
+
+    trainer.add_callback(Probe())
     trainer.train()
+    assert started == {"spawned": True}
     err = capfd.readouterr().err
     assert "rollout worker (vllm engine) ready" in err, err[-3000:]
     assert sum(_history(trainer, "mrl/rollout/worker_batches")) == 40  # every generation: the vLLM worker's
