@@ -134,8 +134,6 @@ def _check_rollout(trainer: Any, cfg: Any, pm: Any, kind: str) -> None:
             from mrl_plugins.device import get_device
 
             cfg.rollout.check_placement_on(cfg.mode, get_device(cfg.device))
-        if getattr(trainer, "tools", None):
-            raise ConfigError("plugins.rollout: 'mrl' does not run TRL tool calls; set plugins.rollout: upstream")
         if cfg.rollout.old_logps == "engine":
             _check_engine_logps(trainer, kind)
         if cfg.rollout.ref_logps == "engine":
@@ -233,6 +231,11 @@ def _install_rollout(trainer: Any, state: State, device: Any, plan: tuple | None
     state.patch(trainer, "use_vllm", True)
     state.patch(trainer, "vllm_mode", "mrl")
     state.patch(trainer, "_last_loaded_step", -1)
+    from mrl_plugins.adapters.trl_agentic import install_agentic
+
+    state.agentic = install_agentic(trainer, state, gen)  # tools, environments, rollout_func: every turn served
+    if state.shadow is not None:
+        _add_step_end_callback(trainer, state, state.shadow.on_step_end)
     if cfg.rollout.old_logps == "engine":
         _use_engine_logps(trainer, state)
     if cfg.rollout.ref_logps == "engine":

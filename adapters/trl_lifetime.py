@@ -45,6 +45,8 @@ class State:
         self.budget: tuple[list[int], int] | None = None  # (trainer cores, torch threads) while train() runs
         self.summary = ""
         self.has_workers = False  # rollout worker processes (a pool) rather than none or an in-process engine
+        self.agentic: list[str] = []  # TRL's tools / environments / rollout_func the rollout serves
+        self.shadow: Any = None  # adapters.trl_shadow.ShadowLookahead: the next batch's rollout run ahead
         self._patches: list[tuple[Any, str, Any]] = []
         self._runtime: Any = None
         State.live.add(self)
@@ -82,8 +84,14 @@ class State:
         if start is not None:
             start()
 
+    def close_shadow(self) -> None:
+        """No batch rolls out ahead any more (before the workers go)."""
+        if self.shadow is not None:
+            self.shadow.close()
+
     def release_pool(self) -> None:
         """Stop this trainer's workers and free their shared memory; they restart on the next use."""
+        self.close_shadow()
         release = getattr(self.runtime, "release", None)
         if release is not None:
             release()
@@ -94,6 +102,7 @@ class State:
         self.closed = True
         State.live.discard(self)
         runtime, self._runtime = self._runtime, None
+        self.close_shadow()
         try:
             try:
                 if runtime is not None:

@@ -42,6 +42,7 @@ class ArrangementMixin:
     _pool: Any
     _pending: dict
     _budgets: dict[str, tuple[list[int], int]] | None
+    _lock: Any
 
     #: nice value of rollout workers started while the trainer takes turns on all cores (placement auto)
     BACKGROUND_NICE = 19
@@ -148,8 +149,10 @@ class ArrangementMixin:
         if now - self._lend_last < self.LEND_CHECK_S:
             return
         self._lend_last = now
-        pool = self._pool
+        if not self._lock.acquire(blocking=False):  # a rollout run ahead is using the pool: look next time
+            return
         try:
+            pool = self._pool
             if pool is None or not pool.ready:
                 return
             pool.poll()
@@ -161,6 +164,8 @@ class ArrangementMixin:
             log.warning("mrl-plugins: lending the workers' cores stopped (%s: %s)", type(exc).__name__, exc)
             self._lend, self._device_lender = False, None
             return
+        finally:
+            self._lock.release()
         if self._lend:
             import os
 

@@ -199,6 +199,14 @@ class SchedulingSection:
         },
     )
     timeout_s: float = field(default=120.0, metadata={"help": "max seconds to wait for a worker's batch or reply"})
+    tool_timeout_s: float = field(
+        default=60.0,
+        metadata={
+            "help": "TRL tools and environment methods: max seconds a tool call may take; a tool past it is reported "
+            "to the model as a failing tool ({'error': ...}, tools/failure_frequency) and the rollout goes on (a "
+            "synchronous tool's thread cannot be stopped and is left running)"
+        },
+    )
     model_priorities: dict = field(
         default_factory=lambda: {"policy": 0},
         metadata={"help": "multi-model pool: model_id -> priority (lower runs first)"},

@@ -18,6 +18,7 @@ older than ``max_staleness`` versions are dropped and regenerated, or kept and c
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections import deque
 from collections.abc import Iterator
@@ -27,6 +28,7 @@ from typing import Any
 from mrl_plugins.hookspecs import RolloutResult, StageContext
 
 from .arrangement import ArrangementMixin, prompt_key, trainer_device
+from .multiturn import MultiTurnMixin
 
 log = logging.getLogger("mrl_plugins.rollout")
 
@@ -93,6 +95,17 @@ class MrlGeneration:
         self.metrics = ctx.metrics
         self.last_result: RolloutResult | None = None  # the latest generation (its ``scores`` feed ref_logps)
         self.runtime: Any = None  # a RolloutRuntime: generate() and publish()
+        #: calls of generate() since TRL's rollout of the current batch began (:meth:`begin_rollout`): the first is
+        #: the batch's first turn (the one the lookahead prepares), later ones are follow-up turns (TRL's tool loop)
+        self.calls = 0
+        #: every call is a follow-up turn (a user's rollout_func: the plugin cannot know what it asks next)
+        self.direct = False
+        #: the runtime may read the next batch's prompts ahead (off where a rollout's prompts are not the dataset's)
+        self.lookahead = True
+
+    def begin_rollout(self) -> None:
+        """TRL begins generating a batch (its ``_generate``): the next call is that batch's first turn."""
+        self.calls = 0
 
     # ---------------------------------------------------------------- TRL interface
     def sync_weights(self) -> None:
@@ -120,10 +133,15 @@ class MrlGeneration:
             from mrl_plugins.errors import PluginError
 
             raise PluginError("mrl rollout: image prompts are not supported; set plugins.rollout: upstream")
+        follow_up = self.direct or self.calls > 0
+        self.calls += 1
         with profiler or nullcontext():
             t0 = time.perf_counter()
-            result = self.runtime.generate(prompts, 1, "policy")
+            turn = getattr(self.runtime, "generate_turn", None) if follow_up else None
+            result = turn(prompts, "policy") if turn is not None else self.runtime.generate(prompts, 1, "policy")
             self.metrics.add("time/generate_s", time.perf_counter() - t0)
+        if follow_up:
+            self.metrics.add("rollout/follow_up_turns", 1)
         self.last_result = result
         self.metrics.gauge("rollout/staleness", max(0, self.version - result.weight_version))
         logprobs = [[[lp] for lp in seq] for seq in result.logprobs]
@@ -188,7 +206,7 @@ class LocalEngineRuntime:
             close()
 
 
-class PoolRuntime(ArrangementMixin):
+class PoolRuntime(ArrangementMixin, MultiTurnMixin):
     """``rollout.workers >= 1``: worker processes, optionally one batch ahead of the trainer.
 
     The pool is started lazily: by :meth:`start` (the adapter calls it when ``train()`` begins) or by the first
@@ -253,6 +271,9 @@ class PoolRuntime(ArrangementMixin):
         self._last_gen: tuple[float, float, float, str | None] | None = None  # (start, blocked s, engine s, tag)
         self.served = {"split": 0, "turns": 0, "warmup": 0}  # batches per arrangement (tests, reports)
         self.last_source = ""
+        self._batch_exact = False  # every turn of the current batch came from the trainer's own current model
+        #: the pool's users: the trainer's thread and, with a rollout run ahead, its thread (adapters.trl_shadow)
+        self._lock = threading.RLock()
         self._reset()
 
     def _reset(self) -> None:
@@ -308,7 +329,8 @@ class PoolRuntime(ArrangementMixin):
         """Stop the workers and release their shared memory (fast: a worker still starting is terminated).
 
         Warns once when the pool ran but delivered no batch (every batch came from the trainer's own model)."""
-        pool, self._pool, self.balancer = self._pool, None, None
+        with self._lock:
+            pool, self._pool, self.balancer = self._pool, None, None
         self._budget_now = None  # train() ends: its process state (affinity, threads) is restored by the adapter
         while self._lend_hooks:
             self._lend_hooks.pop().remove()
@@ -337,7 +359,8 @@ class PoolRuntime(ArrangementMixin):
 
     def publish(self, version: int, named_tensors: Any) -> Any:
         """Every sync goes through the pool: its workers get a notice."""
-        return self._publish(version, named_tensors)
+        with self._lock:
+            return self._publish(version, named_tensors)
 
     def _publish(self, version: int, named_tensors: Any) -> Any:
         if self.placement is not None and self.arrangement == "turns":
@@ -366,7 +389,18 @@ class PoolRuntime(ArrangementMixin):
         return result
 
     def generate(self, prompts: list[list[int]], num_generations: int, model_id: str) -> RolloutResult:
-        t0 = time.perf_counter()
+        with self._lock:
+            t0 = time.perf_counter()
+            self._place(t0)
+            if self.arrangement == "turns":
+                result, engine_s, tag = self._generate_turns(prompts, num_generations, model_id)
+            else:
+                result, engine_s, tag = self._generate_split(prompts, num_generations, model_id)
+            self._served(t0, time.perf_counter() - t0, engine_s, tag)
+            return result
+
+    def _place(self, t0: float) -> None:
+        """``placement: auto``: the interval since the previous batch as a sample; switch where it decides."""
         if self.placement is not None:
             self._observe(t0)
             target = self.placement.check()
@@ -374,16 +408,15 @@ class PoolRuntime(ArrangementMixin):
                 self.arrangement = target
                 self.ctx.metrics.add("rollout/placement_switch_batches", 1)
             self.placement.report()
-        if self.arrangement == "turns":
-            result, engine_s, tag = self._generate_turns(prompts, num_generations, model_id)
-        else:
-            result, engine_s, tag = self._generate_split(prompts, num_generations, model_id)
+
+    def _served(self, t0: float, blocked: float, engine_s: float, tag: str | None) -> None:
+        """Bookkeeping of a batch handed to the trainer: who generated it, TRL's importance-sampling switch."""
+        self._batch_exact = tag in ("turns", "warmup")
         if self.exact is not None:  # the trainer's own current model generated: no importance sampling
-            self.exact(tag in ("turns", "warmup"))
+            self.exact(self._batch_exact)
         self.last_source = tag or "split"  # who generated this batch: split (workers), turns or warmup (trainer)
         self.served[self.last_source] += 1
-        self._last_gen = (t0, time.perf_counter() - t0, engine_s, tag)
-        return result
+        self._last_gen = (t0, blocked, engine_s, tag)
 
     def _generate_split(
         self, prompts: list[list[int]], num_generations: int, model_id: str
@@ -489,6 +522,10 @@ class PoolRuntime(ArrangementMixin):
         """
         if self._deferred is None or global_step < self._deferred[3]:
             return
+        with self._lock:
+            self._submit_deferred()
+
+    def _submit_deferred(self) -> None:
         nxt, num_generations, model_id, _ = self._deferred
         self._deferred = None
         if self._pool is None:  # released meanwhile
@@ -508,7 +545,7 @@ class PoolRuntime(ArrangementMixin):
 
     def _next_prompts(self, current: list[list[int]]) -> list[list[int]] | None:
         loader = self.gen.loader
-        it = loader.current if loader is not None else None
+        it = loader.current if loader is not None and self.gen.lookahead else None
         if it is None:
             return None
         trainer = self.gen.trainer

@@ -1,0 +1,200 @@
+"""TRL's agentic rollouts under the ``mrl`` rollout: ``tools=``, ``environment_factory=`` and ``rollout_func=``.
+
+TRL runs a multi-turn rollout in ``_generate``: the batch's first turn through ``_generate_single_turn``, then, for
+tools and environments, its tool loop (``_tool_call_loop``) calls the tools, appends their results and asks
+``_generate_single_turn`` for each follow-up turn; a ``rollout_func`` replaces all of that with the user's function.
+With the plugin every one of those generations goes to ``trainer.vllm_generation``, the plugin's rollout
+(:class:`~mrl_plugins.rollout.runtime.MrlGeneration`):
+
+* the **first turn** of a batch is the one the async lookahead prepares (generated while the trainer trains on the
+  previous batch); with ``environment_factory`` a batch's prompts depend on its environments' ``reset()``, which
+  TRL calls only when the batch is trained on, so there the batch ahead is rolled out by
+  :mod:`mrl_plugins.adapters.trl_shadow` instead;
+* **follow-up turns** (tool results appended) are generated at once by the same workers, with the current weight
+  version (``generate_turn``), outside the lookahead: TRL's own loop decides what is asked, appends, masks
+  (``tool_mask``), rolls back overlong turns and logs its tool metrics exactly as without the plugin;
+* a **rollout_func** is served where it generates through ``trainer.vllm_generation`` (``generate(prompts=...,
+  images=None, num_generations=...)``, as it does with TRL's own colocated vLLM): every call goes to the workers as
+  a follow-up turn (nothing is read ahead: the plugin cannot know what the function asks next). One that generates
+  some other way is not served: a warning says so right after its first call.
+
+Every tool call is bounded by ``rollout.tool_timeout_s``: a tool that does not return in time is reported to the
+model as TRL reports a failing tool (``{"error": ...}`` in the conversation, ``tools/failure_frequency``) and the run
+goes on. A synchronous tool cannot be interrupted: its thread is left running in the background.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+import threading
+from typing import Any
+
+log = logging.getLogger("mrl_plugins.adapters.trl")
+
+
+def agentic_kinds(trainer: Any) -> list[str]:
+    """Which of TRL's agentic features this trainer uses: ``tools``, ``environments``, ``rollout_func``."""
+    kinds = []
+    if getattr(trainer, "environment_factories", None):
+        kinds.append("environments")
+    elif getattr(trainer, "tools", None):
+        kinds.append("tools")
+    if getattr(trainer, "rollout_func", None) is not None:
+        kinds.append("rollout_func")
+    return kinds
+
+
+def bounded_tool(fn: Any, name: str, timeout: float) -> Any:
+    """``fn`` that gives up after ``timeout`` s with a TimeoutError (which TRL turns into a tool error message)."""
+    why = f"tool {name!r} did not return within {timeout:g} s (rollout.tool_timeout_s)"
+    if inspect.iscoroutinefunction(fn):
+
+        async def call_async(**kwargs: Any) -> Any:
+            try:
+                return await asyncio.wait_for(fn(**kwargs), timeout)
+            except asyncio.TimeoutError:
+                raise TimeoutError(why) from None
+
+        call_async.mrl_bounded = True  # type: ignore[attr-defined]
+        return call_async
+
+    def call(**kwargs: Any) -> Any:
+        box: dict[str, Any] = {}
+
+        def run() -> None:
+            try:
+                box["value"] = fn(**kwargs)
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller below
+                box["error"] = exc
+
+        thread = threading.Thread(target=run, name=f"mrl-tool-{name}", daemon=True)
+        thread.start()
+        thread.join(timeout)
+        if thread.is_alive():
+            raise TimeoutError(why + "; its thread is left running")
+        if "error" in box:
+            raise box["error"]
+        return box["value"]
+
+    call.mrl_bounded = True  # type: ignore[attr-defined]
+    return call
+
+
+def bound_tool_dicts(host: Any, timeout: float) -> None:
+    """Bound every tool of the batch TRL is about to run (``_sync_tool_dicts`` / ``_async_tool_dicts``, built per
+    batch from the standalone tools and each rollout's environment methods)."""
+    for attr in ("_sync_tool_dicts", "_async_tool_dicts"):
+        dicts = getattr(host, attr, None) or []
+        setattr(
+            host,
+            attr,
+            [
+                {k: f if getattr(f, "mrl_bounded", False) else bounded_tool(f, k, timeout) for k, f in d.items()}
+                for d in dicts
+            ],
+        )
+
+
+def install_agentic(trainer: Any, state: Any, gen: Any) -> list[str]:
+    """Route TRL's agentic rollouts through ``gen`` (see the module docstring); returns :func:`agentic_kinds`."""
+    kinds = agentic_kinds(trainer)
+    if not kinds:
+        return kinds
+    rc = state.ctx.config.rollout
+    timeout = rc.tool_timeout_s
+    shadow = None
+    if "rollout_func" in kinds:
+        gen.direct, gen.lookahead = True, False
+    elif "environments" in kinds:
+        gen.lookahead = False  # a batch's prompts come from its environments' reset(): nothing to read ahead
+    if ahead_possible(trainer, state, gen, kinds):
+        from mrl_plugins.adapters.trl_shadow import ShadowLookahead
+
+        shadow = state.shadow = ShadowLookahead(trainer, state, gen, rc.timeout_s)
+        gen.lookahead = False  # the whole rollout runs ahead instead of its first turn
+        _take_rollouts_ahead(trainer, state, gen, shadow)
+    orig_generate = trainer._generate
+    warned = []
+
+    def generate(prompts: Any) -> Any:
+        gen.begin_rollout()
+        out = shadow.answer(prompts) if shadow is not None else None
+        if out is None:
+            out = orig_generate(prompts)
+        if shadow is not None and trainer.model.training:
+            shadow.schedule(shadow.next_inputs())
+        if "rollout_func" in kinds and gen.calls == 0 and not warned:
+            warned.append(True)
+            log.warning(
+                "mrl-plugins: the rollout_func generated without trainer.vllm_generation, so the plugin's rollout "
+                "workers served none of it; call trainer.vllm_generation.generate(prompts=..., images=None, "
+                "num_generations=...) in it, or set plugins.rollout: upstream"
+            )
+        return out
+
+    state.patch(trainer, "_generate", generate)
+    if "tools" in kinds or "environments" in kinds:
+        orig_loop = trainer._tool_call_loop
+
+        def tool_call_loop(*args: Any, **kwargs: Any) -> Any:
+            bound_tool_dicts(trainer, timeout)
+            return orig_loop(*args, **kwargs)
+
+        state.patch(trainer, "_tool_call_loop", tool_call_loop)
+    return kinds
+
+
+def ahead_possible(trainer: Any, state: Any, gen: Any, kinds: list[str]) -> bool:
+    """Whether the next batch's whole rollout can run ahead (:mod:`mrl_plugins.adapters.trl_shadow`): tools or
+    environments, GRPO, one training process, rollout workers (a pool), the async pipeline."""
+    return (
+        ("tools" in kinds or "environments" in kinds)
+        and "rollout_func" not in kinds
+        and state.kind == "grpo"
+        and trainer.accelerator.num_processes == 1
+        and state.has_workers
+        and state.ctx.config.rollout.pipeline == "async"
+        and hasattr(state.runtime, "take_ahead")
+    )
+
+
+def _take_rollouts_ahead(trainer: Any, state: Any, gen: Any, shadow: Any) -> None:
+    """Wrap ``_generate_and_score_completions``: a batch rolled out ahead is taken (see trl_shadow), else TRL's own
+    rollout runs (its follow-up turns on the workers)."""
+    import time
+
+    orig = trainer._generate_and_score_completions
+    rc = state.ctx.config.rollout
+    metrics = state.ctx.metrics
+
+    def generate_and_score(inputs: Any) -> Any:
+        if not trainer.model.training:
+            return orig(inputs)
+        t0 = time.perf_counter()
+        rollout = shadow.take(inputs)
+        waited = time.perf_counter() - t0
+        shadow.note_current(inputs)
+        if rollout is None:
+            return orig(inputs)
+        step = trainer.state.global_step
+        if trainer._last_loaded_step != step:  # TRL syncs in _generate_single_turn, which it does not call now
+            gen.sync_weights()
+            trainer._last_loaded_step = step
+        stale = gen.version - rollout.oldest_version()
+        metrics.gauge("rollout/staleness", max(0, stale))
+        if stale > rc.max_staleness:
+            metrics.add("rollout/stale_samples", len(inputs))
+            if rc.stale_policy == "drop":
+                metrics.add("rollout/dropped_samples", len(inputs))
+                return orig(inputs)  # rolled out again, now, by TRL
+        state.runtime.take_ahead(t0, waited, rollout.engine_s())
+        gen.last_result = None  # no worker scores for a multi-turn batch: TRL computes its reference pass
+        with shadow.consuming(rollout):
+            return orig(inputs)
+
+    state.patch(trainer, "_generate_and_score_completions", generate_and_score)
+
+
+__all__ = ["agentic_kinds", "ahead_possible", "bound_tool_dicts", "bounded_tool", "install_agentic"]
