@@ -16,6 +16,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from mrl_plugins import tool_task
 from mrl_plugins.errors import ConfigError, choices
 
 MODES = ("colocate", "disaggregated", "hybrid")
@@ -25,7 +26,7 @@ TOP = "config"
 TRAINERS = ("grpo", "rloo")
 #: the embedded job's tasks (``train.task``): the count task of the ``tiny``/``small`` presets, and the tool task
 #: (:mod:`mrl_plugins.tool_task`, preset ``tiny-tools``) with ``tools=``, one environment factory or a dict of two
-TASKS = ("count", "tools", "environment", "environments")
+TASKS = ("count", *tool_task.TASKS)
 
 
 def _type_ok(value: Any, tp: Any) -> bool:

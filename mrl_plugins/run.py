@@ -188,27 +188,15 @@ def _has_chat_template(folder: str) -> bool:
         return False
 
 
-def _task_inputs(cfg: MrlConfig) -> tuple[Any, Any, dict[str, Any]]:
-    """``(train_dataset, reward_funcs, extra trainer keyword arguments)`` of ``train.task``."""
-    from mrl_plugins import models
+def _task_inputs(cfg: MrlConfig) -> dict[str, Any]:
+    """The trainer's ``train_dataset``, ``reward_funcs`` and (tool tasks) ``tools`` / ``environment_factory``."""
+    from mrl_plugins import models, tool_task
 
     n, seed = cfg.train.num_prompts, cfg.train.seed
-    task = cfg.train.task
-    if task == "count":
-        return (
-            models.build_dataset(n, words=models.preset(cfg.train.model).prompt_words, seed=seed),
-            models.count_reward,
-            {},
-        )
-    if task == "tools":
-        return models.build_tool_dataset(n, seed=seed), models.arithmetic_reward, {"tools": models.calculator_tools()}
-    env = "single" if task == "environment" else "dict"
-    # the environments own the reward (get_reward: the right tool on the right operands)
-    return (
-        models.build_tool_dataset(n, seed=seed, env=env),
-        [],
-        {"environment_factory": models.environment_factories(env)},
-    )
+    if cfg.train.task != "count":
+        return tool_task.trainer_inputs(cfg.train.task, n=n, seed=seed)
+    words = models.preset(cfg.train.model).prompt_words
+    return {"train_dataset": models.build_dataset(n, words=words, seed=seed), "reward_funcs": models.count_reward}
 
 
 def build_trainer(cfg: MrlConfig, *, enable_plugins: bool = True, output_dir: str | None = None) -> Any:
@@ -222,7 +210,7 @@ def build_trainer(cfg: MrlConfig, *, enable_plugins: bool = True, output_dir: st
         # TRL builds a reference model (KL term) and vLLM its engine from model.name_or_path: give the preset a folder
         ref_dir = os.path.join(output_dir or cfg.train.output_dir, f"preset-{cfg.train.model}-seed{cfg.train.seed}")
         save_preset(model, tokenizer, ref_dir)
-    dataset, rewards, task_kwargs = _task_inputs(cfg)
+    task_inputs = _task_inputs(cfg)
     args = _trl_args(cfg, output_dir or cfg.train.output_dir)
     import trl
 
@@ -231,10 +219,8 @@ def build_trainer(cfg: MrlConfig, *, enable_plugins: bool = True, output_dir: st
     trainer = trainer_cls(
         model=model,
         processing_class=tokenizer,
-        reward_funcs=rewards,
         args=config_cls(**args),
-        train_dataset=dataset,
-        **task_kwargs,
+        **task_inputs,
     )
     if enable_plugins:
         import mrl_plugins

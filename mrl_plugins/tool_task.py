@@ -21,9 +21,7 @@ whose ``get_reward`` reads only their own state.
 
 from __future__ import annotations
 
-import asyncio
 import random
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -229,6 +227,9 @@ def _named(fn: Callable[..., Any], like: Callable[..., Any]) -> Callable[..., An
 def _variant(base: Callable[[int, int], int], variant: str, hang_s: float) -> Callable[..., Any]:
     if variant == "sync":
         return base
+    import asyncio
+    import time
+
     if variant == "async":
 
         async def tool(a: int, b: int) -> int:
@@ -373,6 +374,38 @@ def environment_factories(env: str = "single") -> Any:
     if env == "dict":
         return {"add": AddEnv, "subtract": SubtractEnv}
     raise ConfigError(f"env: {env!r} is not an environment kind; valid: {choices(m for m in ENV_MODES if m)}")
+
+
+#: the tool tasks of the embedded job (``train.task``): TRL gets the tools as ``tools=`` or ``environment_factory=``
+TASKS = ("tools", "environment", "environments")
+#: GRPO settings the ``tiny-tools`` preset learns with besides its preset's batch shape (``lr`` 3e-3 collapses it)
+GRPO_SETTINGS: dict[str, Any] = {"learning_rate": 1e-3, "max_tool_calling_iterations": 2}
+
+
+def trainer_inputs(task: str = "tools", *, n: int = 512, seed: int = 0, variant: str = "sync") -> dict[str, Any]:
+    """The ``GRPOTrainer`` keyword arguments of a tool task: ``train_dataset``, ``reward_funcs`` and ``tools``
+    (:func:`calculator_tools` of ``variant``) or ``environment_factory``.
+
+    ``tools``: :func:`arithmetic_reward` scores the answer. ``environment`` (one :class:`CalculatorEnv` factory) and
+    ``environments`` (``{"add": AddEnv, "subtract": SubtractEnv}``, routed by the dataset's ``environment``
+    column): the environments own the reward (``get_reward``), ``reward_funcs`` is empty.
+    """
+    from mrl_plugins.errors import ConfigError, choices
+
+    if task not in TASKS:
+        raise ConfigError(f"task: {task!r} is not a tool task; valid: {choices(TASKS)}")
+    if task == "tools":
+        return {
+            "train_dataset": build_tool_dataset(n, seed=seed),
+            "reward_funcs": arithmetic_reward,
+            "tools": calculator_tools(variant),
+        }
+    env = "single" if task == "environment" else "dict"
+    return {
+        "train_dataset": build_tool_dataset(n, seed=seed, env=env),
+        "reward_funcs": [],
+        "environment_factory": environment_factories(env),
+    }
 
 
 # ---------------------------------------------------------------------------------------------- supervised start

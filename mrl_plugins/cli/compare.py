@@ -406,7 +406,8 @@ def cli(argv: list[str]) -> int:
         "--quick",
         action="store_true",
         help=f"fast smoke comparison: model {QUICK['model']} (a tool task keeps its own), {QUICK['steps']} steps, "
-        "runs upstream,all, rollout.local_warmup off so the workers serve even this short run (--model/--steps/--runs still win)",
+        "runs upstream,all, rollout.local_warmup off so the workers serve even this short run "
+        "(--model/--steps/--runs still win)",
     )
     p.add_argument(
         "--tolerance",
