@@ -16,6 +16,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from mrl_plugins import tool_task
 from mrl_plugins.errors import ConfigError, choices
 
 MODES = ("colocate", "disaggregated", "hybrid")
@@ -23,6 +24,9 @@ DEVICES = ("auto", "cpu", "cuda", "npu")
 #: the path of the top level in error messages
 TOP = "config"
 TRAINERS = ("grpo", "rloo")
+#: the embedded job's tasks (``train.task``): the count task of the ``tiny``/``small`` presets, and the tool task
+#: (:mod:`mrl_plugins.tool_task`, preset ``tiny-tools``) with ``tools=``, one environment factory or a dict of two
+TASKS = ("count", *tool_task.TASKS)
 
 
 def _type_ok(value: Any, tp: Any) -> bool:
@@ -147,7 +151,17 @@ class TrainConfig:
     """The GRPO/RLOO run that ``mrl run`` and ``mrl compare`` launch (ignored by ``mrl_plugins.enable``)."""
 
     trainer: str = field(default="grpo", metadata={"help": "TRL trainer: 'grpo' or 'rloo'"})
-    model: str = field(default="small", metadata={"help": "preset ('tiny', 'small') or a local HF checkpoint folder"})
+    model: str = field(
+        default="small", metadata={"help": "preset ('tiny', 'small', 'tiny-tools') or a local HF checkpoint folder"}
+    )
+    task: str = field(
+        default="count",
+        metadata={
+            "help": "'count' (presets tiny, small), or the calculator task of preset tiny-tools (grpo only): "
+            "'tools' (tools=[add, subtract]), 'environment' (environment_factory=CalculatorEnv) or 'environments' "
+            "(a dict of two: AddEnv, SubtractEnv)"
+        },
+    )
     steps: int = field(default=30, metadata={"help": "optimizer steps (max_steps)"})
     seed: int = field(default=0, metadata={"help": "random seed (same for every compared run)"})
     learning_rate: float = field(default=3e-3, metadata={"help": "learning rate"})
@@ -162,6 +176,13 @@ class TrainConfig:
     def validate(self) -> None:
         if self.trainer not in TRAINERS:
             raise ConfigError(f"train.trainer: {self.trainer!r} is not supported; valid: {choices(TRAINERS)}")
+        if self.task not in TASKS:
+            raise ConfigError(f"train.task: {self.task!r} is not a task of the embedded job; valid: {choices(TASKS)}")
+        if self.task != "count" and self.trainer != "grpo":
+            raise ConfigError(
+                f"train.task: {self.task!r} needs train.trainer 'grpo' (TRL's RLOOTrainer takes no tools), "
+                f"got {self.trainer!r}"
+            )
         for key in ("steps", "num_prompts", "logging_steps"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"train.{key}: must be >= 1, got {getattr(self, key)}")

@@ -1,7 +1,9 @@
 """Tiny models, tokenizer, prompt dataset and a learnable reward, built in code (no hub access).
 
-Two presets: ``tiny`` (unit tests, a GRPO step well under 0.1 s) and ``small`` (comparison runs,
-about 0.5-2 s per GRPO step on 2 CPU cores). ``build_model(path)`` loads a local Hugging Face
+Three presets: ``tiny`` (unit tests, a GRPO step well under 0.1 s), ``small`` (comparison runs,
+about 0.5-2 s per GRPO step on 2 CPU cores) and ``tiny-tools`` (the tool task of :mod:`mrl_plugins.tool_task`:
+arithmetic a calculator tool answers; briefly trained by SFT in code on first use and cached,
+:func:`tool_preset_folder`). ``build_model(path)`` loads a local Hugging Face
 checkpoint folder instead; :func:`save_preset` writes a preset as one (it reloads with
 ``AutoModelForCausalLM``/``AutoTokenizer`` and decodes, hence scores, the same).
 
@@ -10,8 +12,8 @@ type ``qwen2`` to ``Qwen2Tokenizer`` whatever tokenizer a folder holds, which re
 byte-level BPE and decodes ``a b a c`` as ``abac`` (every reward 0); for ``llama`` folders it loads the
 saved word-level tokenizer as it is.
 
-The task: prompts are short random word sequences; the reward counts the target token ``a`` in the
-completion (its share of the completion's words). A random policy scores about 1/16; the tiny
+The count task (``tiny``, ``small``): prompts are short random word sequences; the reward counts the
+target token ``a`` in the completion (its share of the completion's words). A random policy scores about 1/16; the tiny
 preset learns it within about 60 GRPO steps.
 """
 
@@ -20,8 +22,19 @@ from __future__ import annotations
 import json
 import os
 import random
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
+
+from mrl_plugins.tool_task import (
+    AddEnv,
+    CalculatorEnv,
+    SubtractEnv,
+    arithmetic_reward,
+    build_tool_dataset,
+    build_tool_tokenizer,
+    calculator_tools,
+    environment_factories,
+)
 
 #: words the tokenizer knows besides the special tokens
 WORDS: tuple[str, ...] = tuple("abcdefghijklmnop")
@@ -50,7 +63,14 @@ PRESETS: dict[str, Preset] = {
     "small": Preset(
         256, 704, 4, 8, 2, max_completion_length=48, num_generations=8, per_device_train_batch_size=16, prompt_words=6
     ),
+    # the tool task: head_dim 32 (vLLM's CPU attention serves it); a solved rollout is 15 completion tokens of the
+    # policy (13 in the call turn, 2 in the answer) plus 3 of the tool result, 24 leave room for one more call
+    "tiny-tools": Preset(
+        128, 256, 2, 4, 1, max_completion_length=24, num_generations=8, per_device_train_batch_size=32, prompt_words=0
+    ),
 }
+#: presets of the tool task (:mod:`mrl_plugins.tool_task`): built by :func:`tool_preset_folder`, not at random
+TOOL_PRESETS = ("tiny-tools",)
 
 
 def build_tokenizer() -> Any:
@@ -90,11 +110,20 @@ def build_model(spec: str = "tiny", *, seed: int = 0) -> tuple[Any, Any]:
             f"model: {spec!r} is neither a preset nor a local checkpoint folder (with config.json); "
             f"valid presets: {choices(PRESETS)}"
         )
+    if spec in TOOL_PRESETS:
+        from transformers import LlamaForCausalLM
+
+        model = LlamaForCausalLM.from_pretrained(tool_preset_folder(spec, seed=seed))
+        return model, build_tool_tokenizer()
+    tokenizer = build_tokenizer()
+    return _llama(PRESETS[spec], tokenizer, seed), tokenizer
+
+
+def _llama(p: Preset, tokenizer: Any, seed: int) -> Any:
+    """A randomly initialised Llama decoder of shape ``p`` over ``tokenizer``'s vocabulary (seeded)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    p = PRESETS[spec]
-    tokenizer = build_tokenizer()
     config = LlamaConfig(
         vocab_size=len(tokenizer),
         hidden_size=p.hidden_size,
@@ -116,7 +145,7 @@ def build_model(spec: str = "tiny", *, seed: int = 0) -> tuple[Any, Any]:
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.generation_config.bos_token_id = None
-    return model, tokenizer
+    return model
 
 
 #: file in a :func:`save_preset` folder naming what it holds (weights, config and vocabulary digest)
@@ -190,6 +219,121 @@ def save_preset(model: Any, tokenizer: Any, folder: str | os.PathLike[str]) -> s
     return folder
 
 
+#: environment variable naming the cache folder of trained presets (default: :func:`cache_dir`)
+CACHE_ENV = "MRL_CACHE_DIR"
+#: the longest wait for another process that is training the same preset (its SFT takes about a minute)
+CACHE_LOCK_TIMEOUT_S = 900.0
+
+
+def cache_dir() -> str:
+    """``$MRL_CACHE_DIR``, else ``$XDG_CACHE_HOME/mrl_plugins`` or ``~/.cache/mrl_plugins``; where that cannot be
+    created (a read-only home), ``<tmp>/mrl_plugins-cache-<uid>``."""
+    import tempfile
+
+    explicit = os.environ.get(CACHE_ENV)
+    if explicit:
+        return os.path.abspath(explicit)
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    folder = os.path.join(base, "mrl_plugins")
+    try:
+        os.makedirs(folder, exist_ok=True)
+    except OSError:
+        folder = os.path.join(tempfile.gettempdir(), f"mrl_plugins-cache-{os.getuid()}")
+    return folder
+
+
+def _tool_preset_key(name: str, seed: int, recipe: dict[str, Any]) -> str:
+    """What the trained preset depends on: shape, seed, SFT recipe, vocabulary, templates, torch and transformers."""
+    import hashlib
+
+    import torch
+    import transformers
+
+    from mrl_plugins import tool_task
+
+    spec = {
+        "preset": asdict(PRESETS[name]),
+        "seed": seed,
+        "recipe": recipe,
+        "vocab": tool_task.vocabulary(),
+        "chat_template": tool_task.CHAT_TEMPLATE,
+        "response_template": tool_task.RESPONSE_TEMPLATE,
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+    }
+    return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _complete(folder: str) -> bool:
+    # save_preset renames a finished folder into place: with its fingerprint there, it is whole
+    return os.path.isfile(os.path.join(folder, FINGERPRINT_FILE)) and _is_local_checkpoint(folder)
+
+
+def _locked(path: str, timeout_s: float) -> Any:
+    """An exclusive ``flock`` on ``path`` (a context manager), waited for at most ``timeout_s``."""
+    import contextlib
+    import fcntl
+    import time
+
+    from mrl_plugins.errors import StageTimeoutError
+
+    @contextlib.contextmanager
+    def hold() -> Any:
+        with open(path, "a+", encoding="utf-8") as fh:
+            deadline = time.monotonic() + timeout_s
+            while True:
+                try:
+                    fcntl.flock(fh.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if time.monotonic() > deadline:
+                        raise StageTimeoutError(
+                            f"waited {timeout_s:.0f} s for {path} (another process training the same preset); "
+                            f"remove it if no such process runs, or set {CACHE_ENV} to another folder"
+                        ) from None
+                    time.sleep(0.2)
+            try:
+                yield
+            finally:
+                fcntl.flock(fh.fileno(), fcntl.LOCK_UN)
+
+    return hold()
+
+
+def tool_preset_folder(
+    name: str = "tiny-tools", *, seed: int = 0, cache: str | None = None, recipe: dict[str, Any] | None = None
+) -> str:
+    """The checkpoint folder of a tool-task preset: the Llama of ``PRESETS[name]`` initialised with ``seed`` and
+    trained with :func:`mrl_plugins.tool_task.sft` (``recipe`` overrides :data:`~mrl_plugins.tool_task.SFT_RECIPE`).
+
+    Trained once, then read from ``<cache>/presets/<name>-seed<seed>-<key>`` (``cache`` defaults to
+    :func:`cache_dir`; ``key`` hashes everything the result depends on, so a changed recipe, template or library
+    version trains anew). The folder is written by :func:`save_preset` (a temporary folder renamed into place) under
+    an exclusive lock, so concurrent processes train it once and never see half a folder.
+    """
+    from mrl_plugins import tool_task
+    from mrl_plugins.errors import ConfigError, choices
+
+    if name not in TOOL_PRESETS:
+        raise ConfigError(f"tool preset: {name!r} is not one; valid: {choices(TOOL_PRESETS)}")
+    unknown = set(recipe or {}) - set(tool_task.SFT_RECIPE)
+    if unknown:
+        raise ConfigError(f"recipe: unknown keys {sorted(unknown)}; valid: {choices(tool_task.SFT_RECIPE)}")
+    full = {**tool_task.SFT_RECIPE, **(recipe or {})}
+    root = os.path.join(cache or cache_dir(), "presets")
+    folder = os.path.join(root, f"{name}-seed{seed}-{_tool_preset_key(name, seed, full)}")
+    if _complete(folder):
+        return folder
+    os.makedirs(root, exist_ok=True)
+    with _locked(folder + ".lock", CACHE_LOCK_TIMEOUT_S):
+        if not _complete(folder):  # not trained by another process while this one waited
+            tokenizer = build_tool_tokenizer()
+            model = _llama(PRESETS[name], tokenizer, seed)
+            tool_task.sft(model, tokenizer, seed=seed, recipe=full)
+            save_preset(model, tokenizer, folder)
+    return folder
+
+
 def preset(spec: str) -> Preset:
     """The preset of that name, or the ``small`` settings for a checkpoint folder."""
     return PRESETS.get(spec, PRESETS["small"])
@@ -217,15 +361,27 @@ def count_reward(completions: list[str], **kwargs: Any) -> list[float]:
 
 
 __all__ = [
+    "CACHE_ENV",
     "FINGERPRINT_FILE",
     "PRESETS",
     "TARGET",
+    "TOOL_PRESETS",
     "WORDS",
+    "AddEnv",
+    "CalculatorEnv",
     "Preset",
+    "SubtractEnv",
+    "arithmetic_reward",
     "build_dataset",
     "build_model",
     "build_tokenizer",
+    "build_tool_dataset",
+    "build_tool_tokenizer",
+    "cache_dir",
+    "calculator_tools",
     "count_reward",
+    "environment_factories",
     "preset",
     "save_preset",
+    "tool_preset_folder",
 ]

@@ -132,6 +132,7 @@ def preflight(cfg: MrlConfig | Any, *, enable_plugins: bool = True) -> MrlConfig
             f"train.model: {cfg.train.model!r} is neither a preset nor a local checkpoint folder (with config.json); "
             f"valid presets: {choices(PRESETS)}"
         )
+    _check_task_model(cfg.train.task, cfg.train.model)
     device = get_device(cfg.device)
     if not enable_plugins:
         return cfg
@@ -152,17 +153,64 @@ def preflight(cfg: MrlConfig | Any, *, enable_plugins: bool = True) -> MrlConfig
     return cfg
 
 
+def _check_task_model(task: str, model: str) -> None:
+    """The count task runs on the count presets, the tool tasks on ``tiny-tools`` or a folder with a chat template."""
+    from mrl_plugins.errors import ConfigError, choices
+    from mrl_plugins.models import PRESETS, TOOL_PRESETS
+
+    if task == "count" and model in TOOL_PRESETS:
+        count = [p for p in PRESETS if p not in TOOL_PRESETS]
+        raise ConfigError(
+            f"train.model: {model!r} is a tool-task preset; train.task 'count' needs {choices(count)}, "
+            f"or set train.task to 'tools', 'environment' or 'environments'"
+        )
+    if task == "count":
+        return
+    if model in PRESETS and model not in TOOL_PRESETS:
+        raise ConfigError(
+            f"train.task: {task!r} needs a model whose chat template calls tools: {choices(TOOL_PRESETS)} or a "
+            f"checkpoint folder saved from it; train.model {model!r} is a count-task preset"
+        )
+    if model not in PRESETS and not _has_chat_template(model):
+        raise ConfigError(
+            f"train.task: {task!r} needs a model whose chat template calls tools; the checkpoint folder {model!r} "
+            f"has no chat template (use {choices(TOOL_PRESETS)} or a folder saved from it)"
+        )
+
+
+def _has_chat_template(folder: str) -> bool:
+    if os.path.isfile(os.path.join(folder, "chat_template.jinja")):
+        return True
+    try:
+        with open(os.path.join(folder, "tokenizer_config.json"), encoding="utf-8") as fh:
+            return bool(json.load(fh).get("chat_template"))
+    except (OSError, ValueError):
+        return False
+
+
+def _task_inputs(cfg: MrlConfig) -> dict[str, Any]:
+    """The trainer's ``train_dataset``, ``reward_funcs`` and (tool tasks) ``tools`` / ``environment_factory``."""
+    from mrl_plugins import models, tool_task
+
+    n, seed = cfg.train.num_prompts, cfg.train.seed
+    if cfg.train.task != "count":
+        return tool_task.trainer_inputs(cfg.train.task, n=n, seed=seed)
+    words = models.preset(cfg.train.model).prompt_words
+    return {"train_dataset": models.build_dataset(n, words=words, seed=seed), "reward_funcs": models.count_reward}
+
+
 def build_trainer(cfg: MrlConfig, *, enable_plugins: bool = True, output_dir: str | None = None) -> Any:
     """The configured TRL trainer on the embedded model/task, enabled with ``cfg`` unless told otherwise."""
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
-    from mrl_plugins.models import PRESETS, build_dataset, build_model, count_reward, preset, save_preset
+    from mrl_plugins.models import PRESETS, build_model, save_preset
 
+    _check_task_model(cfg.train.task, cfg.train.model)
     model, tokenizer = build_model(cfg.train.model, seed=cfg.train.seed)
     if cfg.train.model in PRESETS:
         # TRL builds a reference model (KL term) and vLLM its engine from model.name_or_path: give the preset a folder
         ref_dir = os.path.join(output_dir or cfg.train.output_dir, f"preset-{cfg.train.model}-seed{cfg.train.seed}")
         save_preset(model, tokenizer, ref_dir)
-    dataset = build_dataset(cfg.train.num_prompts, words=preset(cfg.train.model).prompt_words, seed=cfg.train.seed)
+    task_inputs = _task_inputs(cfg)
     args = _trl_args(cfg, output_dir or cfg.train.output_dir)
     import trl
 
@@ -171,9 +219,8 @@ def build_trainer(cfg: MrlConfig, *, enable_plugins: bool = True, output_dir: st
     trainer = trainer_cls(
         model=model,
         processing_class=tokenizer,
-        reward_funcs=count_reward,
         args=config_cls(**args),
-        train_dataset=dataset,
+        **task_inputs,
     )
     if enable_plugins:
         import mrl_plugins

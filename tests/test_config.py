@@ -21,7 +21,7 @@ from mrl_plugins.config import (
 from mrl_plugins.errors import ConfigError
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-BUNDLED = ("upstream", "colocate", "disaggregated", "hybrid", "compare_small", "vllm")
+BUNDLED = ("upstream", "colocate", "disaggregated", "hybrid", "compare_small", "compare_tools", "vllm")
 
 
 # --------------------------------------------------------------------------- bundled files

@@ -399,14 +399,15 @@ def cli(argv: list[str]) -> int:
     p.add_argument("--out", default="mrl-compare", help="output folder for report.md/json, plots and run logs")
     p.add_argument("--json", help="also write report.json here")
     p.add_argument("--steps", type=int, help="override train.steps")
-    p.add_argument("--model", help="override train.model (tiny, small or a checkpoint folder)")
+    p.add_argument("--model", help="override train.model (tiny, small, tiny-tools or a checkpoint folder)")
     p.add_argument("--runs", help=f"comma list of run kinds (default: {','.join(RUNS)}; --quick: upstream,all)")
     p.add_argument("--repeats", type=int, default=3, help="runs per kind, interleaved, order rotated (default 3)")
     p.add_argument(
         "--quick",
         action="store_true",
-        help=f"fast smoke comparison: model {QUICK['model']}, {QUICK['steps']} steps, runs upstream,all, "
-        "rollout.local_warmup off so the workers serve even this short run (--model/--steps/--runs still win)",
+        help=f"fast smoke comparison: model {QUICK['model']} (a tool task keeps its own), {QUICK['steps']} steps, "
+        "runs upstream,all, rollout.local_warmup off so the workers serve even this short run "
+        "(--model/--steps/--runs still win)",
     )
     p.add_argument(
         "--tolerance",
@@ -430,7 +431,6 @@ def cli(argv: list[str]) -> int:
     from mrl_plugins.errors import ConfigError, choices
 
     if ns.quick:
-        ns.model = ns.model or QUICK["model"]
         ns.steps = ns.steps or QUICK["steps"]
         ns.runs = ns.runs or ",".join(QUICK_RUNS)
     names = [n.strip() for n in (ns.runs or ",".join(RUNS)).split(",") if n.strip()]
@@ -448,6 +448,8 @@ def cli(argv: list[str]) -> int:
         raise ConfigError(f"--repeats: must be >= 1, got {ns.repeats}")
     config = str(resolve_config_path(ns.config))
     data = load_yaml(config)
+    if ns.quick and not ns.model and (data.get("train") or {}).get("task", "count") == "count":
+        ns.model = QUICK["model"]  # a tool task keeps its model: tiny is a count-task preset
     preflight_runs(data, names, steps=ns.steps, model=ns.model, quick=ns.quick)  # every run checked before the first
     out = Path(ns.out)
     (out / "runs").mkdir(parents=True, exist_ok=True)
