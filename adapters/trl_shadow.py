@@ -133,6 +133,9 @@ class ShadowLookahead:
             return
         every = self.gen.runtime.generation_interval()
         step = int(self.trainer.state.global_step)
+        last = int(getattr(self.trainer.state, "max_steps", 0) or 0)
+        if last and step + every >= last:
+            return  # the run ends before that batch would be trained on
         if every <= 1:
             self._start(inputs)
         else:
@@ -214,7 +217,7 @@ class ShadowLookahead:
         def generate_single_turn(prompt_ids: list[list[int]], images: Any, *rest: Any, **kw: Any) -> tuple:
             result = gen.runtime.generate_turn([list(p) for p in prompt_ids], "policy", ahead=True)
             rollout.turns.append((result.prompt_ids, result.completion_ids, result.logprobs, result.weight_version))
-            return result.completion_ids, [list(lp) for lp in result.logprobs]
+            return [list(c) for c in result.completion_ids], [list(lp) for lp in result.logprobs]  # TRL edits them
 
         shadow.__dict__.update(
             _generate=generate, _tool_call_loop=tool_call_loop, _generate_single_turn=generate_single_turn

@@ -31,19 +31,27 @@ class VersionRecorder:
         self.model = trainer.accelerator.unwrap_model(trainer.model)
         self.snapshots: dict[int, dict[str, Any]] = {0: self._weights()}
         self.batches: list[tuple[list[list[int]], list[list[int]], list[list[float]], int]] = []
-        sync, generate = gen.sync_weights, gen.generate
+        sync = gen.sync_weights
 
         def sync_weights() -> None:
             sync()
             self.snapshots[int(gen.version)] = self._weights()
 
-        def generate_and_record(*args: Any, **kwargs: Any) -> Any:
-            out = generate(*args, **kwargs)
-            result = gen.last_result
-            self.batches.append((result.prompt_ids, result.completion_ids, result.logprobs, result.weight_version))
-            return out
+        gen.sync_weights = sync_weights
+        runtime = gen.runtime  # every generation: a batch's first turn, follow-up turns, turns of a batch run ahead
+        for name in ("generate", "generate_turn"):
+            method = getattr(runtime, name, None)
+            if method is not None:
+                setattr(runtime, name, self._recording(method))
 
-        gen.sync_weights, gen.generate = sync_weights, generate_and_record
+    def _recording(self, method: Any) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            result = method(*args, **kwargs)
+            copied = [[list(x) for x in part] for part in (result.prompt_ids, result.completion_ids, result.logprobs)]
+            self.batches.append((*copied, result.weight_version))
+            return result
+
+        return call
 
     def _weights(self) -> dict[str, Any]:
         return {k: v.detach().clone() for k, v in self.model.state_dict().items()}

@@ -145,7 +145,8 @@ class MrlGeneration:
         self.last_result = result
         self.metrics.gauge("rollout/staleness", max(0, self.version - result.weight_version))
         logprobs = [[[lp] for lp in seq] for seq in result.logprobs]
-        return result.prompt_ids, result.completion_ids, logprobs, None
+        completions = [list(c) for c in result.completion_ids]  # TRL's tool loop edits the lists it gets in place
+        return result.prompt_ids, completions, logprobs, None
 
 
 class LocalEngineRuntime:
