@@ -18,7 +18,7 @@ import time
 
 import pytest
 
-from tests.marks import require_trl
+from tests.marks import require_trl, require_vllm
 
 pytestmark = require_trl
 
@@ -445,3 +445,50 @@ def test_embedded_job_runs_a_tool_task(tmp_path, task):
     result = run_training(data, enable_plugins=False)
     assert result.steps == 2 and len(result.rewards) == 2 and result.final_reward > 0.3
     assert result.plugins == {"rollout": "vanilla"}
+
+
+@require_vllm
+def test_vllm_serves_the_preset_and_its_two_turns_parse():
+    """vLLM's CPU backend serves ``tiny-tools`` (head_dim 32): first turns parse into tool calls at the preset's rate,
+    second turns after TRL's tool suffix state the result, and every sampled token's logprob is the teacher-forced
+    one on the whole two-turn sequence (what a multi-turn rollout's logprobs must be). In the vllm tox env this is
+    also the transformers 5.19 check of the template and the parser."""
+    import torch
+    from trl.chat_template_utils import parse_response
+
+    from mrl_plugins.models import build_model
+    from mrl_plugins.rollout.engine import SamplingParams
+    from mrl_plugins.rollout.vllm_engine import VLLMEngine, check_vllm_servable
+    from mrl_plugins.tool_task import OPS, build_tool_dataset, calculator_tools, tool_call_rate
+
+    model, tok = build_model("tiny-tools")
+    check_vllm_servable(model.config)
+    tools = calculator_tools()
+    ds = build_tool_dataset(48, seed=13)
+    prompts = [
+        tok.apply_chat_template(p, tools=tools, add_generation_prompt=True, tokenize=True, return_dict=False)
+        for p in ds["prompt"]
+    ]
+    eng = VLLMEngine(model, tok, params=SamplingParams(max_new_tokens=24), seed=0)
+    try:
+        first = eng.generate(prompts, 1)
+        messages = [parse_response(tok, c, prefix=p, tools=tools) for p, c in zip(prompts, first.completion_ids)]
+        assert 0.5 <= tool_call_rate([[m] for m in messages]) <= 0.95
+        follow, expected = [], []
+        for m, row, p, c in zip(messages, ds, prompts, first.completion_ids, strict=True):
+            calls = [x["function"] for x in m.get("tool_calls") or []]
+            if calls == [{"name": OPS[row["op"]], "arguments": {"a": row["a"], "b": row["b"]}}]:
+                follow.append(p + c + tok(f"<result> {row['answer']} <assistant>")["input_ids"])
+                expected.append(str(row["answer"]))
+        assert len(follow) >= 0.4 * len(ds)
+        second = eng.generate(follow, 1)
+    finally:
+        eng.close()
+    answers = [parse_response(tok, c, prefix=p, tools=tools)["content"] for p, c in zip(follow, second.completion_ids)]
+    assert sum(a == e for a, e in zip(answers, expected)) >= 0.8 * len(follow)
+    with torch.no_grad():
+        for out in (first, second):
+            for p, c, lp in zip(out.prompt_ids, out.completion_ids, out.logprobs, strict=True):
+                logits = model(torch.tensor([p + c])).logits[0, len(p) - 1 : -1].float()
+                forced = torch.log_softmax(logits, -1).gather(1, torch.tensor(c).unsqueeze(1)).squeeze(1)
+                assert (forced - torch.tensor(lp)).abs().max().item() <= 1e-4
