@@ -18,6 +18,7 @@ older than ``max_staleness`` versions are dropped and regenerated, or kept and c
 from __future__ import annotations
 
 import logging
+import numbers
 import threading
 import time
 from collections import deque
@@ -133,6 +134,13 @@ class MrlGeneration:
             from mrl_plugins.errors import PluginError
 
             raise PluginError("mrl rollout: image prompts are not supported; set plugins.rollout: upstream")
+        if not all(isinstance(p, list | tuple) and p and isinstance(p[0], numbers.Integral) for p in prompts):
+            from mrl_plugins.errors import PluginError
+
+            raise PluginError(
+                f"vllm_generation.generate: prompts must be lists of token ids (as TRL passes them), got "
+                f"{type(prompts[0]).__name__ if prompts else 'nothing'}; a rollout_func tokenises its prompts first"
+            )
         follow_up = self.direct or self.calls > 0
         self.calls += 1
         with profiler or nullcontext():
