@@ -19,6 +19,7 @@ import time
 import pytest
 
 from tests.marks import require_trl, require_vllm
+from tests.tool_helpers import logged, tool_trainer
 
 pytestmark = require_trl
 
@@ -46,38 +47,10 @@ def _random_model(seed=0):
 
 def _grpo(tmp_path, model, tok, *, steps, task="tools", variant="sync", seed=0, reward_funcs=None, **args):
     """A vanilla TRL GRPOTrainer on the tool task with the ``tiny-tools`` preset's settings."""
-    from trl import GRPOConfig, GRPOTrainer
-
-    from mrl_plugins.models import PRESETS
-    from mrl_plugins.run import checkpointing_arg
-    from mrl_plugins.tool_task import GRPO_SETTINGS, trainer_inputs
-
-    p = PRESETS["tiny-tools"]
-    config = {
-        "output_dir": str(tmp_path),
-        "max_steps": steps,
-        "per_device_train_batch_size": p.per_device_train_batch_size,
-        "num_generations": p.num_generations,
-        "max_completion_length": p.max_completion_length,
-        "logging_steps": 1,
-        "report_to": [],
-        "save_strategy": "no",
-        "seed": seed,
-        "use_cpu": True,
-        "bf16": False,
-        "disable_tqdm": True,
-        checkpointing_arg(): False,
-        **GRPO_SETTINGS,
-        **args,
-    }
-    inputs = trainer_inputs(task, n=256, seed=seed, variant=variant)
-    if reward_funcs is not None:
-        inputs["reward_funcs"] = reward_funcs
-    return GRPOTrainer(model=model, processing_class=tok, args=GRPOConfig(**config), **inputs)
-
-
-def _logged(trainer, key):
-    return [h[key] for h in trainer.state.log_history if key in h and "train_runtime" not in h]
+    inputs = {} if reward_funcs is None else {"reward_funcs": reward_funcs}
+    return tool_trainer(
+        tmp_path, steps=steps, task=task, variant=variant, seed=seed, model=(model, tok), inputs=inputs, **args
+    )
 
 
 # --------------------------------------------------------------------------- template and parsing (no training)
@@ -375,11 +348,11 @@ def test_vanilla_grpo_learns_the_tool_task(tmp_path, task):
     model, tok = build_model("tiny-tools")
     control = _grpo(tmp_path / "control", model, tok, steps=8, task=task, learning_rate=0.0)
     control.train()
-    before = statistics.mean(_logged(control, "reward"))
-    calls_before = statistics.mean(_logged(control, "tools/call_frequency"))
+    before = statistics.mean(logged(control, "reward"))
+    calls_before = statistics.mean(logged(control, "tools/call_frequency"))
     trainer = _grpo(tmp_path / "train", model, tok, steps=60, task=task)
     trainer.train()
-    rewards, calls = _logged(trainer, "reward"), _logged(trainer, "tools/call_frequency")
+    rewards, calls = logged(trainer, "reward"), logged(trainer, "tools/call_frequency")
     assert len(rewards) == len(calls) == 60
     after = statistics.mean(rewards[-20:])
     print(f"{task}: reward {before:.2f} (lr 0) -> {after:.2f} (last 20 of 60 steps), tool calls {calls_before:.2f} -> "
@@ -387,9 +360,9 @@ def test_vanilla_grpo_learns_the_tool_task(tmp_path, task):
     assert 0.5 <= before <= 0.85  # the preset: room to learn
     assert after >= before + 0.1
     assert statistics.mean(calls[-20:]) >= calls_before + 0.1
-    assert max(_logged(trainer, "tools/failure_frequency")) <= 0.1
+    assert max(logged(trainer, "tools/failure_frequency")) <= 0.1
     if task == "environment":
-        assert _logged(trainer, "rewards/CalculatorEnv/mean") == rewards  # the environment's reward is the reward
+        assert logged(trainer, "rewards/CalculatorEnv/mean") == rewards  # the environment's reward is the reward
 
 
 @pytest.mark.slow
@@ -403,8 +376,8 @@ def test_dict_of_environments_async_and_raising_tools_run_in_trl(tmp_path):
     model, tok = build_model("tiny-tools")
     trainer = _grpo(tmp_path / "dict", model, tok, steps=3, task="environments")
     trainer.train()
-    assert statistics.mean(_logged(trainer, "reward")) > 0.5  # reset's observation reached the prompts
-    assert any(_logged(trainer, "rewards/AddEnv/mean")) and any(_logged(trainer, "rewards/SubtractEnv/mean"))
+    assert statistics.mean(logged(trainer, "reward")) > 0.5  # reset's observation reached the prompts
+    assert any(logged(trainer, "rewards/AddEnv/mean")) and any(logged(trainer, "rewards/SubtractEnv/mean"))
     assert {e for pool in trainer._environment_pool.values() for e in map(type, pool)} == {
         type(e) for e in trainer.environments
     }
@@ -418,16 +391,14 @@ def test_dict_of_environments_async_and_raising_tools_run_in_trl(tmp_path):
     model, tok = build_model("tiny-tools")
     trainer = _grpo(tmp_path / "async", model, tok, steps=2, variant="async", reward_funcs=recording)
     trainer.train()
-    assert (
-        min(_logged(trainer, "tools/call_frequency")) > 0.4 and max(_logged(trainer, "tools/failure_frequency")) == 0
-    )
-    assert statistics.mean(_logged(trainer, "reward")) > 0.4
+    assert min(logged(trainer, "tools/call_frequency")) > 0.4 and max(logged(trainer, "tools/failure_frequency")) == 0
+    assert statistics.mean(logged(trainer, "reward")) > 0.4
 
     seen.clear()
     model, tok = build_model("tiny-tools")
     trainer = _grpo(tmp_path / "raises", model, tok, steps=2, variant="raises", reward_funcs=recording)
     trainer.train()
-    assert _logged(trainer, "tools/failure_frequency") == [1.0, 1.0]
+    assert logged(trainer, "tools/failure_frequency") == [1.0, 1.0]
     results = [m["content"] for c in seen for m in c if m["role"] == "tool"]
     assert results and all(r in ("{'error': 'add is out of order'}", "{'error': 'subtract is out of order'}")
                            for r in results)  # fmt: skip

@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from tests.marks import require_trl
+from tests.marks import require_trl, require_vllm
 from tests.teacher import VersionRecorder
 from tests.tool_helpers import logged, tool_trainer
 
@@ -277,3 +277,16 @@ def test_a_rollout_func_the_plugin_cannot_serve_is_said_after_its_first_call(tmp
     said = [r.getMessage() for r in caplog.records if "rollout_func generated without" in r.getMessage()]
     assert len(said) == 1 and "plugins.rollout: upstream" in said[0]
     assert not logged(trainer, "mrl/rollout/worker_batches")
+
+
+@require_vllm
+@TWO_CORES
+def test_the_vllm_engine_serves_every_turn_and_runs_ahead(tmp_path):
+    trainer = tool_trainer(tmp_path, steps=4)
+    recorder = _enable(trainer, {"rollout": {"engine": "vllm", "workers": 1, "start_timeout_s": 300}})
+    trainer.train()
+    assert sum(logged(trainer, "mrl/rollout/worker_batches")) == len(recorder.batches) >= 7
+    assert not logged(trainer, "mrl/rollout/local_batches")  # 'auto': no warm-up with the trainer's own model
+    assert sum(logged(trainer, "mrl/rollout/ahead_batches")) == 3
+    assert recorder.max_error() < 1e-4
+    assert min(logged(trainer, "tools/call_frequency")) > 0.3
