@@ -20,7 +20,8 @@ With the plugin every one of those generations goes to ``trainer.vllm_generation
 
 Every tool call is bounded by ``rollout.tool_timeout_s``: a tool that does not return in time is reported to the
 model as TRL reports a failing tool (``{"error": ...}`` in the conversation, ``tools/failure_frequency``) and the run
-goes on. A synchronous tool cannot be interrupted: its thread is left running in the background.
+goes on. A synchronous tool is called in a thread of its own so that it can be bounded; one past the bound cannot be
+interrupted and is left running in the background (``tool_timeout_s: 0``: tools are called as TRL calls them).
 """
 
 from __future__ import annotations
@@ -84,7 +85,9 @@ def bounded_tool(fn: Any, name: str, timeout: float) -> Any:
 
 def bound_tool_dicts(host: Any, timeout: float) -> None:
     """Bound every tool of the batch TRL is about to run (``_sync_tool_dicts`` / ``_async_tool_dicts``, built per
-    batch from the standalone tools and each rollout's environment methods)."""
+    batch from the standalone tools and each rollout's environment methods); ``timeout`` 0: leave them as they are."""
+    if timeout <= 0:
+        return
     for attr in ("_sync_tool_dicts", "_async_tool_dicts"):
         dicts = getattr(host, attr, None) or []
         setattr(
@@ -148,7 +151,8 @@ def install_agentic(trainer: Any, state: Any, gen: Any) -> list[str]:
 
 def ahead_possible(trainer: Any, state: Any, gen: Any, kinds: list[str]) -> bool:
     """Whether the next batch's whole rollout can run ahead (:mod:`mrl_plugins.adapters.trl_shadow`): tools or
-    environments, GRPO, one training process, rollout workers (a pool), the async pipeline."""
+    environments, GRPO, one training process, rollout workers (a pool), the async pipeline, and
+    ``rollout.tool_rollouts_ahead`` on."""
     return (
         ("tools" in kinds or "environments" in kinds)
         and "rollout_func" not in kinds
@@ -156,6 +160,7 @@ def ahead_possible(trainer: Any, state: Any, gen: Any, kinds: list[str]) -> bool
         and trainer.accelerator.num_processes == 1
         and state.has_workers
         and state.ctx.config.rollout.pipeline == "async"
+        and state.ctx.config.rollout.tool_rollouts_ahead
         and hasattr(state.runtime, "take_ahead")
     )
 

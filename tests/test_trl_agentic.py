@@ -64,6 +64,33 @@ def test_tool_turns_on_the_workers_run_ahead_and_equal_teacher_forcing_per_versi
 
 
 @TWO_CORES
+def test_without_rollouts_ahead_the_first_turn_is_read_ahead_and_tools_run_on_the_trainers_thread(tmp_path):
+    """rollout.tool_rollouts_ahead false: TRL's tool loop on the trainer's thread, its follow-up turns on the
+    workers, the next batch's first turn generated ahead (the lookahead hits)."""
+    threads = set()
+
+    def add(a: int, b: int) -> int:
+        """Add two numbers.
+
+        Args:
+            a: The first number.
+            b: The second number.
+        """
+        threads.add(threading.current_thread().name)
+        return a + b
+
+    trainer = tool_trainer(tmp_path, steps=5, inputs={"tools": [add]})
+    recorder = _enable(trainer, {"rollout": {"workers": 1, "local_warmup": False, "tool_rollouts_ahead": False}})
+    trainer.train()
+    assert not logged(trainer, "mrl/rollout/ahead_batches")
+    assert sum(logged(trainer, "mrl/rollout/lookahead_hits")) >= 3
+    assert sum(logged(trainer, "mrl/rollout/follow_up_turns")) >= 4
+    assert sum(logged(trainer, "mrl/rollout/worker_batches")) == len(recorder.batches)
+    assert threads and all(t.startswith("mrl-tool-") for t in threads)  # bounded calls, made from the trainer
+    assert recorder.max_error() < 1e-4
+
+
+@TWO_CORES
 def test_a_version_switch_between_turns_keeps_each_turns_logprobs_its_own(tmp_path):
     """A slow tool: the trainer ends a step (and publishes it) while the batch ahead waits for its tools, so its
     follow-up turn is generated with the newer version; each turn still equals teacher forcing under its own."""

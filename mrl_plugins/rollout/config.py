@@ -120,7 +120,9 @@ class RolloutConfig(SchedulingSection, DeploymentSection, EngineSection):
         ComputeBudget.from_dict(dict(self.engine_budget))  # unknown keys/values refused
         if not 0 <= self.memory_headroom <= 4:
             raise ConfigError(f"rollout.memory_headroom: must be in [0, 4], got {self.memory_headroom}")
-        for key in ("timeout_s", "start_timeout_s", "tool_timeout_s"):
+        if self.tool_timeout_s < 0:
+            raise ConfigError(f"rollout.tool_timeout_s: must be >= 0 (0: no bound), got {self.tool_timeout_s}")
+        for key in ("timeout_s", "start_timeout_s"):
             if getattr(self, key) <= 0:
                 raise ConfigError(f"rollout.{key}: must be > 0, got {getattr(self, key)}")
         if self.rebalance_window < 1:

@@ -199,12 +199,23 @@ class SchedulingSection:
         },
     )
     timeout_s: float = field(default=120.0, metadata={"help": "max seconds to wait for a worker's batch or reply"})
+    tool_rollouts_ahead: bool = field(
+        default=True,
+        metadata={
+            "help": "TRL tools / environment_factory (GRPO, one training process, async pipeline): the next batch's "
+            "whole multi-turn rollout, its tool calls and environment resets included, runs in a background thread "
+            "of the trainer while it trains (TRL's own code on a stand-in for the trainer, every turn on the "
+            "workers); false: only the first turn of a tools batch is generated ahead and the tool calls run on "
+            "the trainer's thread when TRL asks (for tools that must not run beside training)"
+        },
+    )
     tool_timeout_s: float = field(
         default=60.0,
         metadata={
             "help": "TRL tools and environment methods: max seconds a tool call may take; a tool past it is reported "
-            "to the model as a failing tool ({'error': ...}, tools/failure_frequency) and the rollout goes on (a "
-            "synchronous tool's thread cannot be stopped and is left running)"
+            "to the model as a failing tool ({'error': ...}, tools/failure_frequency) and the rollout goes on. A "
+            "synchronous tool is called in a thread of its own so that it can be bounded (one past the bound is "
+            "left running); 0: no bound, tools are called as TRL calls them"
         },
     )
     model_priorities: dict = field(
