@@ -195,6 +195,7 @@ def _take_rollouts_ahead(trainer: Any, state: Any, gen: Any, shadow: Any) -> Non
                 metrics.add("rollout/dropped_samples", len(inputs))
                 return orig(inputs)  # rolled out again, now, by TRL
         state.runtime.take_ahead(t0, waited, rollout.engine_s())
+        metrics.add("rollout/ahead_thread_cpu_s", rollout.cpu_s)  # tools, parsing, tokenising: the trainer's CPU
         gen.last_result = None  # no worker scores for a multi-turn batch: TRL computes its reference pass
         with shadow.consuming(rollout):
             return orig(inputs)

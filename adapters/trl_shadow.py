@@ -74,6 +74,7 @@ class Rollout:
         self.error: BaseException | None = None
         self.started = time.perf_counter()
         self.finished: float | None = None
+        self.cpu_s = 0.0
         self.thread: threading.Thread | None = None
 
     def oldest_version(self) -> int:
@@ -167,6 +168,7 @@ class ShadowLookahead:
 
     # ---------------------------------------------------------------- the rollout (background thread)
     def _run(self, rollout: Rollout) -> None:
+        cpu = time.thread_time()
         try:
             shadow = self._shadow(rollout)
             try:
@@ -181,6 +183,7 @@ class ShadowLookahead:
             rollout.error = exc
         finally:
             rollout.finished = time.perf_counter()
+            rollout.cpu_s = time.thread_time() - cpu  # what the thread took of the trainer's cores
             for instances in self.sets[rollout.index % 2].values():
                 for env in instances:
                     env.__dict__.pop("reset", None)  # the recording wrapper

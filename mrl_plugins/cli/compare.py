@@ -11,6 +11,9 @@ memory of one run cannot leak into the next. Run kinds:
 * ``rollout+weight_sync`` and ``rollout+comm`` -- the weight-sync and comm stages act on the path
   between the trainer and a separate inference copy, which only the rollout stage creates, so each
   is measured on top of ``rollout`` alone;
+* ``all_tools_inline`` -- ``all`` with ``rollout.tool_rollouts_ahead: false``: on a job with TRL tools or
+  environments, the tool loop runs on the trainer's thread when TRL asks (follow-up turns on the workers, only the
+  first turn read ahead) instead of the next batch's whole rollout ahead; on any other job the same as ``all``;
 * ``vllm`` -- every stage on ``mrl`` with ``rollout.engine: vllm`` (only when vllm is installed);
 * ``trl_vllm`` -- TRL's own ``use_vllm=True, vllm_mode="colocate"``, plugin off (only when vllm is installed;
   on CPU TRL's first weight sync into vLLM fails: the row says so and the comparison goes on).
@@ -57,6 +60,7 @@ RUNS: dict[str, RunKind] = {
     "rollout": RunKind({"rollout": "mrl", "weight_sync": "upstream", "comm": "upstream"}),
     "rollout+weight_sync": RunKind({"rollout": "mrl", "weight_sync": "mrl", "comm": "upstream"}),
     "rollout+comm": RunKind({"rollout": "mrl", "weight_sync": "upstream", "comm": "mrl"}),
+    "all_tools_inline": RunKind(_ALL, overrides={"rollout": {"tool_rollouts_ahead": False}}),
     "vllm": RunKind(_ALL, overrides={"rollout": {"engine": "vllm"}}, requires="vllm"),
     "trl_vllm": RunKind(
         _UP,
@@ -400,7 +404,11 @@ def cli(argv: list[str]) -> int:
     p.add_argument("--json", help="also write report.json here")
     p.add_argument("--steps", type=int, help="override train.steps")
     p.add_argument("--model", help="override train.model (tiny, small, tiny-tools or a checkpoint folder)")
-    p.add_argument("--runs", help=f"comma list of run kinds (default: {','.join(RUNS)}; --quick: upstream,all)")
+    p.add_argument(
+        "--runs",
+        help=f"comma list of run kinds (default: {','.join(RUNS)}, all_tools_inline only for a tool task; --quick: "
+        "upstream,all)",
+    )
     p.add_argument("--repeats", type=int, default=3, help="runs per kind, interleaved, order rotated (default 3)")
     p.add_argument(
         "--quick",
@@ -433,7 +441,11 @@ def cli(argv: list[str]) -> int:
     if ns.quick:
         ns.steps = ns.steps or QUICK["steps"]
         ns.runs = ns.runs or ",".join(QUICK_RUNS)
-    names = [n.strip() for n in (ns.runs or ",".join(RUNS)).split(",") if n.strip()]
+    config = str(resolve_config_path(ns.config))
+    data = load_yaml(config)
+    tool_job = (data.get("train") or {}).get("task", "count") != "count"
+    default = [n for n in RUNS if tool_job or n != "all_tools_inline"]  # the same as 'all' on a job without tools
+    names = [n.strip() for n in (ns.runs or ",".join(default)).split(",") if n.strip()]
     unknown = [n for n in names if n not in RUNS]
     if unknown:
         raise ConfigError(f"--runs: unknown run {unknown[0]!r}; valid: {choices(RUNS)}")
@@ -446,9 +458,7 @@ def cli(argv: list[str]) -> int:
         raise ConfigError(f"--tolerance: must be in [0, 1), got {ns.tolerance}")
     if ns.repeats < 1:
         raise ConfigError(f"--repeats: must be >= 1, got {ns.repeats}")
-    config = str(resolve_config_path(ns.config))
-    data = load_yaml(config)
-    if ns.quick and not ns.model and (data.get("train") or {}).get("task", "count") == "count":
+    if ns.quick and not ns.model and not tool_job:
         ns.model = QUICK["model"]  # a tool task keeps its model: tiny is a count-task preset
     preflight_runs(data, names, steps=ns.steps, model=ns.model, quick=ns.quick)  # every run checked before the first
     out = Path(ns.out)
