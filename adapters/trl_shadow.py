@@ -265,6 +265,11 @@ class ShadowLookahead:
                 "turn is still running"
             )
         if rollout.error is not None:
+            from mrl_plugins.rollout.multiturn import AheadUnavailable
+
+            if isinstance(rollout.error, AheadUnavailable):  # e.g. an eval batch switched the run to taking turns
+                self.state.ctx.metrics.add("rollout/ahead_abandoned", 1)
+                return None
             raise rollout.error
         return rollout
 

@@ -22,6 +22,11 @@ from mrl_plugins.hookspecs import RolloutResult
 AHEAD_POLL_S = 0.002
 
 
+class AheadUnavailable(Exception):  # noqa: N818 - a state, not a fault
+    """The workers stopped serving the split while a batch was rolled out ahead (released, or the run switched to
+    taking turns): the trainer rolls that batch out itself when it comes to it."""
+
+
 class MultiTurnMixin:
     """Mixed into :class:`~mrl_plugins.rollout.runtime.PoolRuntime`; uses its pool, lock and bookkeeping."""
 
@@ -62,18 +67,18 @@ class MultiTurnMixin:
         return pool
 
     def _turn_ahead(self, prompts: list[list[int]], model_id: str) -> RolloutResult:
-        from mrl_plugins.errors import MrlError, StageTimeoutError
+        from mrl_plugins.errors import StageTimeoutError
 
         with self._lock:
             pool = self._pool
             if pool is None or self.arrangement != "split":
-                raise MrlError("rollout ahead: the workers are not serving the split (released or taking turns)")
+                raise AheadUnavailable("the workers are not serving the split (released or taking turns)")
             ticket = pool.submit(prompts, 1, model_id=model_id, min_version=self.gen.version)
         deadline = time.monotonic() + self.cfg.timeout_s
         while True:
             with self._lock:
                 if self._pool is not pool:
-                    raise MrlError("rollout ahead: the worker pool was released")
+                    raise AheadUnavailable("the worker pool was released")
                 pool.poll()
                 if pool.answered(ticket):
                     result = self._collect(ticket)
