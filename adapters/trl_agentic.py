@@ -108,6 +108,7 @@ def install_agentic(trainer: Any, state: Any, gen: Any) -> list[str]:
     rc = state.ctx.config.rollout
     timeout = rc.tool_timeout_s
     shadow = None
+    gen.multi_turn = True  # the wrapped _generate below marks where each batch's rollout begins
     if "rollout_func" in kinds:
         gen.direct, gen.lookahead = True, False
     elif "environments" in kinds:

@@ -291,6 +291,7 @@ def test_worker_pool_async_trains_and_cleans_up(tmp_path, kind):
     rewards = _history(trainer, "reward")
     assert len(rewards) == 4
     assert sum(_history(trainer, "mrl/rollout/lookahead_hits")) >= 2
+    assert not _history(trainer, "mrl/rollout/follow_up_turns")  # one turn per batch: every one read ahead
     staleness = _history(trainer, "mrl/rollout/staleness")
     assert staleness and max(staleness) <= 1
     assert any(k.startswith("mrl/comm/") for h in trainer.state.log_history for k in h)

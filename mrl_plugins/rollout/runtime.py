@@ -99,6 +99,8 @@ class MrlGeneration:
         #: calls of generate() since TRL's rollout of the current batch began (:meth:`begin_rollout`): the first is
         #: the batch's first turn (the one the lookahead prepares), later ones are follow-up turns (TRL's tool loop)
         self.calls = 0
+        #: TRL's rollouts are multi-turn here (tools, environments: the adapter calls :meth:`begin_rollout` per batch)
+        self.multi_turn = False
         #: every call is a follow-up turn (a user's rollout_func: the plugin cannot know what it asks next)
         self.direct = False
         #: the runtime may read the next batch's prompts ahead (off where a rollout's prompts are not the dataset's)
@@ -141,7 +143,7 @@ class MrlGeneration:
                 f"vllm_generation.generate: prompts must be lists of token ids (as TRL passes them), got "
                 f"{type(prompts[0]).__name__ if prompts else 'nothing'}; a rollout_func tokenises its prompts first"
             )
-        follow_up = self.direct or self.calls > 0
+        follow_up = self.direct or (self.multi_turn and self.calls > 0)
         self.calls += 1
         with profiler or nullcontext():
             t0 = time.perf_counter()
