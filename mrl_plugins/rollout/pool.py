@@ -120,17 +120,25 @@ class WorkerPool:
             threads = place.get("threads", cfg.rollout.engine_threads)
             start_method(cfg.rollout.start_method, device=place.get("device", "cpu"), threads=threads,
                          engine=cfg.rollout.engine)  # fmt: skip
+        self.launcher: Any = None  # rollout.launcher 'ray': the cluster's actors that run the remote workers
+        if remote and cfg.rollout.launch == "ray":  # the cluster and its reservation first: nothing else is open yet
+            from .ray_launcher import RayLauncher
+
+            rejoinable = comm_caps.rejoinable and ws_caps.rejoinable
+            self.launcher = RayLauncher(cfg, range(len(placements), self.n), rejoinable)
         # the other stages' ends, opened through their plugins' hooks and owned by this pool
-        self.consumer = pm.comm_open_consumer(ctx=ctx, run_id=self.run_id, producers=self.n)
         self.senders: dict[str, Any] = {}
+        self.consumer: Any = None
         try:
+            self.consumer = pm.comm_open_consumer(ctx=ctx, run_id=self.run_id, producers=self.n)
             for m in self.models:
                 self.senders[m] = pm.weight_sync_open_sender(
                     ctx=ctx, model_id=m, run_id=self.run_id, receivers=self.n, same_process=False
                 )
         except BaseException:
-            for end in (*self.senders.values(), self.consumer):
-                end.close()
+            for end in (*self.senders.values(), self.consumer, self.launcher):
+                if end is not None:
+                    end.close()
             raise
         self.sender = self.senders["policy"]
         served = {
@@ -152,6 +160,8 @@ class WorkerPool:
             self, self._procs, self._ready, self._requests, [*self._error_qs, *self._event_qs],
             [self.consumer, *self.senders.values()], self._lifetime, STOP,
         )  # fmt: skip
+        if self.launcher is not None:
+            self._lifetime["launcher"] = self.launcher
         if remote:
             from .remote import RemoteSlots
 
@@ -180,12 +190,18 @@ class WorkerPool:
                 self._error_qs.append(errors)
                 self._event_qs.append(events)
                 self._ready.append(ready)
-                log.info(
-                    "rollout worker %d: waiting for `mrl worker --connect %s --index %d`", i, self.remote.address, i
-                )
+                if self.launcher is None:
+                    where = self.remote.address
+                    log.info("rollout worker %d: waiting for `mrl worker --connect %s --index %d`", i, where, i)
                 continue
             self._requests.append(self._mp.Queue())
             self._start(i)
+        if self.launcher is not None:
+            try:
+                self.launcher.start(self.remote.address)  # each remote worker: `mrl worker --connect` in a Ray actor
+            except BaseException:
+                release(self._finalizer)
+                raise
         self._clock = self._lifetime["clock"] = ReadyClock(self._ready, cfg.rollout.start_timeout_s)
 
     # ------------------------------------------------------------------ processes
@@ -248,9 +264,7 @@ class WorkerPool:
                 continue
             raise WorkerDiedError(f"rollout worker {err.worker} failed: {err.text}")
         for i in self.remote.indices if self.remote is not None else ():
-            why = self.remote.check_alive(i, self._ready[i].is_set())
-            if why is not None:
-                raise WorkerDiedError(f"{why} (remote workers are not restarted: start `mrl worker` again)")
+            self._check_remote(i)
         for i, proc in enumerate(self._procs):
             if proc is not None and not proc.is_alive():
                 why = self._not_rejoinable()
@@ -272,6 +286,45 @@ class WorkerPool:
                     f"set rollout.restart_workers > 0 to restart dead workers"
                 )
 
+    def _check_remote(self, i: int) -> None:
+        """Remote worker ``i``: a restarted process that joined takes over its work; a dead one is an error (with
+        launcher 'ray', as Ray sees it: dead, restarting, or its node lost)."""
+        incarnation = self.remote.rejoined(i)
+        if incarnation is not None:
+            self._rejoin(i, incarnation)
+        if self.launcher is not None:
+            why = self.launcher.check(i, self.remote.silent_s(i), self.remote.joined(i) >= self.remote.incarnation[i])
+            if why is not None:
+                raise WorkerDiedError(why)
+            return
+        why = self.remote.check_alive(i, self._ready[i].is_set())
+        if why is not None:
+            raise WorkerDiedError(
+                f"{why} (the trainer does not restart remote workers: `mrl worker` started again within "
+                "rollout.timeout_s rejoins, where the transports are rejoinable and rollout.restart_workers allows)"
+            )
+
+    def _rejoin(self, i: int, incarnation: int) -> None:
+        """A new process joined as remote worker ``i`` (Ray restarted its actor, or `mrl worker` was started again):
+        it gets the requests its predecessor left unanswered; the restart is counted."""
+        why = self._not_rejoinable()
+        if why is None and self._restarts >= self.cfg.rollout.restart_workers:
+            why = f"rollout.restart_workers ({self.cfg.rollout.restart_workers}) restarts are used up"
+        if why is not None:
+            raise WorkerDiedError(f"rollout worker {i} was restarted (a new process joined) but cannot rejoin: {why}")
+        self._restarts += 1
+        self.ctx.metrics.add("rollout/worker_restarts", 1) if self.ctx.metrics else None
+        log.warning("rollout worker %d: a restarted process (incarnation %d) rejoined the pool", i, incarnation)
+        self._requests[i], self._ready[i] = self.remote.rejoin(i, incarnation)
+        if self.launcher is not None:
+            self.launcher.rejoined(i)
+        for mid in self.models:
+            self._versions.pop((i, mid), None)
+        for key in [k for k in self._assigned[i] if k[0] not in self._tickets]:  # answers nobody waits for
+            self._assigned[i].discard(key)
+            self._finish(key)
+        self._resubmit_worker(i)
+
     def _not_rejoinable(self) -> str | None:
         """Why a worker cannot be replaced by a new process (its ends are not rejoinable), or None."""
         for ends, caps, what in (
@@ -291,9 +344,11 @@ class WorkerPool:
         )
 
     def _resubmit_worker(self, i: int) -> None:
+        """A restarted worker ``i`` gets the chunks its predecessor had not answered (an answer already received,
+        waiting in the stash, is not generated again)."""
         for t in self._tickets.values():
             for chunk, (worker, prompts) in t.chunks.items():
-                if worker == i and chunk not in t.results:
+                if worker == i and chunk not in t.results and (t.req_id, chunk) not in self._stash:
                     self._send(i, t, chunk, prompts)
 
     def move_worker(self, i: int, placement: dict, timeout: float | None = None, *, wait: bool = True) -> None:
@@ -524,7 +579,13 @@ class WorkerPool:
             self._assigned[w].discard(key)
             self._versions[(w, meta.model_id)] = max(meta.version, self._versions.get((w, meta.model_id), -1))
         self._finish(key)
-        if key[0] in self._tickets:
+        ticket = self._tickets.get(key[0])
+        if ticket is not None and (key[1] in ticket.results or key in self._stash):
+            # answered twice (a dead worker's last frame arrived after its chunk went to its successor): the first
+            # answer counts, once
+            if self.ctx.metrics is not None:
+                self.ctx.metrics.add("rollout/duplicate_batches", 1)
+        elif ticket is not None:
             self._stash[key] = entry
         elif key[0] in self._abandoned and self.ctx.metrics is not None:
             self.ctx.metrics.add("rollout/discarded_batches", 1)
