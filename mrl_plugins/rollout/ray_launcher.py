@@ -188,11 +188,37 @@ def _death_cause(info: dict) -> str:
     try:
         for _field, value in cause.ListFields():
             text = getattr(value, "error_message", "") or getattr(value, "formatted_exception_string", "")
-            if text:
-                return " ".join(str(text).split())[:600]
+            if text:  # Ray's first sentences; its list of common causes is left out
+                return " ".join(str(text).split(" Some common causes")[0].split())[:600]
     except AttributeError:
         pass
     return str(cause or "no cause recorded")[:600]
+
+
+def judge(
+    state: str,
+    *,
+    restarting: bool,
+    joined: bool,
+    silent: float,
+    waiting: float,
+    pg_state: str,
+    timeout_s: float,
+    start_timeout_s: float,
+) -> str:
+    """What the pool makes of a Ray worker whose heartbeat it cannot see: ``dead`` (Ray gave up on the actor),
+    ``unplaceable`` (Ray restarts it but its placement group has waited ``waiting`` > ``timeout_s`` for a node with
+    room: RESCHEDULING), ``late`` (starting or restarting for longer than ``start_timeout_s``), ``silent`` (Ray
+    reports it up but its heartbeat stood still for ``timeout_s``: a cut link, a hang, a node Ray has not missed
+    yet) or ``ok`` (alive, or coming up within its time). ``restarting``: Ray restarted it since its last join;
+    ``joined``: the incarnation the pool serves connected."""
+    if state == "DEAD":
+        return "dead"
+    if not joined or restarting:
+        if waiting > timeout_s and pg_state == "RESCHEDULING":
+            return "unplaceable"
+        return "late" if waiting > start_timeout_s else "ok"
+    return "silent" if silent > timeout_s else "ok"
 
 
 class RolloutActor:
@@ -365,9 +391,18 @@ class RayLauncher:
             if joined and silent > rc.timeout_s:
                 return f"remote rollout worker {i} stopped heartbeating {silent:.0f} s ago (Ray's actor state unknown)"
             return None
+        state, restarts = str(info.get("State", "?")), int(info.get("NumRestarts", 0))
+        restarting = restarts > self._restarts_seen[i]
+        waiting = 0.0
+        if not joined or restarting:  # counted from the start, or from when its predecessor fell silent
+            waiting = now - self._starting.setdefault(i, now - silent if joined else now)
+        pg_state = self._pg_state() if waiting > rc.timeout_s else "?"
+        kind = judge(
+            state, restarting=restarting, joined=joined, silent=silent, waiting=waiting, pg_state=pg_state,
+            timeout_s=rc.timeout_s, start_timeout_s=rc.start_timeout_s,
+        )  # fmt: skip
         where = f"Ray actor {self.actors[i]._actor_id.hex()[:12]} on node {self.nodes.get(i, '?')}"
-        state, restarts = info.get("State", "?"), int(info.get("NumRestarts", 0))
-        if state == "DEAD":
+        if kind == "dead":
             if not self.rejoinable:
                 tail = (
                     "; not restarted: weight_sync or comm ends that are not rejoinable (e.g. broadcast's group takes "
@@ -379,22 +414,19 @@ class RayLauncher:
             else:
                 tail = f"; Ray restarted it {restarts} time(s) of max_restarts {self.max_restarts}"
             return f"rollout worker {i} ({where}) died: {_death_cause(info)}{tail}"
-        if not joined or restarts > self._restarts_seen[i]:  # Ray is (re)starting it: it joins when up
-            since = self._starting.setdefault(i, now)
-            if now - since > rc.timeout_s and self._pg_state() == "RESCHEDULING":
-                return (
-                    f"rollout worker {i} ({where}) lost its node and Ray cannot place it again: the placement group "
-                    f"waits for a node with {_fmt(self.bundles[0])} ({rc.ray_strategy}) for {now - since:.0f} s "
-                    f"(rollout.timeout_s {rc.timeout_s:.0f})"
-                )
-            if now - since > rc.start_timeout_s:
-                failure = self._failure(i)
-                return (
-                    f"rollout worker {i} ({where}) did not join within rollout.start_timeout_s "
-                    f"({rc.start_timeout_s:.0f} s); Ray reports it {state}" + (f": {failure}" if failure else "")
-                )
-            return None
-        if silent > rc.timeout_s:
+        if kind == "unplaceable":
+            return (
+                f"rollout worker {i} ({where}) lost its node and Ray cannot place it again: its placement group has "
+                f"waited {waiting:.0f} s (rollout.timeout_s {rc.timeout_s:.0f}) for a node with "
+                f"{_fmt(self.bundles[0])} ({rc.ray_strategy})"
+            )
+        if kind == "late":
+            failure = self._failure(i)
+            return (
+                f"rollout worker {i} ({where}) did not join within rollout.start_timeout_s ({rc.start_timeout_s:.0f} "
+                f"s); Ray reports it {state}" + (f": {failure}" if failure else "")
+            )
+        if kind == "silent":
             return (
                 f"remote rollout worker {i} stopped heartbeating {silent:.0f} s ago ({where}, which Ray reports "
                 f"{state}: its link is cut, it hangs, or Ray has not noticed its node is gone)"
@@ -448,4 +480,4 @@ class RayLauncher:
                 log.debug("ray.shutdown failed", exc_info=True)
 
 
-__all__ = ["RayLauncher", "RolloutActor", "bundle", "connect", "describe_nodes", "placement_problem"]
+__all__ = ["RayLauncher", "RolloutActor", "bundle", "connect", "describe_nodes", "judge", "placement_problem"]
