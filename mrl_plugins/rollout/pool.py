@@ -31,24 +31,21 @@ import uuid
 from typing import Any
 
 from mrl_plugins.comm.base import ChannelClosedError
-from mrl_plugins.errors import MrlError, StageTimeoutError
+from mrl_plugins.errors import StageTimeoutError
 from mrl_plugins.hookspecs import RolloutResult, StageContext
 from mrl_plugins.metrics import record_publish
 
 from .assemble import Ticket, assemble, own
 from .lifecycle import ReadyClock, finalizer, main_not_reimported, release, spawn_quiet, start_method
-from .pool_checks import check_pool_config, no_rejoin, stage_names
+from .pool_checks import WorkerDiedError, check_pool_config, no_rejoin, stage_names
+from .pool_remote import RemoteWorkers
 from .wire import STOP, SWITCHED, BatchMeta, GenerateRequest, WeightsNotice, WorkerError, WorkerEvent
 from .worker import ServedModel, WorkerSpec, budget_metrics, worker_main
 
 log = logging.getLogger("mrl_plugins.rollout")
 
 
-class WorkerDiedError(MrlError):
-    """A rollout worker process exited or stopped answering."""
-
-
-class WorkerPool:
+class WorkerPool(RemoteWorkers):
     """Trainer-side handle on the rollout workers.
 
     :param model: the policy (model_id ``"policy"``); ``extra_models``: further ``model_id -> model`` served by
@@ -285,45 +282,6 @@ class WorkerPool:
                     f"rollout worker {i} (pid {proc.pid}) died with exit code {proc.exitcode}; "
                     f"set rollout.restart_workers > 0 to restart dead workers"
                 )
-
-    def _check_remote(self, i: int) -> None:
-        """Remote worker ``i``: a restarted process that joined takes over its work; a dead one is an error (with
-        launcher 'ray', as Ray sees it: dead, restarting, or its node lost)."""
-        incarnation = self.remote.rejoined(i)
-        if incarnation is not None:
-            self._rejoin(i, incarnation)
-        if self.launcher is not None:
-            why = self.launcher.check(i, self.remote.silent_s(i), self.remote.joined(i) >= self.remote.incarnation[i])
-            if why is not None:
-                raise WorkerDiedError(why)
-            return
-        why = self.remote.check_alive(i, self._ready[i].is_set())
-        if why is not None:
-            raise WorkerDiedError(
-                f"{why} (the trainer does not restart remote workers: `mrl worker` started again within "
-                "rollout.timeout_s rejoins, where the transports are rejoinable and rollout.restart_workers allows)"
-            )
-
-    def _rejoin(self, i: int, incarnation: int) -> None:
-        """A new process joined as remote worker ``i`` (Ray restarted its actor, or `mrl worker` was started again):
-        it gets the requests its predecessor left unanswered; the restart is counted."""
-        why = self._not_rejoinable()
-        if why is None and self._restarts >= self.cfg.rollout.restart_workers:
-            why = f"rollout.restart_workers ({self.cfg.rollout.restart_workers}) restarts are used up"
-        if why is not None:
-            raise WorkerDiedError(f"rollout worker {i} was restarted (a new process joined) but cannot rejoin: {why}")
-        self._restarts += 1
-        self.ctx.metrics.add("rollout/worker_restarts", 1) if self.ctx.metrics else None
-        log.warning("rollout worker %d: a restarted process (incarnation %d) rejoined the pool", i, incarnation)
-        self._requests[i], self._ready[i] = self.remote.rejoin(i, incarnation)
-        if self.launcher is not None:
-            self.launcher.rejoined(i)
-        for mid in self.models:
-            self._versions.pop((i, mid), None)
-        for key in [k for k in self._assigned[i] if k[0] not in self._tickets]:  # answers nobody waits for
-            self._assigned[i].discard(key)
-            self._finish(key)
-        self._resubmit_worker(i)
 
     def _not_rejoinable(self) -> str | None:
         """Why a worker cannot be replaced by a new process (its ends are not rejoinable), or None."""
