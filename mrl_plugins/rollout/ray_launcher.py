@@ -371,7 +371,8 @@ class RayLauncher:
         return info
 
     def rejoined(self, i: int) -> None:
-        """The pool took worker ``i``'s restarted process (a new incarnation joined)."""
+        """Worker ``i`` joined (a new incarnation the pool took, or its first start came up): Ray's restarts of it
+        so far are behind it."""
         info = self._state(i, time.monotonic(), fresh=True)
         if info is not None:
             self._restarts_seen[i] = int(info.get("NumRestarts", 0))
@@ -384,7 +385,8 @@ class RayLauncher:
         rc = self.cfg.rollout
         now = time.monotonic()
         if joined and silent < PROBE_AFTER_S:
-            self._starting.pop(i, None)
+            if self._starting.pop(i, None) is not None:  # up (again): the restarts Ray made so far are behind it
+                self.rejoined(i)
             return None
         info = self._state(i, now)
         if info is None:  # Ray cannot be asked: as a hand-started worker
