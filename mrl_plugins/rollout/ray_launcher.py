@@ -243,13 +243,6 @@ class RolloutActor:
         except BaseException as exc:  # noqa: BLE001 - a worker error also went to the trainer (its error queue)
             self.error = f"{type(exc).__name__}: {exc}"
 
-    def where(self) -> dict[str, Any]:
-        """Where this actor runs: Ray node id, address, pid."""
-        import ray
-
-        return {"node_id": ray.get_runtime_context().get_node_id(), "ip": ray.util.get_node_ip_address(),
-                "pid": os.getpid()}  # fmt: skip
-
     def failure(self) -> str | None:
         """Why the worker thread ended with an error (None: it did not, or runs)."""
         return self.error
