@@ -47,6 +47,8 @@ from .segment import check_run_id
 _TAG_LEN, _TAG_FRAME = 11, 12
 #: seconds between two looks of the consumer for producers that joined (a new one or a restarted one)
 JOIN_POLL_S = 0.05
+#: seconds close() waits for the receiver threads to leave
+CLOSE_JOIN_S = 2.0
 
 
 def device_backend() -> str:
@@ -110,6 +112,7 @@ class DistConsumer:
         )
         # the producers' codec: tells their overflow fallbacks from the frames
         self._codec = codec if codec is not None else make_codec(config)
+        self._receivers: list[threading.Thread] = []
         self._watcher = threading.Thread(target=self._watch, name="mrl-comm-dist-join", daemon=True)
         self._watcher.start()
 
@@ -123,10 +126,12 @@ class DistConsumer:
                         if self._joined[i]:
                             self._stats["rejoins"] += 1
                         self._joined[i] = latest
-                        threading.Thread(
+                        rx = threading.Thread(
                             target=self._receive_from, args=(i, latest), name=f"mrl-comm-dist-rx{i}.{latest}",
                             daemon=True,
-                        ).start()  # fmt: skip
+                        )  # fmt: skip
+                        self._receivers.append(rx)
+                        rx.start()
         except BaseException as exc:  # handed to receive()
             if not self._closing.is_set():
                 self._err = exc
@@ -237,9 +242,15 @@ class DistConsumer:
         return {**self._stats, "queue_depth": 0}
 
     def close(self, unlink: bool = True) -> None:
-        """Stop receiving and drop the groups (nothing to unlink). A receive blocked in gloo is abandoned
-        (daemon thread), it does not delay the caller."""
+        """Stop receiving and drop the groups (nothing to unlink). The receiver threads get ``CLOSE_JOIN_S`` to
+        leave (a producer that has gone away ends its thread's wait): a thread still inside a gloo or store call
+        when the interpreter finalizes dies in ``pthread_exit`` while unwinding C++ frames, which aborts the
+        process (seen with Ray's terminate handler in the trainer). One blocked on a live producer is abandoned
+        (daemon thread) after that."""
         self._closing.set()
+        deadline = time.monotonic() + CLOSE_JOIN_S
+        for thread in (self._watcher, *self._receivers):
+            thread.join(max(0.0, deadline - time.monotonic()))
         self._links.clear()
 
 
