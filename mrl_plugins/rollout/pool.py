@@ -37,15 +37,15 @@ from mrl_plugins.metrics import record_publish
 
 from .assemble import Ticket, assemble, own
 from .lifecycle import ReadyClock, finalizer, main_not_reimported, release, spawn_quiet, start_method
-from .pool_checks import WorkerDiedError, check_pool_config, no_rejoin, stage_names
-from .pool_remote import RemoteWorkers
+from .pool_checks import WorkerDiedError, check_pool_config, stage_names
+from .pool_restarts import Restarts
 from .wire import STOP, SWITCHED, BatchMeta, GenerateRequest, WeightsNotice, WorkerError, WorkerEvent
 from .worker import ServedModel, WorkerSpec, budget_metrics, worker_main
 
 log = logging.getLogger("mrl_plugins.rollout")
 
 
-class WorkerPool(RemoteWorkers):
+class WorkerPool(Restarts):
     """Trainer-side handle on the rollout workers.
 
     :param model: the policy (model_id ``"policy"``); ``extra_models``: further ``model_id -> model`` served by
@@ -283,16 +283,6 @@ class WorkerPool(RemoteWorkers):
                     f"set rollout.restart_workers > 0 to restart dead workers"
                 )
 
-    def _not_rejoinable(self) -> str | None:
-        """Why a worker cannot be replaced by a new process (its ends are not rejoinable), or None."""
-        for ends, caps, what in (
-            ([*self.senders.values()], self._ws_caps, self._names[1]),
-            ([self.consumer], self._comm_caps, self._names[0]),
-        ):
-            if not all(getattr(e, "capabilities", caps).rejoinable for e in ends):
-                return no_rejoin(what)
-        return None
-
     def _send(self, w: int, t: Ticket, chunk: int, prompts: list[list[int]]) -> None:
         t.chunks[chunk] = (w, prompts)
         self._assigned[w].add((t.req_id, chunk))
@@ -300,14 +290,6 @@ class WorkerPool(RemoteWorkers):
         self._requests[w].put(
             GenerateRequest(t.req_id, chunk, prompts, t.num_generations, t.model_id, t.min_version, tuple(score_with))
         )
-
-    def _resubmit_worker(self, i: int) -> None:
-        """A restarted worker ``i`` gets the chunks its predecessor had not answered (an answer already received,
-        waiting in the stash, is not generated again)."""
-        for t in self._tickets.values():
-            for chunk, (worker, prompts) in t.chunks.items():
-                if worker == i and chunk not in t.results and (t.req_id, chunk) not in self._stash:
-                    self._send(i, t, chunk, prompts)
 
     def move_worker(self, i: int, placement: dict, timeout: float | None = None, *, wait: bool = True) -> None:
         """Move worker ``i`` to ``placement`` (``cores``/``threads``/``env``/``device``, as the adapter builds

@@ -1,20 +1,23 @@
-"""The worker pool's remote workers (``rollout.remote_workers``): each is watched through the rendezvous store
-(:class:`~mrl_plugins.rollout.remote.RemoteSlots`) and, with ``rollout.launcher: ray``, through Ray
-(:class:`~mrl_plugins.rollout.ray_launcher.RayLauncher`); a restarted process that joins takes over its
-predecessor's work. A mixin of :class:`~mrl_plugins.rollout.pool.WorkerPool`, apart to keep that module small."""
+"""Dead and restarted workers of the worker pool: whether a new process can take a worker's place (its ends are
+rejoinable), handing it its predecessor's unanswered chunks, and the remote workers (``rollout.remote_workers``),
+watched through the rendezvous store (:class:`~mrl_plugins.rollout.remote.RemoteSlots`) and, with
+``rollout.launcher: ray``, through Ray (:class:`~mrl_plugins.rollout.ray_launcher.RayLauncher`), whose restarted
+processes join as new incarnations. A mixin of :class:`~mrl_plugins.rollout.pool.WorkerPool`, apart to keep that
+module small."""
 
 from __future__ import annotations
 
 import logging
 from typing import Any
 
-from .pool_checks import WorkerDiedError
+from .pool_checks import WorkerDiedError, no_rejoin
 
 log = logging.getLogger("mrl_plugins.rollout")
 
 
-class RemoteWorkers:
-    """``_check_remote`` / ``_rejoin`` of :class:`~mrl_plugins.rollout.pool.WorkerPool` (its state is the pool's)."""
+class Restarts:
+    """Restart and remote-worker methods of :class:`~mrl_plugins.rollout.pool.WorkerPool` (its state is the
+    pool's)."""
 
     remote: Any
     launcher: Any
@@ -59,3 +62,21 @@ class RemoteWorkers:
             self._assigned[i].discard(key)
             self._finish(key)
         self._resubmit_worker(i)
+
+    def _not_rejoinable(self) -> str | None:
+        """Why a worker cannot be replaced by a new process (its ends are not rejoinable), or None."""
+        for ends, caps, what in (
+            ([*self.senders.values()], self._ws_caps, self._names[1]),
+            ([self.consumer], self._comm_caps, self._names[0]),
+        ):
+            if not all(getattr(e, "capabilities", caps).rejoinable for e in ends):
+                return no_rejoin(what)
+        return None
+
+    def _resubmit_worker(self, i: int) -> None:
+        """A restarted worker ``i`` gets the chunks its predecessor had not answered (an answer already received,
+        waiting in the stash, is not generated again)."""
+        for t in self._tickets.values():
+            for chunk, (worker, prompts) in t.chunks.items():
+                if worker == i and chunk not in t.results and (t.req_id, chunk) not in self._stash:
+                    self._send(i, t, chunk, prompts)
