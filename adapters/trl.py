@@ -444,7 +444,7 @@ def summary_line(trainer: Any, state: State, device: Any, plan: tuple | None = N
                 else:
                     where += f", {device.torch_device}"
             if rc.remote_workers:
-                where += f" + {rc.remote_workers} remote"
+                where += f" + {rc.remote_workers} remote" + (" on Ray" if rc.launch == "ray" else "")
             if state.budget is not None:
                 where += f"; trainer cores {state.budget[0]}"
             if rc.placement == "auto":

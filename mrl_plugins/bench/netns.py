@@ -2,15 +2,17 @@
 
 :class:`Hosts` makes a *trainer* namespace and ``workers`` worker namespaces. The trainer side holds a
 bridge with ``10.77.0.1/24``; worker ``i`` gets ``10.77.0.(2 + i)/24`` on its end of a veth pair whose
-other end hangs on that bridge. Only addresses of ``10.77.0.0/24`` are used, and only inside the
-namespaces made here; nothing is routed anywhere else (the namespaces have no default route). Each link
+other end hangs on that bridge (``subnet`` picks another ``/24``, e.g. the Ray tests' ``10.79.0``). Only addresses of
+that subnet are used, and only inside the namespaces made here; nothing is routed anywhere else (the namespaces have
+no default route). Each link
 can be shaped in both directions (:meth:`Hosts.shape`: ``tbf`` for a rate and a queue length, ``netem`` for
 delay or loss where the kernel has it), cut and restored (:meth:`Hosts.link`).
 
 Teardown always runs (context manager, also on errors): processes still running inside the namespaces
 are killed (everything in them was started through this harness), then the namespaces are deleted, which
-deletes their interfaces. Names are unique per process and harness: ``mrl-<pid>-<n>-t`` / ``-w<i>``; those of a
-harness whose process was killed before its teardown are deleted when the next one starts (:func:`sweep_stale`).
+deletes their interfaces. Names are unique per process and harness: ``<prefix>-<pid>-<n>-t`` / ``-w<i>`` (prefix
+``mrl`` unless given); those of a harness whose process was killed before its teardown are deleted when the next one
+with that prefix starts (:func:`sweep_stale`).
 Needs root (``CAP_NET_ADMIN``) and the ``ip`` and ``tc`` tools; :func:`unavailable` says why not.
 """
 
@@ -79,17 +81,24 @@ class Hosts:
 
     :param rate: link rate for ``tc`` (e.g. ``"1gbit"``, ``"100mbit"``; None: unshaped veth); the rest of
         :meth:`shape`'s arguments may follow.
+    :param subnet: the first three octets of the ``/24`` the hosts take (default ``10.77.0``).
+    :param prefix: the namespaces' name prefix (default ``mrl``; letters and digits).
     """
 
-    def __init__(self, workers: int = 1, *, rate: str | None = None, **shaping: Any) -> None:
+    def __init__(
+        self, workers: int = 1, *, rate: str | None = None, subnet: str = SUBNET, prefix: str = "mrl", **shaping: Any
+    ) -> None:
         if not 1 <= workers <= 200:
             raise ValueError(f"workers must be in 1..200, got {workers}")
-        sweep_stale()
-        tag = f"mrl-{os.getpid()}-{next(_COUNTER)}"
+        if not re.fullmatch(r"[a-z][a-z0-9]*", prefix) or not re.fullmatch(r"10\.\d{1,3}\.\d{1,3}", subnet):
+            raise ValueError(f"prefix {prefix!r} (lowercase letters and digits) / subnet {subnet!r} (10.x.y)")
+        sweep_stale(prefix)
+        self.prefix, self.subnet = prefix, subnet
+        tag = f"{prefix}-{os.getpid()}-{next(_COUNTER)}"
         self.trainer = f"{tag}-t"
         self.worker_ns = [f"{tag}-w{i}" for i in range(workers)]
-        self.trainer_addr = TRAINER_ADDR
-        self.worker_addrs = [f"{SUBNET}.{2 + i}" for i in range(workers)]
+        self.trainer_addr = f"{subnet}.1"
+        self.worker_addrs = [f"{subnet}.{2 + i}" for i in range(workers)]
         self._procs: list[subprocess.Popen] = []
         self._made: list[str] = []
         try:
@@ -108,7 +117,7 @@ class Hosts:
             _ip("-n", ns, "link", "set", "lo", "up")
         t = self.trainer
         _ip("-n", t, "link", "add", "br0", "type", "bridge")
-        _ip("-n", t, "addr", "add", f"{TRAINER_ADDR}/24", "dev", "br0")
+        _ip("-n", t, "addr", "add", f"{self.trainer_addr}/24", "dev", "br0")
         _ip("-n", t, "link", "set", "br0", "up")
         for i, (ns, addr) in enumerate(zip(self.worker_ns, self.worker_addrs)):
             # created straight inside the namespaces (no name ever exists in the root namespace)
@@ -221,12 +230,12 @@ class Hosts:
         self.close()
 
 
-def sweep_stale() -> list[str]:
+def sweep_stale(prefix: str = "mrl") -> list[str]:
     """Delete the namespaces of harnesses whose process is gone (killed before its teardown); returns their names.
-    Only names this module makes (``mrl-<pid>-<n>-t`` / ``-w<i>``) whose ``<pid>`` no longer runs."""
+    Only names this module makes (``<prefix>-<pid>-<n>-t`` / ``-w<i>``) whose ``<pid>`` no longer runs."""
     gone = []
     for line in _ip("netns", "list", check=False).stdout.splitlines():
-        m = re.fullmatch(r"(mrl-(\d+)-\d+-(?:t|w\d+))(?: \(id: \d+\))?", line.strip())
+        m = re.fullmatch(rf"({re.escape(prefix)}-(\d+)-\d+-(?:t|w\d+))(?: \(id: \d+\))?", line.strip())
         if m is None or int(m.group(2)) == os.getpid():
             continue
         try:
@@ -239,10 +248,10 @@ def sweep_stale() -> list[str]:
     return gone
 
 
-def leftover() -> list[str]:
+def leftover(prefix: str = "mrl") -> list[str]:
     """Namespaces of this process that still exist (a test asserts none after teardown)."""
     got = _ip("netns", "list", check=False)
-    mine = f"mrl-{os.getpid()}-"
+    mine = f"{prefix}-{os.getpid()}-"
     return [line.split()[0] for line in got.stdout.splitlines() if line.startswith(mine)]
 
 

@@ -23,6 +23,9 @@ check, ``ok|warn|fail  <check>: <detail>``, and exits 1 if any check failed (0 o
 * ``threads``: threads per process (``--threads``, else config, else ``OMP_NUM_THREADS``, else torch's default)
   summed over processes against the cores this process may use; oversubscription warns (measured here: a
   2-thread forward runs 15-200x slower when a core is busy elsewhere).
+* ``ray cluster`` / ``ray placement`` / ``ray free now`` (``rollout.launcher: ray`` only): the cluster at
+  ``rollout.ray_address`` and its nodes' resources, whether the config's worker bundles can be placed with its
+  strategy, and whether they are free now (:mod:`mrl_plugins.cli.doctor_ray`).
 
 Processes: ``--processes``, else the number of ``--visible-devices`` lists, else from ``--config`` 1 trainer +
 ``rollout.workers`` (see :func:`inputs_from_config`), else 1.
@@ -272,6 +275,10 @@ def cli(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None)
                 _write_json(args.json, [asdict(r) for r in results])
             return 0
         checks = run_checks(_inputs_from_args(args, env))
+        if args.config:  # rollout.launcher 'ray': the cluster's nodes and resources against the config
+            from mrl_plugins.cli.doctor_ray import ray_checks
+
+            checks += ray_checks(read_config(args.config))
     except ConfigError as exc:
         print(f"mrl doctor: error: {exc}", file=sys.stderr)
         return 2

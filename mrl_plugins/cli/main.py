@@ -14,12 +14,14 @@ BENCHES: dict[str, str] = {
     "weights": "mrl_plugins.bench.weights",
     "rollout": "mrl_plugins.bench.rollout",
     "engine": "mrl_plugins.bench.engine",
+    "ray": "mrl_plugins.bench.launchers",
 }
 BENCH_HELP: dict[str, str] = {
     "comm": "experience batches between two processes through three paths",
     "weights": "weight-sync bandwidth against the per-parameter baseline and memcpy",
     "rollout": "colocated inference latency with/without core binding; GRPO steps/s, async workers vs TRL",
     "engine": "transformers vs vLLM rollout engines on the same cores: tokens/s, CPU per token, start-up, apply ms",
+    "ray": "the same GRPO job with rollout.launcher local, manual and ray: steps/s, Ray's idle and running cost",
 }
 
 
@@ -152,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
         "plan", help="bandwidth budget per path; --config C: placement plan (auto) from a short run", add_help=False
     )
     sub.add_parser("worker", help="run a rollout worker for a trainer on another host", add_help=False)
-    sub.add_parser("bench", help="benchmarks: comm, weights, rollout, engine", add_help=False)
+    sub.add_parser("bench", help="benchmarks: comm, weights, rollout, engine, ray", add_help=False)
     if not argv or argv[0] in ("-h", "--help"):
         parser.print_help()
         return 0

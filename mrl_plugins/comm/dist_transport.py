@@ -1,9 +1,14 @@
-"""``torch_distributed`` transport: frames sent with point-to-point send/recv over a private process group.
+"""``torch_distributed`` transport: frames sent with point-to-point send/recv over private process groups.
 
-The consumer is rank 0, producer ``i`` is rank ``i + 1`` of a group built on its own ``TCPStore``
-(so it works beside, and independent of, any default group the trainer already has). Each batch
-goes as two messages: a length header and the encoded frame (:mod:`mrl_plugins.comm.frame`, codec
-applied, crc32c-checked on receipt).
+Every producer has a group of its own with the consumer, two ranks on the consumer's ``TCPStore`` (so it works
+beside, and independent of, any default group the trainer already has): the consumer is rank 0, the producer
+rank 1. Each batch goes as two messages: a length header and the encoded frame (:mod:`mrl_plugins.comm.frame`,
+codec applied, crc32c-checked on receipt).
+
+Rejoinable: a producer that attaches takes the next *incarnation* number of its index (``join/<i>`` in the store)
+and forms the pair group of that incarnation; the consumer starts a receiver for each new incarnation it sees, so a
+restarted worker (a new process on this or another host) sends again under the same index while its dead
+predecessor's group is abandoned. Producers attach independently: frames flow as soon as one has joined.
 
 Backend: :func:`mrl_plugins.device.collective_backend` when the device layer provides it, else
 ``"gloo"``. Frames live in host memory, so they always travel over gloo: an ``hccl``/``nccl``
@@ -11,12 +16,12 @@ backend would need each frame copied to the device and back; the backend the dev
 kept in ``DistConsumer.device_backend`` for the logs.
 
 Every wait has a deadline. Gloo's own timeouts break the connection, so blocking gloo waits run
-in a receiver thread (consumer) and a sender thread (producer) with a week-long group timeout,
+in receiver threads (consumer) and a sender thread (producer) with a week-long group timeout,
 and ``receive``/``send`` wait on bounded in-process queues of ``ring_slots`` frames with their own
 deadlines (backpressure: a producer blocks once ``ring_slots`` frames wait unreceived). Producers
 stamp a heartbeat counter in the store (no clock comparison across hosts) and the consumer raises
-:class:`PeerDeadError` when one stops changing for ``heartbeat_timeout_s``.
-All producers must attach before the first frame moves (the group forms once every rank joined).
+:class:`PeerDeadError` when one stops changing for ``heartbeat_timeout_s`` (once; a new incarnation of that
+producer is watched again).
 """
 
 from __future__ import annotations
@@ -40,6 +45,10 @@ from .frame import FrameError, FramePlan, decode_frame
 from .segment import check_run_id
 
 _TAG_LEN, _TAG_FRAME = 11, 12
+#: seconds between two looks of the consumer for producers that joined (a new one or a restarted one)
+JOIN_POLL_S = 0.05
+#: seconds close() waits for the receiver threads to leave
+CLOSE_JOIN_S = 2.0
 
 
 def device_backend() -> str:
@@ -54,21 +63,26 @@ def device_backend() -> str:
         return "gloo"
 
 
-def _make_group(host: str, port: int, rank: int, world: int, run_id: str, timeout_s: float, store: Any = None):
+def _pair_group(host: str, port: int, rank: int, prefix: str, timeout_s: float) -> tuple[Any, Any]:
+    """``(store client, group)``: the two-rank gloo group under ``prefix`` of the consumer's store, on a store
+    connection of its own (a blocking wait on a shared client would hold up the other users)."""
     import torch.distributed as dist
 
     td = datetime.timedelta(seconds=timeout_s)
-    if store is None:
-        store = dist.TCPStore(host, port, world, False, timeout=td)
-    prefixed = dist.PrefixStore(f"mrl-comm/{run_id}/", store)
+    store = dist.TCPStore(host, port, None, False, timeout=td)
     opts = dist.ProcessGroupGloo._Options()
     opts._timeout = datetime.timedelta(days=7)  # gloo timeouts kill the pair: deadlines are enforced above it
     opts._devices = gloo_devices(host)  # this host's address towards the store's, not the host name's
-    return store, dist.ProcessGroupGloo(prefixed, rank, world, opts)
+    return store, dist.ProcessGroupGloo(dist.PrefixStore(prefix, store), rank, 2, opts)
+
+
+def _prefix(run_id: str, index: int, incarnation: int) -> str:
+    return f"mrl-comm/{run_id}/{index}/{incarnation}/"
 
 
 class DistConsumer:
-    """Rank 0 of the private group: receives frames from ``n_producers`` ranks."""
+    """Rank 0 of every producer's pair group: receives frames from ``n_producers`` producers (and from their
+    restarted incarnations)."""
 
     def __init__(
         self, config: CommConfig, *, n_producers: int, run_id: str, host: str = "127.0.0.1", codec: Any = None
@@ -81,50 +95,77 @@ class DistConsumer:
         self.run_id = check_run_id(run_id)
         self.host = host
         self.device_backend = device_backend()
-        td = datetime.timedelta(seconds=max(config.receive_timeout_s, config.send_timeout_s))
-        self._master = dist.TCPStore(host, 0, n_producers + 1, True, timeout=td, wait_for_workers=False)
+        self._timeout = max(config.receive_timeout_s, config.send_timeout_s)
+        td = datetime.timedelta(seconds=self._timeout)
+        self._master = dist.TCPStore(host, 0, None, True, timeout=td, wait_for_workers=False)
         self.port = self._master.port
-        self._pg = None
         self._err: BaseException | None = None
         self._closing = threading.Event()
         self._inbox: queue.Queue = queue.Queue(maxsize=config.ring_slots)
+        self._joined = [0] * n_producers  # latest incarnation of each producer (0: none attached yet)
+        self._links: dict[tuple[int, int], Any] = {}  # (producer, incarnation) -> its (store, group), kept alive
         self._seen: dict[int, tuple[int, float]] = {}
-        self._reported: set[int] = set()
-        self._arrived = [0] * n_producers  # frames queued per producer (by the receiver thread)
+        self._reported: dict[int, int] = {}  # producer -> the incarnation reported dead
+        self._arrived: dict[tuple[int, int], int] = {}  # frames queued per (producer, incarnation)
         self._stats = dict.fromkeys(
-            ("frames", "bytes", "raw_bytes", "fallbacks", "corrupt", "wait_s", "dead_peers"), 0
+            ("frames", "bytes", "raw_bytes", "fallbacks", "corrupt", "wait_s", "dead_peers", "rejoins"), 0
         )
         # the producers' codec: tells their overflow fallbacks from the frames
         self._codec = codec if codec is not None else make_codec(config)
-        self._rx = threading.Thread(target=self._connect, name="mrl-comm-dist-rx", daemon=True)
-        self._rx.start()
+        self._receivers: list[threading.Thread] = []
+        self._watcher = threading.Thread(target=self._watch, name="mrl-comm-dist-join", daemon=True)
+        self._watcher.start()
 
-    def _connect(self) -> None:
-        """Form the group, then receive frames forever (blocking waits live here, not in receive())."""
+    def _watch(self) -> None:
+        """Start a receiver for the latest incarnation of every producer, as they join."""
         try:
-            timeout = max(self.config.receive_timeout_s, self.config.send_timeout_s)
-            _store, self._pg = _make_group(self.host, self.port, 0, self.n + 1, self.run_id, timeout, self._master)
-            pg = self._pg
-            while not self._closing.is_set():
-                hdr = torch.zeros(1, dtype=torch.int64)
-                work = pg.recv_anysource([hdr], _TAG_LEN)
-                work.wait()
-                src = work._source_rank()
-                frame = torch.empty(int(hdr[0]), dtype=torch.uint8)
-                pg.recv([frame], src, _TAG_FRAME).wait()
-                while not self._closing.is_set():
-                    try:
-                        self._inbox.put((src, frame), timeout=0.1)
-                        self._arrived[src - 1] += 1  # after the put: a closed producer's last frame is queued
-                        break
-                    except queue.Full:
-                        continue
+            while not self._closing.wait(JOIN_POLL_S):
+                for i in range(self.n):
+                    latest = int(self._master.add(f"join/{i}", 0))
+                    if latest > self._joined[i]:
+                        if self._joined[i]:
+                            self._stats["rejoins"] += 1
+                        self._joined[i] = latest
+                        rx = threading.Thread(
+                            target=self._receive_from, args=(i, latest), name=f"mrl-comm-dist-rx{i}.{latest}",
+                            daemon=True,
+                        )  # fmt: skip
+                        self._receivers.append(rx)
+                        rx.start()
         except BaseException as exc:  # handed to receive()
             if not self._closing.is_set():
                 self._err = exc
 
+    def _receive_from(self, i: int, incarnation: int) -> None:
+        """Form producer ``i``'s pair group of ``incarnation``, then receive its frames until it goes away (a dead
+        producer's heartbeat tells receive(); a newer incarnation gets a receiver of its own)."""
+        key = (i, incarnation)
+        self._arrived[key] = 0
+        try:
+            self._links[key] = link = _pair_group(
+                self.host, self.port, 0, _prefix(self.run_id, i, incarnation), self._timeout
+            )
+            pg = link[1]
+            while not self._closing.is_set():
+                hdr = torch.zeros(1, dtype=torch.int64)
+                pg.recv([hdr], 1, _TAG_LEN).wait()
+                frame = torch.empty(int(hdr[0]), dtype=torch.uint8)
+                pg.recv([frame], 1, _TAG_FRAME).wait()
+                while not self._closing.is_set():
+                    try:
+                        self._inbox.put((i, frame), timeout=0.1)
+                        self._arrived[key] += 1  # after the put: a closed producer's last frame is queued
+                        break
+                    except queue.Full:
+                        continue
+        except BaseException:  # noqa: BLE001 - its process died or its link broke: the heartbeat reports it
+            pass
+        finally:
+            if self._joined[i] != incarnation:  # superseded: let its group go
+                self._links.pop(key, None)
+
     def producer_handle(self, i: int) -> DistProducerHandle:
-        """Picklable handle for producer ``i`` (rank ``i + 1``)."""
+        """Picklable handle for producer ``i`` (any incarnation of it)."""
         if not 0 <= i < self.n:
             raise MrlError(f"producer index {i} out of range 0..{self.n - 1}")
         return DistProducerHandle(self.host, self.port, i, self.n, self.run_id, self.config.to_dict())
@@ -133,13 +174,17 @@ class DistConsumer:
         now = time.monotonic()
         closed = 0
         for i in range(self.n):
+            g = self._joined[i]
             if i in self._reported:
-                closed += 1
-                continue
-            if self._master.check([f"closed/{i}"]):
+                if g <= self._reported[i]:
+                    closed += 1
+                    continue
+                del self._reported[i]  # a restarted producer joined: watched again
+                self._seen.pop(i, None)
+            if g and self._master.check([f"closed/{i}/{g}"]):
                 # it closed after sending this many frames: closed for us once they all arrived (the last ones
                 # may still be on the wire when the flag is set, on a slow link for a while)
-                if self._arrived[i] >= int(self._master.get(f"closed/{i}")):
+                if self._arrived.get((i, g), 0) >= int(self._master.get(f"closed/{i}/{g}")):
                     closed += 1
                 continue
             if not self._master.check([f"hb/{i}"]):
@@ -149,11 +194,11 @@ class DistConsumer:
             if last is None or last[0] != val:
                 self._seen[i] = (val, now)
             elif now - last[1] > self.config.heartbeat_timeout_s:
-                self._reported.add(i)
+                self._reported[i] = g
                 self._stats["dead_peers"] += 1
                 raise PeerDeadError(
-                    f"torch_distributed producer {i} (rank {i + 1}) is dead: heartbeat unchanged for "
-                    f"{now - last[1]:.2f} s (comm.heartbeat_timeout_s={self.config.heartbeat_timeout_s})"
+                    f"torch_distributed producer {i} is dead: heartbeat unchanged for {now - last[1]:.2f} s "
+                    f"(comm.heartbeat_timeout_s={self.config.heartbeat_timeout_s})"
                 )
         if closed == self.n and self._inbox.empty() and self._err is None:
             raise ChannelClosedError(f"all {self.n} torch_distributed producers closed")
@@ -172,10 +217,12 @@ class DistConsumer:
                     pass
                 self._check_peers()
                 if self._err is not None:
-                    raise PeerDeadError(f"torch_distributed consumer: the group failed: {self._err}") from self._err
+                    raise PeerDeadError(f"torch_distributed consumer: its store failed: {self._err}") from self._err
                 if time.monotonic() >= deadline:
-                    what = "no frame" if self._pg is not None else f"{self.n} producers did not all attach"
-                    raise StageTimeoutError(f"torch_distributed consumer: {what} within {t} s")
+                    joined = sum(1 for g in self._joined if g)
+                    raise StageTimeoutError(
+                        f"torch_distributed consumer: no frame within {t} s ({joined} of {self.n} producers attached)"
+                    )
         finally:
             self._stats["wait_s"] += time.perf_counter() - t0
         try:
@@ -183,22 +230,28 @@ class DistConsumer:
             meta, batch = decode_frame(frame.numpy().data, raw_floats=raw_floats)
         except FrameError as exc:
             self._stats["corrupt"] += 1
-            raise FrameError(f"torch_distributed producer {src - 1}: frame dropped: {exc}") from None
+            raise FrameError(f"torch_distributed producer {src}: frame dropped: {exc}") from None
         self._stats["fallbacks"] += self._codec.fallbacks_among(raw_floats)
         self._stats["frames"] += 1
         self._stats["bytes"] += frame.numel()
         self._stats["raw_bytes"] += sum(int(v.nbytes) for v in batch.values())
-        return Received(meta, batch, frame.numel(), src - 1)
+        return Received(meta, batch, frame.numel(), src)
 
     def stats(self) -> dict[str, float]:
-        """Counters: frames, bytes, raw_bytes, corrupt, wait_s, dead_peers, queue_depth (always 0)."""
+        """Counters: frames, bytes, raw_bytes, corrupt, wait_s, dead_peers, rejoins, queue_depth (always 0)."""
         return {**self._stats, "queue_depth": 0}
 
     def close(self, unlink: bool = True) -> None:
-        """Stop receiving and drop the group (nothing to unlink). A receive blocked in gloo is abandoned
-        (daemon thread), it does not delay the caller."""
+        """Stop receiving and drop the groups (nothing to unlink). The receiver threads get ``CLOSE_JOIN_S`` to
+        leave (a producer that has gone away ends its thread's wait): a thread still inside a gloo or store call
+        when the interpreter finalizes dies in ``pthread_exit`` while unwinding C++ frames, which aborts the
+        process (seen with Ray's terminate handler in the trainer). One blocked on a live producer is abandoned
+        (daemon thread) after that."""
         self._closing.set()
-        self._pg = None
+        deadline = time.monotonic() + CLOSE_JOIN_S
+        for thread in (self._watcher, *self._receivers):
+            thread.join(max(0.0, deadline - time.monotonic()))
+        self._links.clear()
 
 
 class DistProducerHandle:
@@ -208,7 +261,8 @@ class DistProducerHandle:
         self.host, self.port, self.index, self.n, self.run_id, self.config = host, port, index, n, run_id, config
 
     def attach(self, timeout: float | None = None, codec: Any = None) -> DistProducer:
-        """Join the group (blocks until every producer and the consumer joined, at most ``timeout`` s)."""
+        """Join as the next incarnation of producer ``index`` (blocks until the consumer formed the pair group, at
+        most ``timeout`` s)."""
         return DistProducer(self, CommConfig.from_dict(self.config), timeout, codec)
 
 
@@ -220,7 +274,12 @@ class DistProducer:
         self.index = h.index
         self.codec = codec if codec is not None else make_codec(config)
         t = timeout if timeout is not None else max(config.send_timeout_s, config.receive_timeout_s)
-        self._store, self._pg = _make_group(h.host, h.port, h.index + 1, h.n + 1, h.run_id, t)
+        import torch.distributed as dist
+
+        self._store = dist.TCPStore(h.host, h.port, None, False, timeout=datetime.timedelta(seconds=t))
+        self.incarnation = int(self._store.add(f"join/{h.index}", 1))
+        self._link = _pair_group(h.host, h.port, 1, _prefix(h.run_id, h.index, self.incarnation), t)
+        self._pg = self._link[1]
         self._beats = 0
         self._sent = 0  # frames the sender thread handed to gloo
         self._err: BaseException | None = None
@@ -305,7 +364,8 @@ class DistProducer:
             self._outbox.put(None)
             self._tx.join(timeout=1.0)
             self._hb.stop()
-            self._store.set(f"closed/{self.index}", str(self._sent))  # the frames handed to the wire
+            # the frames handed to the wire by this incarnation
+            self._store.set(f"closed/{self.index}/{self.incarnation}", str(self._sent))
             self._pg = None
 
 

@@ -98,8 +98,8 @@ class CommPlugin:
             CommTransport(
                 "torch_distributed",
                 dist_factory,
-                "frames over a private gloo process group",
-                Capabilities(cross_host=True, collective=True),
+                "frames over a private gloo process group per producer (a restarted one joins a new group)",
+                Capabilities(cross_host=True, rejoinable=True),
             ),
         ]
 

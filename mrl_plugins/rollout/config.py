@@ -16,6 +16,20 @@ PLACEMENTS = ("fixed", "auto")
 PLACEMENT_STARTS = ("split", "turns")
 START_METHODS = ("auto", "spawn", "fork")
 REF_LOGPS = ("trainer", "engine")
+LAUNCHERS = ("local", "manual", "ray")
+RAY_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
+#: bundle resources the ray launcher sets itself (rollout.ray_resources may not name them)
+RAY_OWN_RESOURCES = ("CPU", "GPU", "NPU", "memory", "object_store_memory")
+
+
+def ray_installed() -> bool:
+    """Whether Ray can be imported here (probed with ``find_spec``: nothing is imported)."""
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec("ray") is not None
+    except (ImportError, ValueError):  # a broken or blocked install
+        return False
 
 
 def parse_address(value: str, what: str = "rollout.rendezvous") -> tuple[str, int]:
@@ -35,6 +49,14 @@ class RolloutConfig(SchedulingSection, DeploymentSection, EngineSection):
     """
 
     SECTIONS = SECTIONS
+
+    @property
+    def launch(self) -> str:
+        """The launcher in effect: ``rollout.launcher``, or for None ``'manual'`` with remote workers, else
+        ``'local'``."""
+        if self.launcher is not None:
+            return self.launcher
+        return "manual" if self.remote_workers else "local"
 
     def validate(self) -> None:
         if not self.engine:
@@ -103,6 +125,7 @@ class RolloutConfig(SchedulingSection, DeploymentSection, EngineSection):
                 raise ConfigError(f"rollout.{key}: must be >= 1, got {getattr(self, key)}")
         if self.remote_workers:
             parse_address(self.rendezvous)
+        self._validate_launcher()
         for key in ("workers", "max_staleness", "restart_workers", "colocated_workers", "remote_workers"):
             if getattr(self, key) < 0:
                 raise ConfigError(f"rollout.{key}: must be >= 0, got {getattr(self, key)}")
@@ -139,6 +162,56 @@ class RolloutConfig(SchedulingSection, DeploymentSection, EngineSection):
     def warmup(self) -> bool:
         """Whether the trainer's own model generates while the workers start (``local_warmup``, 'auto' resolved)."""
         return self.engine == "transformers" if self.local_warmup == "auto" else bool(self.local_warmup)
+
+    def _validate_launcher(self) -> None:
+        """``rollout.launcher`` and its ``ray_*`` keys (Ray is looked for, never imported)."""
+        if self.launcher is not None and self.launcher not in LAUNCHERS:
+            raise ConfigError(f"rollout.launcher: {self.launcher!r} invalid; valid: {choices(LAUNCHERS)} (or null)")
+        launch = self.launch
+        if launch == "local" and self.remote_workers:
+            raise ConfigError(
+                f"rollout.launcher: 'local' starts only the trainer's own worker processes (rollout.workers), but "
+                f"rollout.remote_workers is {self.remote_workers}; use launcher 'manual' (`mrl worker --connect` on "
+                "each host) or 'ray' (Ray actors on a cluster), or remote_workers: 0"
+            )
+        if launch in ("manual", "ray") and not self.remote_workers:
+            raise ConfigError(
+                f"rollout.launcher: {launch!r} starts the rollout.remote_workers, which is 0; set "
+                "rollout.remote_workers >= 1 (rollout.workers stay the trainer's own processes), or launcher 'local'"
+            )
+        if launch != "ray":
+            changed = [
+                k for k, default in (("ray_address", "auto"), ("ray_strategy", "PACK"), ("ray_resources", {}))
+                if getattr(self, k) != default
+            ]  # fmt: skip
+            if changed:
+                raise ConfigError(f"rollout.{changed[0]}: only used with rollout.launcher 'ray' (got {launch!r})")
+            return
+        if self.ray_strategy not in RAY_STRATEGIES:
+            raise ConfigError(f"rollout.ray_strategy: {self.ray_strategy!r} invalid; valid: {choices(RAY_STRATEGIES)}")
+        if not isinstance(self.ray_address, str) or not self.ray_address.strip():
+            raise ConfigError("rollout.ray_address: 'auto', 'local' or the head's HOST:PORT")
+        if self.ray_address.startswith("ray://"):
+            raise ConfigError(
+                f"rollout.ray_address: {self.ray_address!r} is a Ray Client address, which the launcher does not "
+                "support (the trainer must be a process of the cluster); run it on a cluster node with 'auto' or "
+                "the head's HOST:PORT"
+            )
+        if self.ray_address not in ("auto", "local"):
+            parse_address(self.ray_address, "rollout.ray_address")
+        bad = [k for k, v in self.ray_resources.items()
+               if not isinstance(k, str) or k in RAY_OWN_RESOURCES or isinstance(v, bool)
+               or not isinstance(v, int | float) or v <= 0]  # fmt: skip
+        if bad:
+            raise ConfigError(
+                f"rollout.ray_resources: {bad[0]!r}: a custom resource name with a number > 0 (not one of "
+                f"{choices(RAY_OWN_RESOURCES)}: the launcher sets those from engine_threads and the device)"
+            )
+        if not ray_installed():
+            raise ConfigError(
+                "rollout.launcher: 'ray' needs Ray, which is not installed here: pip install 'mrl-plugins[ray]' "
+                "(on the trainer's node and every worker node)"
+            )
 
     def check_placement_on(self, mode: str, device: Any) -> None:
         """:meth:`check_placement` against this process's cores and the visible devices of ``device``'s type."""

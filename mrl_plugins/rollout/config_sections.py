@@ -56,14 +56,47 @@ class DeploymentSection:
     remote_workers: int = field(
         default=0,
         metadata={
-            "help": "workers on other hosts, each started there with `mrl worker --connect <rendezvous> --index i` "
-            "(indices after the local ones); need comm.transport: torch_distributed and weight_sync.transport: "
-            "directory (shared filesystem)"
+            "help": "workers outside the trainer's process tree, on this or other hosts, joining through "
+            "rollout.rendezvous (indices after the local ones); started by hand (launcher 'manual': `mrl worker "
+            "--connect <rendezvous> --index i`) or as Ray actors (launcher 'ray'); need comm.transport: "
+            "torch_distributed and weight_sync.transport: broadcast, per_param or directory (shared filesystem)"
         },
     )
     rendezvous: str = field(
         default="127.0.0.1:0",
         metadata={"help": "HOST:PORT the trainer listens on for remote workers (reachable from them; port 0 = any)"},
+    )
+    launcher: str | None = field(
+        default=None,
+        metadata={
+            "help": "who starts the workers: 'local' (rollout.workers processes of the trainer's, no remote "
+            "workers), 'manual' (besides those, rollout.remote_workers you start with `mrl worker --connect`), "
+            "'ray' (besides those, rollout.remote_workers started, placed and restarted by Ray as actors on a "
+            "running cluster: rollout.ray_address; pip install 'mrl-plugins[ray]'; docs/ray.md); None: 'manual' "
+            "when remote_workers > 0, else 'local'"
+        },
+    )
+    ray_address: str = field(
+        default="auto",
+        metadata={
+            "help": "launcher 'ray': the cluster ray.init connects to: 'auto' (RAY_ADDRESS, else the cluster "
+            "started on this node with `ray start --head`), 'HOST:PORT' of its head, or 'local' (start a "
+            "one-node cluster in the trainer for this run; no other way starts one)"
+        },
+    )
+    ray_strategy: str = field(
+        default="PACK",
+        metadata={
+            "help": "launcher 'ray': the placement group's strategy over its bundles (one per remote worker: CPU "
+            "= engine_threads, plus GPU 1 on CUDA or NPU 1 on Ascend): PACK, SPREAD, STRICT_PACK or STRICT_SPREAD"
+        },
+    )
+    ray_resources: dict = field(
+        default_factory=dict,
+        metadata={
+            "help": "launcher 'ray': custom resources added to every worker's bundle, e.g. {rollout_host: 1} to "
+            "place workers only on nodes started with `ray start --resources '{\"rollout_host\": 4}'`"
+        },
     )
     colocated_workers: int = field(
         default=0, metadata={"help": "hybrid mode: how many of the workers share the trainer's device"}
@@ -121,7 +154,12 @@ class DeploymentSection:
         },
     )
     restart_workers: int = field(
-        default=0, metadata={"help": "restarts allowed for dead workers (0: a dead worker is an error)"}
+        default=0,
+        metadata={
+            "help": "restarts allowed for dead workers over the run (0: a dead worker is an error); needs "
+            "rejoinable transports. Local workers are restarted by the pool, launcher 'ray' workers by Ray (each "
+            "actor's max_restarts), a 'manual' worker you start again rejoins"
+        },
     )
     start_timeout_s: float = field(
         default=180.0, metadata={"help": "max seconds for a worker to start and load the model"}

@@ -182,8 +182,9 @@ def teardown(
     stop: Any,
 ) -> None:
     """Stop the workers (a stop request; terminate after :data:`STOP_GRACE_S`, or at once while starting), then
-    close the queues and unlink the shared memory. ``lifetime``: the pool's ``remote`` slots, ready ``clock`` and
-    stop ``grace`` (s), where it has them. Never raises: it also runs at interpreter exit."""
+    close the queues and unlink the shared memory. ``lifetime``: the pool's ``remote`` slots, ready ``clock``, stop
+    ``grace`` (s) and ``launcher`` (Ray's actors, closed once the remote workers took their stop), where it has
+    them. Never raises: it also runs at interpreter exit."""
     remote, clock = lifetime.get("remote"), lifetime.get("clock")
     if clock is not None:
         clock.stop()
@@ -197,6 +198,9 @@ def teardown(
             remote.wait_stopped(time.monotonic() + REMOTE_GRACE_S)
         except Exception:  # noqa: BLE001
             pass
+    launcher = lifetime.get("launcher")
+    if launcher is not None:  # launcher 'ray': the actors (their work is stopped), the placement group, ray.init
+        launcher.close()
     deadline = time.monotonic() + lifetime.get("grace", STOP_GRACE_S)
     for i, proc in enumerate(procs):
         if proc is None or proc.pid is None:

@@ -31,24 +31,21 @@ import uuid
 from typing import Any
 
 from mrl_plugins.comm.base import ChannelClosedError
-from mrl_plugins.errors import MrlError, StageTimeoutError
+from mrl_plugins.errors import StageTimeoutError
 from mrl_plugins.hookspecs import RolloutResult, StageContext
 from mrl_plugins.metrics import record_publish
 
 from .assemble import Ticket, assemble, own
 from .lifecycle import ReadyClock, finalizer, main_not_reimported, release, spawn_quiet, start_method
-from .pool_checks import check_pool_config, no_rejoin, stage_names
+from .pool_checks import WorkerDiedError, check_pool_config, stage_names
+from .pool_restarts import Restarts
 from .wire import STOP, SWITCHED, BatchMeta, GenerateRequest, WeightsNotice, WorkerError, WorkerEvent
 from .worker import ServedModel, WorkerSpec, budget_metrics, worker_main
 
 log = logging.getLogger("mrl_plugins.rollout")
 
 
-class WorkerDiedError(MrlError):
-    """A rollout worker process exited or stopped answering."""
-
-
-class WorkerPool:
+class WorkerPool(Restarts):
     """Trainer-side handle on the rollout workers.
 
     :param model: the policy (model_id ``"policy"``); ``extra_models``: further ``model_id -> model`` served by
@@ -120,17 +117,25 @@ class WorkerPool:
             threads = place.get("threads", cfg.rollout.engine_threads)
             start_method(cfg.rollout.start_method, device=place.get("device", "cpu"), threads=threads,
                          engine=cfg.rollout.engine)  # fmt: skip
+        self.launcher: Any = None  # rollout.launcher 'ray': the cluster's actors that run the remote workers
+        if remote and cfg.rollout.launch == "ray":  # the cluster and its reservation first: nothing else is open yet
+            from .ray_launcher import RayLauncher
+
+            rejoinable = comm_caps.rejoinable and ws_caps.rejoinable
+            self.launcher = RayLauncher(cfg, range(len(placements), self.n), rejoinable)
         # the other stages' ends, opened through their plugins' hooks and owned by this pool
-        self.consumer = pm.comm_open_consumer(ctx=ctx, run_id=self.run_id, producers=self.n)
         self.senders: dict[str, Any] = {}
+        self.consumer: Any = None
         try:
+            self.consumer = pm.comm_open_consumer(ctx=ctx, run_id=self.run_id, producers=self.n)
             for m in self.models:
                 self.senders[m] = pm.weight_sync_open_sender(
                     ctx=ctx, model_id=m, run_id=self.run_id, receivers=self.n, same_process=False
                 )
         except BaseException:
-            for end in (*self.senders.values(), self.consumer):
-                end.close()
+            for end in (*self.senders.values(), self.consumer, self.launcher):
+                if end is not None:
+                    end.close()
             raise
         self.sender = self.senders["policy"]
         served = {
@@ -152,6 +157,8 @@ class WorkerPool:
             self, self._procs, self._ready, self._requests, [*self._error_qs, *self._event_qs],
             [self.consumer, *self.senders.values()], self._lifetime, STOP,
         )  # fmt: skip
+        if self.launcher is not None:
+            self._lifetime["launcher"] = self.launcher
         if remote:
             from .remote import RemoteSlots
 
@@ -180,12 +187,18 @@ class WorkerPool:
                 self._error_qs.append(errors)
                 self._event_qs.append(events)
                 self._ready.append(ready)
-                log.info(
-                    "rollout worker %d: waiting for `mrl worker --connect %s --index %d`", i, self.remote.address, i
-                )
+                if self.launcher is None:
+                    where = self.remote.address
+                    log.info("rollout worker %d: waiting for `mrl worker --connect %s --index %d`", i, where, i)
                 continue
             self._requests.append(self._mp.Queue())
             self._start(i)
+        if self.launcher is not None:
+            try:
+                self.launcher.start(self.remote.address)  # each remote worker: `mrl worker --connect` in a Ray actor
+            except BaseException:
+                release(self._finalizer)
+                raise
         self._clock = self._lifetime["clock"] = ReadyClock(self._ready, cfg.rollout.start_timeout_s)
 
     # ------------------------------------------------------------------ processes
@@ -271,9 +284,7 @@ class WorkerPool:
                 continue
             raise WorkerDiedError(f"rollout worker {err.worker} failed: {err.text}")
         for i in self.remote.indices if self.remote is not None else ():
-            why = self.remote.check_alive(i, self._ready[i].is_set())
-            if why is not None:
-                raise WorkerDiedError(f"{why} (remote workers are not restarted: start `mrl worker` again)")
+            self._check_remote(i)
         for i, proc in enumerate(self._procs):
             if proc is not None and not proc.is_alive():
                 why = self._not_rejoinable()
@@ -295,16 +306,6 @@ class WorkerPool:
                     f"set rollout.restart_workers > 0 to restart dead workers"
                 )
 
-    def _not_rejoinable(self) -> str | None:
-        """Why a worker cannot be replaced by a new process (its ends are not rejoinable), or None."""
-        for ends, caps, what in (
-            ([*self.senders.values()], self._ws_caps, self._names[1]),
-            ([self.consumer], self._comm_caps, self._names[0]),
-        ):
-            if not all(getattr(e, "capabilities", caps).rejoinable for e in ends):
-                return no_rejoin(what)
-        return None
-
     def _send(self, w: int, t: Ticket, chunk: int, prompts: list[list[int]]) -> None:
         t.chunks[chunk] = (w, prompts)
         self._assigned[w].add((t.req_id, chunk))
@@ -312,12 +313,6 @@ class WorkerPool:
         self._requests[w].put(
             GenerateRequest(t.req_id, chunk, prompts, t.num_generations, t.model_id, t.min_version, tuple(score_with))
         )
-
-    def _resubmit_worker(self, i: int) -> None:
-        for t in self._tickets.values():
-            for chunk, (worker, prompts) in t.chunks.items():
-                if worker == i and chunk not in t.results:
-                    self._send(i, t, chunk, prompts)
 
     def move_worker(self, i: int, placement: dict, timeout: float | None = None, *, wait: bool = True) -> None:
         """Move worker ``i`` to ``placement`` (``cores``/``threads``/``env``/``device``, as the adapter builds
@@ -547,7 +542,13 @@ class WorkerPool:
             self._assigned[w].discard(key)
             self._versions[(w, meta.model_id)] = max(meta.version, self._versions.get((w, meta.model_id), -1))
         self._finish(key)
-        if key[0] in self._tickets:
+        ticket = self._tickets.get(key[0])
+        if ticket is not None and (key[1] in ticket.results or key in self._stash):
+            # answered twice (a dead worker's last frame arrived after its chunk went to its successor): the first
+            # answer counts, once
+            if self.ctx.metrics is not None:
+                self.ctx.metrics.add("rollout/duplicate_batches", 1)
+        elif ticket is not None:
             self._stash[key] = entry
         elif key[0] in self._abandoned and self.ctx.metrics is not None:
             self.ctx.metrics.add("rollout/discarded_batches", 1)

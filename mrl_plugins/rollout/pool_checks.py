@@ -5,7 +5,12 @@ from __future__ import annotations
 
 from typing import Any
 
+from mrl_plugins.errors import MrlError
 from mrl_plugins.hookspecs import StageContext
+
+
+class WorkerDiedError(MrlError):
+    """A rollout worker process exited or stopped answering (also ``mrl_plugins.rollout.pool.WorkerDiedError``)."""
 
 
 def no_rejoin(what: str) -> str:

@@ -15,10 +15,16 @@ listens on the rendezvous host, or through the ``directory`` transport on a file
 Every gloo group binds to the local address on the route to its store (:mod:`mrl_plugins._net`). The remote
 worker stamps a heartbeat in the store every second; a worker whose heartbeat stops for ``rollout.timeout_s``
 (killed, or its link cut) is reported as dead with :class:`~mrl_plugins.rollout.pool.WorkerDiedError` naming
-it; a link restored before that goes on (TCP resends what was in flight). Remote workers are not restarted by
-the trainer: restart ``mrl worker`` on its host (and with ``broadcast`` the trainer too: the group cannot take
-a new member). When the trainer goes away its store goes with it and the worker exits. Tested between network
-namespaces: tests/test_netns_grpo.py, tests/test_netns_faults.py, tests/test_netns_corrupt.py.
+it; a link restored before that goes on (TCP resends what was in flight).
+
+Every process that connects as worker ``i`` is a new *incarnation* (``joins/<i>`` in the store) with request
+queue and ready flag of its own, so a restarted worker -- Ray restarting its actor (``rollout.launcher: ray``,
+:mod:`.ray_launcher`), or ``mrl worker`` started again -- never reads requests meant for its predecessor; the pool
+sees the new incarnation, hands it the predecessor's unanswered requests and counts a restart, where the transports
+are rejoinable and ``rollout.restart_workers`` allows (else one WorkerDiedError saying why). With ``broadcast`` a
+new process cannot join the weights' group. When the trainer goes away its store goes with it and the worker
+exits. Tested between network namespaces: tests/test_netns_grpo.py, tests/test_netns_faults.py,
+tests/test_netns_corrupt.py, tests/test_netns_ray.py.
 """
 
 from __future__ import annotations
@@ -108,8 +114,14 @@ class StoreFlag:
         self.store.delete_key(self.key)
 
 
+def _channels(store: Any, index: int, incarnation: int) -> tuple[StoreQueue, StoreFlag]:
+    """Incarnation ``incarnation`` of worker ``index``: its (requests, ready) channels."""
+    return StoreQueue(store, f"req/{index}/{incarnation}"), StoreFlag(store, f"ready/{index}/{incarnation}")
+
+
 class RemoteSlots:
-    """Trainer side: the rendezvous store and, per remote worker, its queues, ready flag and heartbeat."""
+    """Trainer side: the rendezvous store and, per remote worker, its queues, ready flag, heartbeat and the
+    incarnation the pool serves (1 until a restarted process joins)."""
 
     def __init__(self, address: str, first_index: int, count: int, timeout: float) -> None:
         import torch.distributed as dist
@@ -120,27 +132,44 @@ class RemoteSlots:
         self.indices = list(range(first_index, first_index + count))
         self.timeout = timeout
         self._beats: dict[int, tuple[int, float]] = {}
+        self.incarnation = dict.fromkeys(self.indices, 1)
+        self._ready: dict[int, StoreFlag] = {}
 
     @property
     def address(self) -> str:
         return f"{self.host}:{self.port}"
 
     def offer(self, index: int, spec: Any) -> tuple[StoreQueue, StoreQueue, StoreQueue, StoreFlag]:
-        """Publish worker ``index``'s spec; returns its (requests, errors, events, ready) channels."""
+        """Publish worker ``index``'s spec; returns its (requests, errors, events, ready) channels (those of its
+        first incarnation: :meth:`rejoin` hands out a restarted one's)."""
         self.store.set(f"{PREFIX}/spec/{index}", pickle.dumps(spec))
         self._beats[index] = (-1, time.monotonic())
-        return (
-            StoreQueue(self.store, f"req/{index}"),
-            StoreQueue(self.store, f"err/{index}"),
-            StoreQueue(self.store, f"ev/{index}"),
-            StoreFlag(self.store, f"ready/{index}"),
-        )
+        requests, self._ready[index] = _channels(self.store, index, 1)
+        errors, events = StoreQueue(self.store, f"err/{index}"), StoreQueue(self.store, f"ev/{index}")
+        return requests, errors, events, self._ready[index]
+
+    def joined(self, index: int) -> int:
+        """The latest incarnation of worker ``index`` that connected (0: none yet)."""
+        return int(self.store.add(f"{PREFIX}/joins/{index}", 0))
+
+    def rejoined(self, index: int) -> int | None:
+        """A newer incarnation of worker ``index`` than the one served connected (a restarted process): its
+        number, else None."""
+        latest = self.joined(index)
+        return latest if latest > self.incarnation[index] else None
+
+    def rejoin(self, index: int, incarnation: int) -> tuple[StoreQueue, StoreFlag]:
+        """Serve incarnation ``incarnation`` of worker ``index`` from now on: its (requests, ready) channels."""
+        self.incarnation[index] = incarnation
+        self._beats[index] = (-1, time.monotonic())
+        requests, self._ready[index] = _channels(self.store, index, incarnation)
+        return requests, self._ready[index]
 
     def wait_stopped(self, deadline: float) -> None:
         """Until every connected remote worker acknowledged its stop (or ``deadline``, monotonic). A worker whose
         heartbeat stands still for ``SILENT_S`` (dead, or its link cut) is not waited for."""
         waiting = {i: StoreFlag(self.store, f"stopped/{i}") for i in self.indices}
-        waiting = {i: f for i, f in waiting.items() if StoreFlag(self.store, f"ready/{i}").is_set()}
+        waiting = {i: f for i, f in waiting.items() if i in self._ready and self._ready[i].is_set()}
         beats = {i: (int(self.store.add(f"{PREFIX}/hb/{i}", 0)), time.monotonic()) for i in waiting}
         while waiting and time.monotonic() < deadline:
             for i in list(waiting):
@@ -151,16 +180,22 @@ class RemoteSlots:
                     beats[i] = (beat, now)
             time.sleep(0.05)
 
-    def check_alive(self, index: int, ready: bool) -> str | None:
-        """Why worker ``index`` counts as dead (its heartbeat stopped for ``timeout`` s once ready), or None."""
+    def silent_s(self, index: int) -> float:
+        """Seconds since worker ``index``'s heartbeat last changed (since its slot was offered or its latest
+        incarnation taken, before the first beat)."""
         beat = int(self.store.add(f"{PREFIX}/hb/{index}", 0))
         last, since = self._beats[index]
         now = time.monotonic()
         if beat != last:
             self._beats[index] = (beat, now)
-            return None
-        if ready and now - since > self.timeout:
-            return f"remote rollout worker {index} stopped heartbeating {now - since:.0f} s ago"
+            return 0.0
+        return now - since
+
+    def check_alive(self, index: int, ready: bool) -> str | None:
+        """Why worker ``index`` counts as dead (its heartbeat stopped for ``timeout`` s once ready), or None."""
+        silent = self.silent_s(index)
+        if ready and silent > self.timeout:
+            return f"remote rollout worker {index} stopped heartbeating {silent:.0f} s ago"
         return None
 
 
@@ -179,6 +214,8 @@ def serve(address: str, index: int, *, device: str | None = None, cores: list[in
     except Exception as exc:
         raise StageTimeoutError(f"mrl worker: no spec for worker {index} at {address} within {timeout:.0f} s") from exc
     spec = pickle.loads(store.get(key))
+    incarnation = int(store.add(f"{PREFIX}/joins/{index}", 1))  # a restarted process: the next one
+    requests, ready = _channels(store, index, incarnation)
     if device is not None:
         spec.device = device
     spec.cores = cores
@@ -197,14 +234,7 @@ def serve(address: str, index: int, *, device: str | None = None, cores: list[in
     hb = threading.Thread(target=beat, name="mrl-remote-heartbeat", daemon=True)
     hb.start()
     try:
-        worker_main(
-            spec,
-            StoreQueue(store, f"req/{index}"),
-            StoreQueue(store, f"err/{index}"),
-            None,
-            StoreFlag(store, f"ready/{index}"),
-            StoreQueue(store, f"ev/{index}"),
-        )
+        worker_main(spec, requests, StoreQueue(store, f"err/{index}"), None, ready, StoreQueue(store, f"ev/{index}"))
         StoreFlag(store, f"stopped/{index}").set()
     finally:
         stop.set()
