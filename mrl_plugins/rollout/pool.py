@@ -249,29 +249,6 @@ class WorkerPool(Restarts):
         """Seconds from the pool's start until every worker was first ready (None: not yet)."""
         return self._clock.ready_s if self._clock is not None else None
 
-    def wait_ready(self, progress: Any = None, *, first: float = 1.0, every: float = 5.0) -> float:
-        """Block until every worker is ready, at most ``rollout.start_timeout_s`` from the pool's start (a worker
-        that fails meanwhile raises as in :meth:`collect`); ``progress(seconds since the start)`` after ``first`` s
-        of waiting, then every ``every`` s. Returns the seconds waited."""
-        start = time.monotonic()
-        deadline, note = self.started_at + self.cfg.rollout.start_timeout_s, start + first
-        while not self.ready:
-            self._check_workers()
-            now = time.monotonic()
-            if now >= deadline:
-                raise StageTimeoutError(
-                    f"rollout: the workers were not ready {now - self.started_at:.0f} s after they started "
-                    f"(rollout.start_timeout_s = {self.cfg.rollout.start_timeout_s:g}); raise it or look at the "
-                    "worker log for what the start is waiting on"
-                )
-            if progress is not None and now >= note:
-                progress(now - self.started_at)
-                note = now + every
-            self._drain_events()
-            waiting = next(e for e in self._ready if not e.is_set())
-            waiting.wait(0.2) if hasattr(waiting, "wait") else time.sleep(0.2)
-        return time.monotonic() - start
-
     @property
     def pids(self) -> list[int]:
         return [p.pid for p in self._procs if p is not None]

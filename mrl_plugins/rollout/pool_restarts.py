@@ -2,13 +2,16 @@
 rejoinable), handing it its predecessor's unanswered chunks, and the remote workers (``rollout.remote_workers``),
 watched through the rendezvous store (:class:`~mrl_plugins.rollout.remote.RemoteSlots`) and, with
 ``rollout.launcher: ray``, through Ray (:class:`~mrl_plugins.rollout.ray_launcher.RayLauncher`), whose restarted
-processes join as new incarnations. A mixin of :class:`~mrl_plugins.rollout.pool.WorkerPool`, apart to keep that
-module small."""
+processes join as new incarnations; and waiting for workers still starting (:meth:`Restarts.wait_ready`). A mixin
+of :class:`~mrl_plugins.rollout.pool.WorkerPool`, apart to keep that module small."""
 
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
+
+from mrl_plugins.errors import StageTimeoutError
 
 from .pool_checks import WorkerDiedError, no_rejoin
 
@@ -23,6 +26,31 @@ class Restarts:
     launcher: Any
     cfg: Any
     ctx: Any
+    started_at: float
+    _ready: list[Any]
+
+    def wait_ready(self, progress: Any = None, *, first: float = 1.0, every: float = 5.0) -> float:
+        """Block until every worker is ready, at most ``rollout.start_timeout_s`` from the pool's start (a worker
+        that fails meanwhile raises as in :meth:`collect`); ``progress(seconds since the start)`` after ``first`` s
+        of waiting, then every ``every`` s. Returns the seconds waited."""
+        start = time.monotonic()
+        deadline, note = self.started_at + self.cfg.rollout.start_timeout_s, start + first
+        while not self.ready:
+            self._check_workers()
+            now = time.monotonic()
+            if now >= deadline:
+                raise StageTimeoutError(
+                    f"rollout: the workers were not ready {now - self.started_at:.0f} s after they started "
+                    f"(rollout.start_timeout_s = {self.cfg.rollout.start_timeout_s:g}); raise it or look at the "
+                    "worker log for what the start is waiting on"
+                )
+            if progress is not None and now >= note:
+                progress(now - self.started_at)
+                note = now + every
+            self._drain_events()
+            waiting = next(e for e in self._ready if not e.is_set())
+            waiting.wait(0.2) if hasattr(waiting, "wait") else time.sleep(0.2)
+        return time.monotonic() - start
 
     def _check_remote(self, i: int) -> None:
         """Remote worker ``i``: a restarted process that joined takes over its work; a dead one is an error (with
