@@ -30,6 +30,16 @@ def test_part_b_settings_differ_only_in_stages_placement_and_threads():
         preflight(data, enable_plugins=not kind.vanilla)
 
 
+def test_part_b_frozen_trains_every_setting_with_learning_rate_zero():
+    frozen = grpo_settings(steps=12, model="tiny", frozen=True)
+    learning = grpo_settings(steps=12, model="tiny")
+    assert {cfg["train"]["learning_rate"] for _, cfg in frozen.values()} == {0.0}
+    assert all(cfg["train"].get("learning_rate", 1) != 0 for _, cfg in learning.values())
+    for name, (_, cfg) in frozen.items():  # nothing else differs
+        other = dict(learning[name][1]["train"])
+        assert {**other, "learning_rate": 0.0} == cfg["train"]
+
+
 def test_part_b_on_a_kl_job_lets_the_worker_score_the_reference():
     settings = grpo_settings(steps=12, model="tiny", job="compare_kl")
     job = load_yaml("compare_kl")["train"]
