@@ -6,7 +6,7 @@
 worker node) and ``ray start --address`` in the worker's, with Ray's session files in a temporary folder of its
 own. :meth:`RayCluster.close` kills every process in the two namespaces (Ray's daemons and workers included: they
 were all started in them), deletes the namespaces and the folder; it never runs ``ray stop``, which would stop every
-Ray process on the machine, not only this cluster's. These are the commands docs/ray.md quotes.
+Ray process on the machine, not only this cluster's. These are the commands the README quotes ("On a Ray cluster").
 """
 
 from __future__ import annotations

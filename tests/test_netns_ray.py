@@ -59,7 +59,8 @@ def cluster():
 
 
 def _config(tmp_path: Path, **rollout) -> dict:
-    """docs/ray.md's trainer config on the harness's addresses (the worker node reaches the trainer at HEAD)."""
+    """The README's trainer config ("On a Ray cluster") on the harness's addresses (the worker node reaches the
+    trainer at HEAD)."""
     return {
         "mode": "disaggregated",
         "rollout": {
@@ -90,9 +91,11 @@ def _steps_done(progress: Path) -> int:
 def test_grpo_worker_on_the_ray_node_learns_and_survives_a_sigkill(cluster, tmp_path):
     data = _config(tmp_path, local_warmup=False, engine_threads=1, trainer_threads=1)
     data["train"] = {"model": "tiny", "steps": STEPS, "threads": 1}
-    docs = (Path(__file__).resolve().parents[1] / "docs" / "ray.md").read_text(encoding="utf-8")
-    block = re.search(r"```yaml\n(# trainer config.*?)```", docs, re.S).group(1).replace("10.0.0.1", HEAD)
-    pasted = yaml.safe_load(block)  # docs/ray.md's config is this one, on the namespaces' addresses
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
+    block = re.search(r"```yaml\n(# trainer config.*?)```", readme, re.S).group(1).replace("10.0.0.1", HEAD)
+    pasted = yaml.safe_load(
+        block
+    )  # the README's config ("On a Ray cluster") is this one, on the namespaces' addresses
     test_only = ("local_warmup", "engine_threads", "trainer_threads")
     assert pasted["rollout"] == {k: v for k, v in data["rollout"].items() if k not in test_only}
     assert pasted["comm"] == data["comm"] and pasted["weight_sync"]["transport"] == "directory"

@@ -99,10 +99,15 @@ def test_readme_quickstart_runs_as_pasted(tmp_path):
 # --------------------------------------------------------------------------- yaml
 
 
-def test_yaml_blocks_load_and_configs_validate():
+def test_yaml_blocks_load_and_configs_validate(monkeypatch):
     """Every YAML block loads; a config-shaped one (top-level keys of ``MrlConfig``) loads through ``load_config``;
-    the TRL CLI's ``env:`` block names an ``MRL_PLUGINS`` value that loads the same way."""
+    the TRL CLI's ``env:`` block names an ``MRL_PLUGINS`` value that loads the same way. A ``launcher: ray`` config
+    is checked as on a machine with Ray (here Ray need not be installed)."""
     import dataclasses
+
+    from mrl_plugins.rollout import config as rollout_config
+
+    monkeypatch.setattr(rollout_config, "ray_installed", lambda: True)
 
     from mrl_plugins.adapters.trl import config_from_env
     from mrl_plugins.config import MrlConfig, load_config
@@ -150,8 +155,23 @@ def test_toml_blocks_parse_and_use_the_entry_point_group():
 
 
 def _command_lines(code: str) -> list[list[str]]:
-    """The commands of a bash block, each split like the shell does, comments dropped."""
-    return [words for ln in code.splitlines() if (words := shlex.split(ln, comments=True))]
+    """The commands of a bash block, each split like the shell does (a line ending in ``\\`` continues on the
+    next), comments dropped."""
+    joined = re.sub(r"\\\n", " ", code)
+    return [words for ln in joined.splitlines() if (words := shlex.split(ln, comments=True))]
+
+
+def _check_ray(words: list[str], where: str) -> None:
+    """``ray start ...``: a subcommand of Ray's CLI, and, where Ray is installed, each option one it has."""
+    import shutil
+
+    assert words[1] in ("start", "stop", "status"), f"{where}: `ray {words[1]}`"
+    if shutil.which("ray") is None:
+        return
+    shown = subprocess.run(["ray", words[1], "--help"], capture_output=True, text=True, timeout=120).stdout
+    for w in words[2:]:
+        if w.startswith("--"):
+            assert w.split("=")[0] in shown, f"{where}: `ray {words[1]}` has no option {w}"
 
 
 @functools.cache
@@ -214,7 +234,7 @@ def _check_tox(words: list[str], where: str) -> None:
 
 
 def test_bash_blocks_run_commands_that_exist():
-    checks = {"mrl": _check_mrl, "pip": _check_pip, "tox": _check_tox}
+    checks = {"mrl": _check_mrl, "pip": _check_pip, "tox": _check_tox, "ray": _check_ray}
     found = _all_blocks("bash")
     assert {"README.md", "docs/multi-host.md", "docs/vllm.md"} <= {rel for rel, _ in found}
     ran = set()
@@ -230,10 +250,13 @@ def test_bash_blocks_run_commands_that_exist():
 def test_when_it_pays_commands_exist():
     """The command column of the README's "When it pays" table: each `mrl ...` is a real subcommand and option."""
     rows = [ln for ln in doc_blocks.section("When it pays").splitlines() if ln.startswith("| ")][1:]
-    commands = [c for row in rows for c in re.findall(r"`(mrl [^`]+)`", row.rstrip(" |").rsplit("|", 1)[-1])]
+    cells = [row.rstrip(" |").rsplit("|", 1)[-1] for row in rows]
+    commands = [c for cell in cells for c in re.findall(r"`(mrl [^`]+)`", cell)]
     assert len(commands) >= 6, commands
     for c in commands:
         _check_mrl(shlex.split(c), "README.md, When it pays")
+    for script in (s for cell in cells for s in re.findall(r"`bash ([^` ]+)`", cell)):  # the benchmarks' scripts
+        assert (REPO_ROOT / script).is_file(), f"README.md, When it pays: {script} does not exist"
 
 
 # --------------------------------------------------------------------------- links
