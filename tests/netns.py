@@ -9,8 +9,12 @@ variables and with one thread each.
 
 from __future__ import annotations
 
+import json
 import os
+import queue
 import sys
+import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -52,3 +56,47 @@ def hosts() -> Iterator[Callable[..., netns.Hosts]]:
         for h in made:
             h.close()
         assert not netns.leftover(), f"namespaces left behind: {netns.leftover()}"
+
+
+class ScriptDriver:
+    """A script started in a namespace (``tests/scripts/netns_pool.py``) speaking JSON lines: one command in on its
+    stdin, one answer out on its stdout (other output goes to ``log``)."""
+
+    def __init__(self, proc: Any, log: Any, ready_timeout: float) -> None:
+        self.proc, self.log = proc, log
+        self.lines: queue.Queue = queue.Queue()
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
+        got = self.answer(ready_timeout)
+        assert "ready" in got, got
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            if line.startswith("{"):
+                self.lines.put(json.loads(line))
+
+    def answer(self, timeout: float) -> dict:
+        try:
+            return self.lines.get(timeout=timeout)
+        except queue.Empty:
+            raise AssertionError(f"the trainer did not answer within {timeout} s (it hangs)") from None
+
+    def send(self, op: str, **kw: Any) -> None:
+        self.proc.stdin.write(json.dumps({"op": op, **kw}) + "\n")
+        self.proc.stdin.flush()
+
+    def __call__(self, op: str, timeout: float = 60, **kw: Any) -> dict:
+        self.send(op, **kw)
+        return self.answer(timeout)
+
+    def close_script(self, timeout: float) -> float:
+        """Ask the script to close its pool; seconds until its process was gone."""
+        t0 = time.monotonic()
+        got = self("close", timeout=timeout)
+        assert got["ok"], got
+        self.proc.wait(timeout)
+        self.reader.join(10)
+        self.proc.stdin.close()
+        self.proc.stdout.close()
+        self.log.close()
+        return time.monotonic() - t0

@@ -9,10 +9,8 @@ start per case costs ~15 s of CI here, so this file starts one."""
 from __future__ import annotations
 
 import json
-import queue
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -28,7 +26,7 @@ SCRIPT = str(Path(__file__).parent / "scripts" / "netns_pool.py")
 TIMEOUT_S = 8.0  # rollout.timeout_s: the remote worker's heartbeat may stop this long
 
 
-class Trainer:
+class Trainer(two_hosts.ScriptDriver):
     """The trainer-side script in its namespace: one JSON command in, one JSON answer out."""
 
     def __init__(self, h, tmp_path) -> None:
@@ -39,13 +37,10 @@ class Trainer:
                      "heartbeat_timeout_s": 30.0},
             "weight_sync": {"transport": "broadcast", "timeout_s": 30.0},
         }  # fmt: skip
-        self.log = open(tmp_path / "trainer.log", "w")  # noqa: SIM115 - closed in stop()
-        self.proc = h.popen(h.trainer, [sys.executable, SCRIPT, json.dumps(cfg)], env=two_hosts.child_env(),
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True)  # fmt: skip
-        self.lines: queue.Queue = queue.Queue()
-        self.reader = threading.Thread(target=self._read, daemon=True)
-        self.reader.start()
-        assert "ready" in self.answer(120)
+        log = open(tmp_path / "trainer.log", "w")  # noqa: SIM115 - closed in stop()
+        proc = h.popen(h.trainer, [sys.executable, SCRIPT, json.dumps(cfg)], env=two_hosts.child_env(),
+                       stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True)  # fmt: skip
+        super().__init__(proc, log, ready_timeout=120)
         self.worker = h.popen(
             h.worker_ns[0],
             two_hosts.mrl("worker", "--connect", f"10.77.0.1:{two_hosts.RENDEZVOUS_PORT}", "--index", "0",
@@ -53,36 +48,9 @@ class Trainer:
             env=two_hosts.child_env(), stdout=self.log, stderr=subprocess.STDOUT,
         )  # fmt: skip
 
-    def _read(self) -> None:
-        for line in self.proc.stdout:
-            if line.startswith("{"):
-                self.lines.put(json.loads(line))
-
-    def answer(self, timeout: float) -> dict:
-        try:
-            return self.lines.get(timeout=timeout)
-        except queue.Empty:
-            raise AssertionError(f"the trainer did not answer within {timeout} s (it hangs)") from None
-
-    def send(self, op: str, **kw) -> None:
-        self.proc.stdin.write(json.dumps({"op": op, **kw}) + "\n")
-        self.proc.stdin.flush()
-
-    def __call__(self, op: str, timeout: float = 60, **kw) -> dict:
-        self.send(op, **kw)
-        return self.answer(timeout)
-
     def stop(self) -> float:
         """Close the pool; seconds until the trainer process was gone."""
-        t0 = time.monotonic()
-        got = self("close", timeout=30)
-        assert got["ok"], got
-        self.proc.wait(30)
-        self.reader.join(10)
-        self.proc.stdin.close()
-        self.proc.stdout.close()
-        self.log.close()
-        return time.monotonic() - t0
+        return self.close_script(30)
 
 
 def _good(got: dict, version: int) -> None:

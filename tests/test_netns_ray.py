@@ -23,6 +23,7 @@ import pytest
 import yaml
 
 from mrl_plugins.bench import netns
+from tests import netns as two_hosts
 from tests import ray_cluster
 from tests.marks import require_ray, require_trl
 
@@ -156,49 +157,24 @@ def test_grpo_worker_on_the_ray_node_learns_and_survives_a_sigkill(cluster, tmp_
     assert sum(r[-5:]) / 5 > sum(r[:5]) / 5 + 0.05, r  # it learns, as with a local worker
 
 
-class Pool:
+class Pool(two_hosts.ScriptDriver):
     """tests/scripts/netns_pool.py in the trainer's namespace: a WorkerPool whose worker Ray places and starts."""
 
     def __init__(self, cluster, config: dict, log: Path) -> None:
-        self.log = open(log, "w")  # noqa: SIM115 - closed in close()
-        self.proc = cluster.hosts.popen(
+        out = open(log, "w")  # noqa: SIM115 - closed in close()
+        proc = cluster.hosts.popen(
             cluster.trainer, [sys.executable, SCRIPT, json.dumps(config)], env=ray_cluster.env(),
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True,
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=out, text=True,
         )  # fmt: skip
-        cluster.seen_pids.append(self.proc.pid)
-        self.lines: queue.Queue = queue.Queue()
-        self.reader = threading.Thread(target=self._read, daemon=True)
-        self.reader.start()
-        got = self.answer(240)
-        assert "ready" in got, got
-
-    def _read(self) -> None:
-        for line in self.proc.stdout:
-            if line.startswith("{"):
-                self.lines.put(json.loads(line))
-
-    def answer(self, timeout: float) -> dict:
-        try:
-            return self.lines.get(timeout=timeout)
-        except queue.Empty:
-            raise AssertionError(f"the trainer did not answer within {timeout} s (it hangs)") from None
+        cluster.seen_pids.append(proc.pid)
+        super().__init__(proc, out, ready_timeout=240)
 
     def __call__(self, op: str, timeout: float = 120, **kw) -> dict:
-        self.proc.stdin.write(json.dumps({"op": op, **kw}) + "\n")
-        self.proc.stdin.flush()
-        return self.answer(timeout)
+        return super().__call__(op, timeout, **kw)
 
     def close(self) -> float:
         """Close the pool (its actors, placement group and Ray connection); seconds until the process was gone."""
-        t0 = time.monotonic()
-        got = self("close", timeout=60)
-        assert got["ok"], got
-        self.proc.wait(60)
-        self.reader.join(10)
-        self.proc.stdin.close()
-        self.proc.stdout.close()
-        self.log.close()
-        return time.monotonic() - t0
+        return self.close_script(60)
 
 
 @require_ray

@@ -41,6 +41,20 @@ def _start_worker(pool) -> subprocess.Popen:
     return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
+def train_with_remote_worker(trainer) -> None:
+    """``trainer.train()`` with worker 0 of its enabled remote pool started by hand (``mrl worker --connect``); the
+    worker takes its stop when train() shuts the pool down and exits 0."""
+    proc = _start_worker(trainer._mrl_state.runtime.pool)
+    try:
+        trainer.train()
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate(timeout=10)
+    assert proc.returncode == 0, out[-3000:]
+
+
 def test_remote_worker_generates_with_published_weights_and_stops_cleanly(tmp_path):
     from mrl_plugins.rollout.engine import TransformersEngine
 
@@ -156,15 +170,7 @@ def test_grpo_trains_with_a_remote_worker(tmp_path):
             "weight_sync": {"transport": "directory", "directory": str(tmp_path / "weights")},
         },
     )
-    proc = _start_worker(trainer._mrl_state.runtime.pool)
-    try:
-        trainer.train()  # shuts the pool down at its end: the worker takes its stop
-        out, _ = proc.communicate(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate(timeout=10)
-    assert proc.returncode == 0, out[-3000:]
+    train_with_remote_worker(trainer)
     hist = [h for h in trainer.state.log_history if "loss" in h]
     assert len(hist) == 4 and max(h["mrl/rollout/staleness"] for h in hist) <= 1
     assert sum(h.get("mrl/rollout/lookahead_hits", 0) for h in hist) >= 2

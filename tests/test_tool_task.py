@@ -45,6 +45,18 @@ def _random_model(seed=0):
     return _llama(PRESETS["tiny-tools"], tok, seed), tok
 
 
+def _rendered(tok, ds, tools):
+    """The dataset's prompts rendered with the tools, padded, as tensors (what a batch of generation takes)."""
+    return tok.apply_chat_template(
+        list(ds["prompt"]),
+        tools=tools,
+        add_generation_prompt=True,
+        padding=True,
+        return_dict=True,
+        return_tensors="pt",
+    )
+
+
 def _grpo(tmp_path, model, tok, *, steps, task="tools", variant="sync", seed=0, reward_funcs=None, **args):
     """A vanilla TRL GRPOTrainer on the tool task with the ``tiny-tools`` preset's settings."""
     inputs = {} if reward_funcs is None else {"reward_funcs": reward_funcs}
@@ -162,14 +174,7 @@ def test_reward_scores_answers_and_calls_and_an_untrained_policy_scores_about_ze
     ds = build_tool_dataset(32, seed=3)
     assert set(ds.column_names) == {"prompt", "a", "b", "op", "answer"} and set(ds["op"]) == {"+", "-"}
     tools = calculator_tools()
-    batch = tok.apply_chat_template(
-        list(ds["prompt"]),
-        tools=tools,
-        add_generation_prompt=True,
-        padding=True,
-        return_dict=True,
-        return_tensors="pt",
-    )
+    batch = _rendered(tok, ds, tools)
     torch.manual_seed(0)
     out = model.generate(**batch, max_new_tokens=24, do_sample=True, temperature=1.0, top_k=0, top_p=1.0)
     width = batch["input_ids"].shape[1]
@@ -308,14 +313,7 @@ def test_sft_preset_calls_the_tool_most_of_the_time_and_leaves_room_to_learn():
     assert os.path.dirname(model.name_or_path) == os.path.join(cache_dir(), "presets")
     ds = build_tool_dataset(128, seed=11)
     tools = calculator_tools()
-    batch = tok.apply_chat_template(
-        list(ds["prompt"]),
-        tools=tools,
-        add_generation_prompt=True,
-        padding=True,
-        return_dict=True,
-        return_tensors="pt",
-    )
+    batch = _rendered(tok, ds, tools)
     torch.manual_seed(0)
     with torch.no_grad():
         out = model.generate(**batch, max_new_tokens=16, do_sample=True, temperature=1.0, top_k=0, top_p=1.0)

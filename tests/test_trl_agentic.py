@@ -183,6 +183,15 @@ def _recording_reward(seen):
     return arithmetic
 
 
+def _every_call_failed(trainer, seen, message):
+    """TRL counted every tool call as failed and put ``message`` in every tool result of the conversations."""
+    called = [f for f, c in zip(logged(trainer, "tools/failure_frequency"), logged(trainer, "tools/call_frequency"))
+              if c > 0]  # fmt: skip
+    assert called and all(f == 1.0 for f in called)
+    tool_messages = [m for conv in seen for m in conv if m.get("role") == "tool"]
+    assert tool_messages and all(message in str(m["content"]) for m in tool_messages)
+
+
 @TWO_CORES
 def test_a_tool_that_raises_is_trls_error_message_and_the_run_goes_on(tmp_path):
     seen = []
@@ -190,11 +199,7 @@ def test_a_tool_that_raises_is_trls_error_message_and_the_run_goes_on(tmp_path):
     _enable(trainer)
     trainer.train()
     assert len(logged(trainer, "reward")) == 3
-    called = [f for f, c in zip(logged(trainer, "tools/failure_frequency"), logged(trainer, "tools/call_frequency"))
-              if c > 0]  # fmt: skip
-    assert called and all(f == 1.0 for f in called)
-    tool_messages = [m for conv in seen for m in conv if m.get("role") == "tool"]
-    assert tool_messages and all("out of order" in str(m["content"]) for m in tool_messages)
+    _every_call_failed(trainer, seen, "out of order")
 
 
 @TWO_CORES
@@ -208,11 +213,7 @@ def test_a_tool_that_hangs_is_cut_at_the_tool_timeout_and_nothing_hangs(tmp_path
     t0 = time.monotonic()
     trainer.train()
     assert time.monotonic() - t0 < 120
-    called = [f for f, c in zip(logged(trainer, "tools/failure_frequency"), logged(trainer, "tools/call_frequency"))
-              if c > 0]  # fmt: skip
-    assert called and all(f == 1.0 for f in called)
-    tool_messages = [m for conv in seen for m in conv if m.get("role") == "tool"]
-    assert tool_messages and all("rollout.tool_timeout_s" in str(m["content"]) for m in tool_messages)
+    _every_call_failed(trainer, seen, "rollout.tool_timeout_s")
 
 
 @TWO_CORES
@@ -228,7 +229,7 @@ def test_the_other_modes_serve_every_turn_from_the_workers(tmp_path, mode):
 
 
 def test_a_remote_worker_serves_every_turn(tmp_path):
-    from tests.test_rollout_remote import _start_worker
+    from tests.test_rollout_remote import train_with_remote_worker
 
     trainer = tool_trainer(tmp_path, steps=3)
     recorder = _enable(
@@ -240,15 +241,7 @@ def test_a_remote_worker_serves_every_turn(tmp_path):
             "weight_sync": {"transport": "directory", "directory": str(tmp_path / "weights")},
         },
     )
-    proc = _start_worker(trainer._mrl_state.runtime.pool)
-    try:
-        trainer.train()
-        out, _ = proc.communicate(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate(timeout=10)
-    assert proc.returncode == 0, out[-3000:]
+    train_with_remote_worker(trainer)
     assert sum(logged(trainer, "mrl/rollout/worker_batches")) == len(recorder.batches) >= 5
     assert sum(logged(trainer, "mrl/rollout/ahead_batches")) == 2
     assert recorder.max_error() < 1e-4
