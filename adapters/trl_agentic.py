@@ -26,11 +26,10 @@ interrupted and is left running in the background (``tool_timeout_s: 0``: tools 
 
 from __future__ import annotations
 
-import asyncio
-import inspect
 import logging
-import threading
 from typing import Any
+
+from mrl_plugins.adapters.trl_tools import bound_tool_dicts
 
 log = logging.getLogger("mrl_plugins.adapters.trl")
 
@@ -45,59 +44,6 @@ def agentic_kinds(trainer: Any) -> list[str]:
     if getattr(trainer, "rollout_func", None) is not None:
         kinds.append("rollout_func")
     return kinds
-
-
-def bounded_tool(fn: Any, name: str, timeout: float) -> Any:
-    """``fn`` that gives up after ``timeout`` s with a TimeoutError (which TRL turns into a tool error message)."""
-    why = f"tool {name!r} did not return within {timeout:g} s (rollout.tool_timeout_s)"
-    if inspect.iscoroutinefunction(fn):
-
-        async def call_async(**kwargs: Any) -> Any:
-            try:
-                return await asyncio.wait_for(fn(**kwargs), timeout)
-            except asyncio.TimeoutError:
-                raise TimeoutError(why) from None
-
-        call_async.mrl_bounded = True  # type: ignore[attr-defined]
-        return call_async
-
-    def call(**kwargs: Any) -> Any:
-        box: dict[str, Any] = {}
-
-        def run() -> None:
-            try:
-                box["value"] = fn(**kwargs)
-            except BaseException as exc:  # noqa: BLE001 - handed to the caller below
-                box["error"] = exc
-
-        thread = threading.Thread(target=run, name=f"mrl-tool-{name}", daemon=True)
-        thread.start()
-        thread.join(timeout)
-        if thread.is_alive():
-            raise TimeoutError(why + "; its thread is left running")
-        if "error" in box:
-            raise box["error"]
-        return box["value"]
-
-    call.mrl_bounded = True  # type: ignore[attr-defined]
-    return call
-
-
-def bound_tool_dicts(host: Any, timeout: float) -> None:
-    """Bound every tool of the batch TRL is about to run (``_sync_tool_dicts`` / ``_async_tool_dicts``, built per
-    batch from the standalone tools and each rollout's environment methods); ``timeout`` 0: leave them as they are."""
-    if timeout <= 0:
-        return
-    for attr in ("_sync_tool_dicts", "_async_tool_dicts"):
-        dicts = getattr(host, attr, None) or []
-        setattr(
-            host,
-            attr,
-            [
-                {k: f if getattr(f, "mrl_bounded", False) else bounded_tool(f, k, timeout) for k, f in d.items()}
-                for d in dicts
-            ],
-        )
 
 
 def install_agentic(trainer: Any, state: Any, gen: Any) -> list[str]:
@@ -204,4 +150,4 @@ def _take_rollouts_ahead(trainer: Any, state: Any, gen: Any, shadow: Any) -> Non
     state.patch(trainer, "_generate_and_score_completions", generate_and_score)
 
 
-__all__ = ["agentic_kinds", "ahead_possible", "bound_tool_dicts", "bounded_tool", "install_agentic"]
+__all__ = ["agentic_kinds", "ahead_possible", "install_agentic"]

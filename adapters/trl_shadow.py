@@ -190,7 +190,7 @@ class ShadowLookahead:
 
     def _shadow(self, rollout: Rollout) -> Any:
         """The trainer's stand-in for this batch (its per-batch attributes its own, see the module docstring)."""
-        from mrl_plugins.adapters.trl_agentic import bound_tool_dicts
+        from mrl_plugins.adapters.trl_tools import bound_tool_dicts
 
         trainer, gen = self.trainer, self.gen
         cls = type(trainer)
