@@ -206,7 +206,11 @@ def test_engine_runs_in_this_process_with_no_child_process(engine):
     import psutil
 
     assert os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"
-    assert psutil.Process().children(recursive=True) == []
+    # multiprocessing's resource tracker, started by a worker pool an earlier test ran in this process, stays
+    children = [
+        p for p in psutil.Process().children(recursive=True) if "resource_tracker" not in " ".join(p.cmdline())
+    ]
+    assert children == []
 
 
 def _fill(model, seed: int):
