@@ -46,9 +46,10 @@ def env(**extra: str) -> dict[str, str]:
 
 
 class RayCluster:
-    """Head (0 CPUs) in the trainer's namespace, one worker node (``worker_cpus``) in the worker's."""
+    """Head (0 CPUs) in the trainer's namespace, one worker node (``worker_cpus``) in the worker's; with
+    ``ray_cores``, the worker node's Ray processes started on those cores only (``taskset -c``)."""
 
-    def __init__(self, worker_cpus: int = 1) -> None:
+    def __init__(self, worker_cpus: int = 1, ray_cores: list[int] | None = None) -> None:
         self.hosts = netns.Hosts(1, subnet=SUBNET, prefix=PREFIX)
         self.temp = Path(tempfile.mkdtemp(prefix=f"mrlray{os.getpid()}-", dir="/tmp"))  # short: Ray's socket paths
         self.address = f"{HEAD}:{GCS_PORT}"
@@ -57,14 +58,17 @@ class RayCluster:
         try:
             self._ray(self.hosts.trainer, "start", "--head", f"--node-ip-address={HEAD}", f"--port={GCS_PORT}",
                       "--num-cpus=0", "--include-dashboard=false", f"--temp-dir={self.temp}", *common)  # fmt: skip
+            pin = ["taskset", "-c", ",".join(map(str, ray_cores))] if ray_cores else []
             self._ray(self.hosts.worker_ns[0], "start", f"--address={self.address}",
-                      f"--node-ip-address={self.worker_addr}", f"--num-cpus={worker_cpus}", *common)  # fmt: skip
+                      f"--node-ip-address={self.worker_addr}", f"--num-cpus={worker_cpus}", *common,
+                      pin=pin)  # fmt: skip
         except BaseException:
             self.close()
             raise
 
-    def _ray(self, ns: str, *args: str) -> None:
-        got = self.hosts.run(ns, [ray_cli(), *args], timeout=180, env=env(), capture_output=True, text=True)
+    def _ray(self, ns: str, *args: str, pin: list[str] | None = None) -> None:
+        cmd = [*(pin or []), ray_cli(), *args]
+        got = self.hosts.run(ns, cmd, timeout=180, env=env(), capture_output=True, text=True)
         if got.returncode != 0:
             raise RuntimeError(f"ray {' '.join(args[:2])} failed in {ns}: {got.stdout[-2000:]}{got.stderr[-2000:]}")
 

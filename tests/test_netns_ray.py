@@ -3,7 +3,8 @@ across network namespaces (tests/ray_cluster.py: the head in the trainer's names
 worker node of 1 CPU in the other): a GRPO run (`mrl run`, tiny preset) whose worker Ray placed on the worker node
 learns, every weight version switched in order, through a SIGKILL of the actor's process mid-run (Ray restarts it,
 it rejoins, the run finishes); with ``broadcast`` weights a killed actor is one clear error (its group takes no new
-member); the worker node stopped is one clear error within ``rollout.timeout_s`` and nothing hangs. After each
+member); the worker node stopped is one clear error within ``rollout.timeout_s`` and nothing hangs (that node's Ray
+started under ``taskset -c`` on one core, the actor bound to the other by ``rollout.ray_worker_cores``). After each
 test every namespace, Ray process and shared-memory segment of it is gone. Root needed (namespaces), and Ray."""
 
 from __future__ import annotations
@@ -43,11 +44,11 @@ def _shm_of(pids: list[int]) -> list[str]:
 
 
 @pytest.fixture
-def cluster():
+def cluster(request):
     why = netns.unavailable()
     if why is not None:
         pytest.skip(f"a Ray cluster across namespaces needs them: {why}")
-    made = ray_cluster.RayCluster(worker_cpus=1)
+    made = ray_cluster.RayCluster(worker_cpus=1, **getattr(request, "param", {}))
     seen: list[int] = []
     made.seen_pids = seen  # processes the test started in the trainer's namespace (their shm is checked)
     try:
@@ -197,13 +198,25 @@ def test_killed_actor_with_broadcast_weights_is_one_clear_error(cluster, tmp_pat
     assert pool.close() < 30
 
 
+FIRST, SECOND = sorted(os.sched_getaffinity(0))[:2] if len(os.sched_getaffinity(0)) > 1 else (0, 0)
+
+
 @require_ray
 @require_trl
+@pytest.mark.skipif(FIRST == SECOND, reason="Ray's cores and the worker's apart need 2 cores")
+@pytest.mark.parametrize("cluster", [{"ray_cores": [FIRST]}], indirect=True)
 def test_worker_node_stopped_is_a_clear_error_within_the_timeout(cluster, tmp_path):
+    """Its worker node's Ray runs on the first core only (`taskset -c`), the actor on the second
+    (``rollout.ray_worker_cores``): Ray's processes there never share the worker's core."""
     timeout_s = 12.0
-    pool = Pool(cluster, _config(tmp_path, timeout_s=timeout_s), tmp_path / "trainer.log")
+    pool = Pool(cluster, _config(tmp_path, timeout_s=timeout_s, ray_worker_cores=[SECOND]), tmp_path / "trainer.log")
     assert pool("publish", v=1)["ok"]
     assert pool("collect", v=1, timeout=180)["ok"]
+    actor = cluster.wait_actor(10)
+    threads = {int(t): os.sched_getaffinity(int(t)) for t in os.listdir(f"/proc/{actor}/task")}
+    assert all(cores == {SECOND} for cores in threads.values()), threads  # the actor's process: the worker's core
+    ray_own = {pid: os.sched_getaffinity(pid) for pid in cluster.pids(cluster.worker) if pid != actor}
+    assert ray_own and all(cores == {FIRST} for cores in ray_own.values()), ray_own  # raylet, agents, idle workers
     cluster.stop_worker_node()  # raylet, agents and the actor: the node is gone, without a goodbye
     got = pool("collect", v=1, timeout=120)
     assert not got["ok"], got

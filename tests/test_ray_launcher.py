@@ -15,7 +15,7 @@ import pytest
 
 from mrl_plugins.config import load_config
 from mrl_plugins.errors import ConfigError
-from mrl_plugins.rollout.ray_launcher import bundle, describe_nodes, judge, placement_problem
+from mrl_plugins.rollout.ray_launcher import actor_cores, bundle, describe_nodes, judge, placement_problem
 from tests.marks import require_ray
 
 RAY = {"workers": 0, "remote_workers": 1, "launcher": "ray"}
@@ -53,11 +53,23 @@ def test_launcher_follows_the_remote_workers_unless_set():
         ({**RAY, "ray_strategy": "ROUND_ROBIN"}, r"'PACK', 'SPREAD', 'STRICT_PACK' or 'STRICT_SPREAD'"),
         ({**RAY, "ray_resources": {"GPU": 1}}, r"rollout.ray_resources: 'GPU': a custom resource name"),
         ({**RAY, "ray_resources": {"rollout_host": 0}}, r"rollout.ray_resources: 'rollout_host'"),
+        ({"ray_worker_cores": [1]}, r"rollout.ray_worker_cores: only used with rollout.launcher 'ray'"),
+        ({**RAY, "ray_worker_cores": [1, 1]}, r"ray_worker_cores: \[1, 1\] invalid; a list of distinct CPU core"),
+        ({**RAY, "ray_worker_cores": [-1]}, r"ray_worker_cores: \[-1\] invalid"),
+        ({**RAY, "ray_worker_cores": ["1-3"]}, r"ray_worker_cores: \['1-3'\] invalid"),
+        ({**RAY, "ray_worker_cores": [3], "engine_threads": 2}, r"at least engine_threads \(2\) of them"),
     ],
 )
 def test_bad_launcher_settings_are_one_clear_error(rollout, match):
     with pytest.raises(ConfigError, match=match):
         load_config({"rollout": rollout, **CROSS})
+
+
+def test_each_actor_on_a_node_takes_its_own_slice_of_ray_worker_cores():
+    assert actor_cores(None, 2, ["a", "b"]) == [None, None]
+    assert actor_cores([4, 5, 6, 7], 2, ["a", "b", "a"]) == [[4, 5], [4, 5], [6, 7]]
+    with pytest.raises(ConfigError, match=r"gives 1 actor\(s\) of engine_threads 2 their cores, but Ray placed 2"):
+        actor_cores([4, 5, 6], 2, ["a", "a"])
 
 
 def test_without_ray_the_ray_launcher_is_one_config_error_and_nothing_imports_it():

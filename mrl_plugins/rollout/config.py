@@ -181,7 +181,8 @@ class RolloutConfig(SchedulingSection, DeploymentSection, EngineSection):
             )
         if launch != "ray":
             changed = [
-                k for k, default in (("ray_address", "auto"), ("ray_strategy", "PACK"), ("ray_resources", {}))
+                k for k, default in (("ray_address", "auto"), ("ray_strategy", "PACK"), ("ray_resources", {}),
+                                   ("ray_worker_cores", None))
                 if getattr(self, k) != default
             ]  # fmt: skip
             if changed:
@@ -206,6 +207,17 @@ class RolloutConfig(SchedulingSection, DeploymentSection, EngineSection):
             raise ConfigError(
                 f"rollout.ray_resources: {bad[0]!r}: a custom resource name with a number > 0 (not one of "
                 f"{choices(RAY_OWN_RESOURCES)}: the launcher sets those from engine_threads and the device)"
+            )
+        cores = self.ray_worker_cores
+        if cores is not None and (
+            not isinstance(cores, list) or not cores or len(set(map(str, cores))) != len(cores)
+            or any(isinstance(c, bool) or not isinstance(c, int) or c < 0 for c in cores)
+            or len(cores) < self.engine_threads
+        ):  # fmt: skip
+            raise ConfigError(
+                f"rollout.ray_worker_cores: {cores!r} invalid; a list of distinct CPU core ids >= 0, at least "
+                f"engine_threads ({self.engine_threads}) of them (each actor on a node binds engine_threads of them "
+                "in order), or null (the cores Ray's raylet gives its actors)"
             )
         if not ray_installed():
             raise ConfigError(

@@ -98,6 +98,15 @@ class DeploymentSection:
             "place workers only on nodes started with `ray start --resources '{\"rollout_host\": 4}'`"
         },
     )
+    ray_worker_cores: list | None = field(
+        default=None,
+        metadata={
+            "help": "launcher 'ray': CPU core ids of its node each worker actor binds to, engine_threads of them per "
+            "actor in order (the n-th actor Ray placed on a node takes the n-th slice); None: the cores the node's "
+            "raylet runs on, which Ray's actors inherit. With `taskset -c <others> ray start` on a worker node, "
+            "this keeps Ray's own processes off the workers' cores (docs/ray.md)"
+        },
+    )
     colocated_workers: int = field(
         default=0, metadata={"help": "hybrid mode: how many of the workers share the trainer's device"}
     )

@@ -101,6 +101,26 @@ def placement_problem(bundles: list[dict[str, float]], strategy: str, nodes: lis
     return None
 
 
+def actor_cores(cores: list[int] | None, threads: int, nodes: list[str]) -> list[list[int] | None]:
+    """Per bundle, the cores its actor binds (``rollout.ray_worker_cores``): the n-th bundle on a node takes the
+    n-th ``threads`` of them; None everywhere when unset. A node given more actors than the list covers is a
+    ConfigError naming it (before any actor starts)."""
+    if not cores:
+        return [None] * len(nodes)
+    out: list[list[int] | None] = []
+    for k, node in enumerate(nodes):
+        n = nodes[:k].count(node)
+        part = list(cores[n * threads : (n + 1) * threads])
+        if len(part) < threads:
+            raise ConfigError(
+                f"rollout.ray_worker_cores: {cores} gives {len(cores) // threads} actor(s) of engine_threads "
+                f"{threads} their cores, but Ray placed {nodes.count(node)} on one node; list more cores, or "
+                "set ray_strategy SPREAD / STRICT_SPREAD"
+            )
+        out.append(part)
+    return out
+
+
 def _fmt(resources: dict[str, float]) -> str:
     parts = [f"{k} {v:g}" for k, v in sorted(resources.items()) if not k.startswith("node:") and k not in _NODE_KEYS]
     return "{" + ", ".join(parts) + "}"
@@ -227,19 +247,23 @@ class RolloutActor:
     joins the pool by itself as its worker's next incarnation. ``ray.remote`` is applied by :class:`RayLauncher`;
     this module imports no Ray at import time."""
 
-    def __init__(self, address: str, index: int, device: str, threads: int, timeout: float) -> None:
+    def __init__(
+        self, address: str, index: int, device: str, threads: int, timeout: float, cores: list[int] | None = None
+    ) -> None:
         self.error: str | None = None
         self._thread = threading.Thread(
-            target=self._serve, args=(address, index, device, threads, timeout), name=f"mrl-ray-worker-{index}",
-            daemon=True,
+            target=self._serve, args=(address, index, device, threads, timeout, cores),
+            name=f"mrl-ray-worker-{index}", daemon=True,
         )  # fmt: skip
         self._thread.start()
 
-    def _serve(self, address: str, index: int, device: str, threads: int, timeout: float) -> None:
+    def _serve(
+        self, address: str, index: int, device: str, threads: int, timeout: float, cores: list[int] | None
+    ) -> None:
         try:
             from .remote import serve
 
-            serve(address, index, device=device, threads=threads, timeout=timeout)
+            serve(address, index, device=device, threads=threads, timeout=timeout, cores=cores)
         except BaseException as exc:  # noqa: BLE001 - a worker error also went to the trainer (its error queue)
             self.error = f"{type(exc).__name__}: {exc}"
 
@@ -322,6 +346,7 @@ class RayLauncher:
                 f"cannot reach: set rollout.rendezvous and comm.host to this node's address they reach (Ray knows "
                 f"this node as {ray.util.get_node_ip_address()})"
             )
+        cores = actor_cores(rc.ray_worker_cores, rc.engine_threads, [on.get(k, "") for k in range(len(self.indices))])
         device = "cpu" if self.device_type == "cpu" else f"{self.device_type}:0"  # Ray sets the visible devices
         threads = str(rc.engine_threads)
         env = {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads, "TOKENIZERS_PARALLELISM": "false"}
@@ -339,7 +364,7 @@ class RayLauncher:
             custom = {key: v for key, v in self.bundles[k].items() if key not in ("CPU", "GPU")}
             if custom:
                 options["resources"] = custom
-            args = (address, i, device, rc.engine_threads, rc.start_timeout_s)
+            args = (address, i, device, rc.engine_threads, rc.start_timeout_s, cores[k])
             self.actors[i] = actor_cls.options(**options).remote(*args)
             self._starting[i] = time.monotonic()
             log.info(
