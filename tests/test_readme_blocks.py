@@ -233,8 +233,15 @@ def _check_tox(words: list[str], where: str) -> None:
     assert ci and ci.group(1).split(",") == envs, (ci and ci.group(1), envs)
 
 
+def _check_taskset(words: list[str], where: str) -> None:
+    """``taskset -c CORES command ...``: a core list, then a command that has a check of its own."""
+    assert len(words) > 3 and words[1] == "-c" and re.fullmatch(r"[0-9,-]+", words[2]), f"{where}: {shlex.join(words)}"
+    assert words[3] == "ray", f"{where}: `taskset` runs {words[3]!r}, which no check knows"
+    _check_ray(words[3:], where)
+
+
 def test_bash_blocks_run_commands_that_exist():
-    checks = {"mrl": _check_mrl, "pip": _check_pip, "tox": _check_tox, "ray": _check_ray}
+    checks = {"mrl": _check_mrl, "pip": _check_pip, "tox": _check_tox, "ray": _check_ray, "taskset": _check_taskset}
     found = _all_blocks("bash")
     assert {"README.md", "docs/multi-host.md", "docs/vllm.md"} <= {rel for rel, _ in found}
     ran = set()

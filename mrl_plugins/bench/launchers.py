@@ -1,5 +1,5 @@
 """``mrl bench ray``: what Ray's own processes cost on one host -- the same GRPO job with ``rollout.launcher:
-local``, ``manual`` and ``ray``, repetitions interleaved (the order rotates per repetition).
+local``, ``manual``, ``ray`` and ``ray_apart``, repetitions interleaved (the order rotates per repetition).
 
 * ``local``: ``configs/disaggregated.yaml`` as it is: one worker process of the trainer's, on its own core,
   experience and weights through shared memory.
@@ -10,8 +10,14 @@ local``, ``manual`` and ``ray``, repetitions interleaved (the order rotates per 
   (``ray start --head`` with the dashboard off, usage statistics off, a 100 MB object store, every core of the
   host) and stops at the end (it kills that cluster's processes, never ``ray stop``, which stops every Ray process on
   the host). ``ray`` vs ``manual`` is the cost of Ray's own processes, ``manual`` vs ``local`` that of the
-  cross-host transports. Per launcher: steps/s of the whole run (the worker's start included: Ray adds placing and
-starting its actor), of its second half (``steady_steps_per_s``) and when the worker was first ready.
+  cross-host transports.
+* ``ray_apart``: ``ray`` with Ray's own processes kept off the rollout worker's core, as on a host with a core to
+  spare: a second one-node cluster started under ``taskset -c <first core>``, the actor bound to the next core
+  (``rollout.ray_worker_cores``), the trainer to the first (``rollout.trainer_cores``). On 2 cores the trainer
+  shares its core with Ray's processes; the worker's is theirs no more.
+
+Per launcher: steps/s of the whole run (the worker's start included: Ray adds placing and starting its actor), of
+its second half (``steady_steps_per_s``) and when the worker was first ready.
 
 Ray's processes (gcs_server, raylet, the minimal dashboard, the autoscaler monitor, the log monitor, the dashboard
 and runtime-env agents, idle workers: everything of that cluster but the rollout actor) are measured idle, for
@@ -19,7 +25,10 @@ and runtime-env agents, idle workers: everything of that cluster but the rollout
 their share of one core, their resident memory), and during each ``ray`` run: their CPU seconds and share of the
 run, the cores they may run on (``sched_getaffinity``), and, sampled every 50 ms, how often a thread of theirs was
 runnable on a core where a thread of the trainer or of the rollout actor was runnable too (``contended_share``:
-Ray taking the cores of the trainer or the worker). The host load before and during every run comes with it.
+Ray taking the cores of the trainer or the worker; apart: ``contended_share_actor``, ``contended_share_trainer``,
+and ``contended_share_actor_on_its_cores``: the actor's while it ran on its own cores, after its start on the
+raylet's).
+The host load before and during every run comes with it.
 """
 
 from __future__ import annotations
@@ -36,10 +45,11 @@ import sys
 import tempfile
 import threading
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
-LAUNCHERS = ("local", "manual", "ray")
+LAUNCHERS = ("local", "manual", "ray", "ray_apart")
 SAMPLE_S = 0.05
 OBJECT_STORE_BYTES = 100 << 20
 
@@ -81,13 +91,16 @@ class BenchCluster:
     """A one-node Ray cluster for the benchmark, in a session folder of its own; its processes are found by that
     folder (the daemons name it on their command lines) and their descendants (agents, workers)."""
 
-    def __init__(self, cpus: int) -> None:
+    def __init__(self, cpus: int, cores: list[int] | None = None) -> None:
+        self.cores = cores
         self.temp = Path(tempfile.mkdtemp(prefix="mrlbench-ray-", dir="/tmp"))
         self.port = _free_port()
         self.address = f"127.0.0.1:{self.port}"
         env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0")
         env.pop("RAY_ADDRESS", None)
+        pin = ["taskset", "-c", ",".join(map(str, cores))] if cores else []
         cmd = [
+            *pin,
             str(Path(sys.executable).with_name("ray")),
             "start",
             "--head",
@@ -190,15 +203,22 @@ def _runnable_cores(pid: int) -> set[int]:
     return cores(pid)
 
 
+def _most_seen(seen: Counter) -> list[int]:
+    return list(seen.most_common(1)[0][0]) if seen else []
+
+
 class RayWatch:
     """During one ``ray`` run: Ray's processes' CPU seconds, their allowed cores, and samples where a thread of
     theirs was runnable on a core where the trainer's or the rollout actor's was too."""
 
     def __init__(self, cluster: BenchCluster) -> None:
         self.cluster = cluster
-        self.samples = self.contended = 0
+        self.samples = self.contended = self.contended_actor = self.contended_trainer = 0
+        self.actor_samples: Counter = Counter()  # (the actor's cores then, contended) -> samples
         self.allowed: dict[str, list[int]] = {}
-        self.job_cores: set[int] = set()
+        # per side, how many samples found its processes allowed on each set of cores (the trainer's budget holds
+        # while train() runs only: the most frequent set is the one it trained on)
+        self.job_cores: dict[str, Counter] = {"trainer": Counter(), "actor": Counter()}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="mrl-bench-raywatch", daemon=True)
         self._cpu0: dict[int, tuple[str, float]] = {}
@@ -234,21 +254,36 @@ class RayWatch:
             if self.samples % 20 == 0:  # the actor appears (and may restart) during the run: looked for once a second
                 actors = self.cluster.actor_pids()
             try:
-                job = {p.pid for p in me.children() if "mrl_plugins.run" in " ".join(p.cmdline())} | set(actors)
+                trainers = {p.pid for p in me.children() if "mrl_plugins.run" in " ".join(p.cmdline())}
             except psutil.Error:
                 continue
-            mine: set[int] = set()
-            for pid in job:
-                mine |= _runnable_cores(pid)
-                try:
-                    self.job_cores |= set(os.sched_getaffinity(pid))
-                except OSError:
-                    pass
+            side: dict[str, set[int]] = {"trainer": set(), "actor": set()}
+            actor_at: tuple[int, ...] = ()
+            for name, pids in (("trainer", trainers), ("actor", actors)):
+                for pid in pids:
+                    side[name] |= _runnable_cores(pid)
+                    try:
+                        at = tuple(sorted(os.sched_getaffinity(pid)))
+                    except OSError:
+                        continue
+                    self.job_cores[name][at] += 1
+                    actor_at = at if name == "actor" else actor_at
             theirs: set[int] = set()
             for pid in ray_pids:
                 theirs |= _runnable_cores(pid)
             self.samples += 1
-            self.contended += bool(mine & theirs)
+            self.contended += bool((side["trainer"] | side["actor"]) & theirs)
+            self.contended_actor += bool(side["actor"] & theirs)
+            self.actor_samples[(actor_at, bool(side["actor"] & theirs))] += 1
+            self.contended_trainer += bool(side["trainer"] & theirs)
+
+    def _on_its_cores(self) -> float:
+        """The actor's share while it ran on the cores it was seen on most (its worker's binding; before the
+        binding, a Ray actor starts on its raylet's cores)."""
+        own = tuple(_most_seen(self.job_cores["actor"]))
+        n = sum(k for (at, _), k in self.actor_samples.items() if at == own)
+        hit = self.actor_samples.get((own, True), 0)
+        return hit / n if n else float("nan")
 
     def as_dict(self) -> dict[str, Any]:
         total = sum(self.cpu_s.values())
@@ -257,10 +292,15 @@ class RayWatch:
             "cpu_share_of_one_core": total / self.wall_s if self.wall_s else float("nan"),
             "cpu_s_by_process": dict(sorted(self.cpu_s.items(), key=lambda kv: -kv[1])),
             "allowed_cores": self.allowed,
-            "job_cores_allowed": sorted(self.job_cores),
+            "job_cores_allowed": sorted({c for seen in self.job_cores.values() for cores in seen for c in cores}),
+            "trainer_cores_allowed": _most_seen(self.job_cores["trainer"]),
+            "actor_cores_allowed": _most_seen(self.job_cores["actor"]),
             "samples": self.samples,
             "contended_samples": self.contended,
             "contended_share": self.contended / self.samples if self.samples else float("nan"),
+            "contended_share_actor": self.contended_actor / self.samples if self.samples else float("nan"),
+            "contended_share_actor_on_its_cores": self._on_its_cores(),
+            "contended_share_trainer": self.contended_trainer / self.samples if self.samples else float("nan"),
         }
 
 
@@ -281,12 +321,16 @@ def job_config(launcher: str, *, steps: int, model: str, tmp: Path, cluster: Ben
         **data["rollout"],
         "workers": 0,
         "remote_workers": 1,
-        "launcher": launcher,
+        "launcher": "ray" if launcher == "ray_apart" else launcher,
         "rendezvous": f"127.0.0.1:{port}",
         "local_warmup": False,
     }
-    if launcher == "ray":
+    if launcher in ("ray", "ray_apart"):
         rollout["ray_address"] = cluster.address if cluster is not None else "auto"
+    if launcher == "ray_apart" and cluster is not None and cluster.cores:
+        rest = [c for c in sorted(os.sched_getaffinity(0)) if c not in cluster.cores]
+        rollout["ray_worker_cores"] = rest[: rollout.get("engine_threads", 1)]
+        rollout["trainer_cores"] = list(cluster.cores)
     data["rollout"] = rollout
     data["comm"] = {**data["comm"], "transport": "torch_distributed", "host": "127.0.0.1"}
     data["weight_sync"] = {"transport": "directory", "directory": str(tmp / f"weights-{launcher}-{port}")}
@@ -309,9 +353,17 @@ def run_bench(*, launchers: list[str], reps: int, steps: int, model: str, idle_s
     from .job import run_job
 
     kind = RunKind({"rollout": "mrl", "weight_sync": "mrl", "comm": "mrl"})
-    cluster = BenchCluster(cpus=len(os.sched_getaffinity(0))) if "ray" in launchers else None
+    cores = sorted(os.sched_getaffinity(0))
+    clusters: dict[str, BenchCluster] = {}
     result: dict[str, Any] = {"launchers": {}, "steps": steps, "model": model, "reps": reps}
     try:
+        if "ray" in launchers:
+            clusters["ray"] = BenchCluster(cpus=len(cores))
+        if "ray_apart" in launchers:
+            if len(cores) < 2:
+                raise RuntimeError("mrl bench ray: the 'ray_apart' launcher needs 2 cores (Ray's and the worker's)")
+            clusters["ray_apart"] = BenchCluster(cpus=len(cores), cores=cores[:1])
+        cluster = clusters.get("ray") or clusters.get("ray_apart")
         if cluster is not None:
             time.sleep(2.0)  # the agents finish starting
             result["ray_cluster_start_s"] = cluster.start_s
@@ -327,7 +379,7 @@ def run_bench(*, launchers: list[str], reps: int, steps: int, model: str, idle_s
             order = launchers[rep % len(launchers) :] + launchers[: rep % len(launchers)]
             for name in order:
                 port = _free_port()
-                data = job_config(name, steps=steps, model=model, tmp=out, cluster=cluster, port=port)
+                data = job_config(name, steps=steps, model=model, tmp=out, cluster=clusters.get(name), port=port)
                 worker = None
                 if name == "manual":  # waits for the trainer's store, which the run opens
                     worker = subprocess.Popen(
@@ -350,8 +402,8 @@ def run_bench(*, launchers: list[str], reps: int, steps: int, model: str, idle_s
                         env=dict(os.environ, OMP_NUM_THREADS="1"),
                     )
                 try:
-                    if name == "ray":
-                        with RayWatch(cluster) as watch:
+                    if name in clusters:
+                        with RayWatch(clusters[name]) as watch:
                             res, load = run_job(data, out, f"{name}-{rep}", kind, steps)
                         extra = {"ray_during_run": watch.as_dict()}
                     else:
@@ -387,23 +439,33 @@ def run_bench(*, launchers: list[str], reps: int, steps: int, model: str, idle_s
                 "worker_ready_s": _stats([r["worker_ready_s"] for r in rs]),
                 "runs": rs,
             }
-            if name == "ray":
+            if name in clusters:
                 entry["ray_cpu_share_of_one_core_during_run"] = _stats(
                     [r["ray_during_run"]["cpu_share_of_one_core"] for r in rs]
                 )
-                entry["contended_share"] = _stats([r["ray_during_run"]["contended_share"] for r in rs])
+                for key in ("contended_share", "contended_share_actor", "contended_share_trainer"):
+                    entry[key] = _stats([r["ray_during_run"][key] for r in rs])
             result["launchers"][name] = entry
         ratios = {}
         for key in ("steps_per_s", "steady_steps_per_s"):
             med = {n: e[key]["median"] for n, e in result["launchers"].items()}
-            for a, b in (("ray", "local"), ("ray", "manual"), ("manual", "local")):
+            for a, b in (
+                ("ray", "local"),
+                ("ray", "manual"),
+                ("manual", "local"),
+                ("ray_apart", "ray"),
+                ("ray_apart", "local"),
+            ):
                 if a in med and b in med and med[b]:
                     ratios[f"{a}_vs_{b}_{key}"] = med[a] / med[b]
         result["ratios"] = ratios
     finally:
-        if cluster is not None:
-            cluster.close()
-            result["ray_processes_left"] = [f"{p.pid} {_name(p)}" for p in cluster.processes()]
+        left = []
+        for made in clusters.values():
+            made.close()
+            left += [f"{p.pid} {_name(p)}" for p in made.processes()]
+        if clusters:
+            result["ray_processes_left"] = left
     result["measured_at"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     result["cpus"] = len(os.sched_getaffinity(0))
     return result
@@ -412,14 +474,15 @@ def run_bench(*, launchers: list[str], reps: int, steps: int, model: str, idle_s
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="mrl bench ray",
-        description="mrl bench ray: the same GRPO job with rollout.launcher local, manual and ray on this host "
-        "(interleaved): steps/s, Ray's idle CPU and memory, Ray's CPU and cores during the runs.",
+        description="mrl bench ray: the same GRPO job with rollout.launcher local, manual, ray and ray_apart (Ray's "
+        "processes on the first core, the actor on the next) on this host (interleaved): steps/s, Ray's idle CPU and "
+        "memory, Ray's CPU and cores during the runs.",
     )
     p.add_argument("--json", metavar="PATH", help="write the results as JSON")
     p.add_argument("--reps", type=int, default=3, help="runs per launcher (default 3), interleaved")
     p.add_argument("--steps", type=int, default=30, help="GRPO steps per run (default 30)")
     p.add_argument("--model", default="small", help="preset (default small)")
-    p.add_argument("--launchers", default=",".join(LAUNCHERS), help="which, comma-separated (default all three)")
+    p.add_argument("--launchers", default=",".join(LAUNCHERS), help="which, comma-separated (default all four)")
     p.add_argument("--idle-s", type=float, default=20.0, help="seconds Ray's idle cost is measured (default 20)")
     p.add_argument("--quick", action="store_true", help="smoke run: tiny model, 6 steps, 1 rep, 3 s idle")
     return p
@@ -433,7 +496,7 @@ def cli(argv: list[str]) -> int:
     bad = [x for x in launchers if x not in LAUNCHERS]
     if bad or not launchers:
         raise ConfigError(f"--launchers: {bad or ns.launchers!r} invalid; valid: {', '.join(LAUNCHERS)}")
-    if "ray" in launchers:
+    if {"ray", "ray_apart"} & set(launchers):
         from mrl_plugins.rollout.config import ray_installed
 
         if not ray_installed():
