@@ -103,8 +103,9 @@ def placement_problem(bundles: list[dict[str, float]], strategy: str, nodes: lis
 
 def actor_cores(cores: list[int] | None, threads: int, nodes: list[str]) -> list[list[int] | None]:
     """Per bundle, the cores its actor binds (``rollout.ray_worker_cores``): the n-th bundle on a node takes the
-    n-th ``threads`` of them; None everywhere when unset. A node given more actors than the list covers is a
-    ConfigError naming it (before any actor starts)."""
+    n-th ``threads`` of them; None everywhere when unset. A node given more actors than the list covers is one
+    ConfigError, before any actor starts. Cores a node does not have fail the actor's worker at its start (the
+    compute budget's error, sent to the trainer like any worker error)."""
     if not cores:
         return [None] * len(nodes)
     out: list[list[int] | None] = []
