@@ -213,8 +213,8 @@ class RayWatch:
 
     def __init__(self, cluster: BenchCluster) -> None:
         self.cluster = cluster
-        self.samples = self.contended = self.contended_actor = self.contended_trainer = 0
-        self.actor_samples: Counter = Counter()  # (the actor's cores then, contended) -> samples
+        self.samples = self.contended = self.contended_trainer = 0
+        self.actor_samples: Counter = Counter()  # (the actor's cores then, Ray runnable where it was) -> samples
         self.allowed: dict[str, list[int]] = {}
         # per side, how many samples found its processes allowed on each set of cores (the trainer's budget holds
         # while train() runs only: the most frequent set is the one it trained on)
@@ -258,32 +258,30 @@ class RayWatch:
             except psutil.Error:
                 continue
             side: dict[str, set[int]] = {"trainer": set(), "actor": set()}
-            actor_at: tuple[int, ...] = ()
+            at: dict[str, tuple[int, ...]] = {"trainer": (), "actor": ()}  # the side's allowed cores now
             for name, pids in (("trainer", trainers), ("actor", actors)):
                 for pid in pids:
                     side[name] |= _runnable_cores(pid)
                     try:
-                        at = tuple(sorted(os.sched_getaffinity(pid)))
+                        at[name] = tuple(sorted(os.sched_getaffinity(pid)))
                     except OSError:
                         continue
-                    self.job_cores[name][at] += 1
-                    actor_at = at if name == "actor" else actor_at
+                    self.job_cores[name][at[name]] += 1
             theirs: set[int] = set()
             for pid in ray_pids:
                 theirs |= _runnable_cores(pid)
             self.samples += 1
             self.contended += bool((side["trainer"] | side["actor"]) & theirs)
-            self.contended_actor += bool(side["actor"] & theirs)
-            self.actor_samples[(actor_at, bool(side["actor"] & theirs))] += 1
             self.contended_trainer += bool(side["trainer"] & theirs)
+            self.actor_samples[(at["actor"], bool(side["actor"] & theirs))] += 1
 
-    def _on_its_cores(self) -> float:
-        """The actor's share while it ran on the cores it was seen on most (its worker's binding; before the
-        binding, a Ray actor starts on its raylet's cores)."""
+    def _actor_share(self, on_its_cores: bool) -> float:
+        """Samples with Ray runnable where the actor was, over all samples, or over those while the actor ran on
+        the cores it was seen on most (its worker's binding; before it, a Ray actor starts on its raylet's)."""
         own = tuple(_most_seen(self.job_cores["actor"]))
-        n = sum(k for (at, _), k in self.actor_samples.items() if at == own)
-        hit = self.actor_samples.get((own, True), 0)
-        return hit / n if n else float("nan")
+        kept = {key: k for key, k in self.actor_samples.items() if not on_its_cores or key[0] == own}
+        n = self.samples if not on_its_cores else sum(kept.values())
+        return sum(k for (_, hit), k in kept.items() if hit) / n if n else float("nan")
 
     def as_dict(self) -> dict[str, Any]:
         total = sum(self.cpu_s.values())
@@ -298,8 +296,8 @@ class RayWatch:
             "samples": self.samples,
             "contended_samples": self.contended,
             "contended_share": self.contended / self.samples if self.samples else float("nan"),
-            "contended_share_actor": self.contended_actor / self.samples if self.samples else float("nan"),
-            "contended_share_actor_on_its_cores": self._on_its_cores(),
+            "contended_share_actor": self._actor_share(on_its_cores=False),
+            "contended_share_actor_on_its_cores": self._actor_share(on_its_cores=True),
             "contended_share_trainer": self.contended_trainer / self.samples if self.samples else float("nan"),
         }
 
@@ -443,7 +441,12 @@ def run_bench(*, launchers: list[str], reps: int, steps: int, model: str, idle_s
                 entry["ray_cpu_share_of_one_core_during_run"] = _stats(
                     [r["ray_during_run"]["cpu_share_of_one_core"] for r in rs]
                 )
-                for key in ("contended_share", "contended_share_actor", "contended_share_trainer"):
+                for key in (
+                    "contended_share",
+                    "contended_share_actor",
+                    "contended_share_actor_on_its_cores",
+                    "contended_share_trainer",
+                ):
                     entry[key] = _stats([r["ray_during_run"][key] for r in rs])
             result["launchers"][name] = entry
         ratios = {}
