@@ -1,13 +1,13 @@
 """Tiny models, tokenizer, prompt dataset and a learnable reward, built in code (no hub access).
 
-Three presets: ``tiny`` (unit tests, a GRPO step well under 0.1 s), ``small`` (comparison runs,
-about 0.5-2 s per GRPO step on 2 CPU cores) and ``tiny-tools`` (the tool task of :mod:`mrl_plugins.tool_task`:
+Presets: ``tiny`` (unit tests, a GRPO step well under 0.1 s), ``small`` (comparison runs,
+about 0.5-2 s per GRPO step on 2 CPU cores), ``tiny-tools`` (the tool task of :mod:`mrl_plugins.tool_task`:
 arithmetic a calculator tool answers; briefly trained by SFT in code on first use and cached,
-:func:`tool_preset_folder`). ``build_model(path)`` loads a local Hugging Face
-checkpoint folder instead; :func:`save_preset` writes a preset as one (it reloads with
-``AutoModelForCausalLM``/``AutoTokenizer`` and decodes, hence scores, the same).
+:func:`tool_preset_folder`), and the GPU job's two (``qwen2-360m``, ``qwen2-tiny``, below).
+``build_model(path)`` loads a local Hugging Face checkpoint folder instead; :func:`save_preset` writes a preset
+as one (it reloads with ``AutoModelForCausalLM``/``AutoTokenizer`` and decodes, hence scores, the same).
 
-The preset models are Llama-architecture decoders (no bias). Not Qwen2: ``AutoTokenizer`` maps the model
+The CPU preset models are Llama-architecture decoders (no bias). Not Qwen2 for them: ``AutoTokenizer`` maps the model
 type ``qwen2`` to ``Qwen2Tokenizer`` whatever tokenizer a folder holds, which rebuilds the vocabulary as a
 byte-level BPE and decodes ``a b a c`` as ``abac`` (every reward 0); for ``llama`` folders it loads the
 saved word-level tokenizer as it is.
@@ -15,6 +15,15 @@ saved word-level tokenizer as it is.
 The count task (``tiny``, ``small``): prompts are short random word sequences; the reward counts the
 target token ``a`` in the completion (its share of the completion's words). A random policy scores about 1/16; the tiny
 preset learns it within about 60 GRPO steps.
+
+The GPU job (``benchmarks/gpu``): ``qwen2-360m`` is shaped like Qwen2-0.5B without its vocabulary (hidden 896,
+24 layers, 14 query and 2 key/value heads, MLP 4864, q/k/v biases: 358M parameters outside the embeddings), in
+bf16, 8 generations of 128 tokens per prompt, so that generation dominates a step as it does for GRPO users;
+``qwen2-tiny`` is the same code path at a CPU size (the check's ``--cpu`` mode). Their vocabulary puts the EOS
+token last and the model's output layer stops one short of it (``vocab_size = len(tokenizer) - 1``): the model
+never samples EOS, every completion runs to ``max_completion_length``, and every step does the same work, which
+is what a speed comparison needs (with EOS, a run whose policy learns to stop early gets faster, not the plugin).
+They are never saved and reloaded by ``AutoTokenizer`` (see above), only built in code.
 """
 
 from __future__ import annotations
@@ -54,6 +63,9 @@ class Preset:
     num_generations: int
     per_device_train_batch_size: int
     prompt_words: int
+    arch: str = "llama"  # 'llama' or 'qwen2'
+    dtype: str = "float32"  # the parameters' dtype: 'float32' or 'bfloat16'
+    eos_sampled: bool = True  # False: the output layer stops before the EOS id (completions run to full length)
 
 
 PRESETS: dict[str, Preset] = {
@@ -68,17 +80,51 @@ PRESETS: dict[str, Preset] = {
     "tiny-tools": Preset(
         128, 256, 2, 4, 1, max_completion_length=24, num_generations=8, per_device_train_batch_size=32, prompt_words=0
     ),
+    # the GPU job (benchmarks/gpu): Qwen2-0.5B's shape without its vocabulary, bf16, long completions
+    "qwen2-360m": Preset(
+        896,
+        4864,
+        24,
+        14,
+        2,
+        max_completion_length=128,
+        num_generations=8,
+        per_device_train_batch_size=64,
+        prompt_words=8,
+        arch="qwen2",
+        dtype="bfloat16",
+        eos_sampled=False,
+    ),
+    # the same code path at a CPU size (benchmarks/gpu/run.sh --cpu); head_dim 32
+    "qwen2-tiny": Preset(
+        64,
+        128,
+        2,
+        2,
+        1,
+        max_completion_length=16,
+        num_generations=4,
+        per_device_train_batch_size=8,
+        prompt_words=4,
+        arch="qwen2",
+        dtype="bfloat16",
+        eos_sampled=False,
+    ),
 }
 #: presets of the tool task (:mod:`mrl_plugins.tool_task`): built by :func:`tool_preset_folder`, not at random
 TOOL_PRESETS = ("tiny-tools",)
 
 
-def build_tokenizer() -> Any:
-    """A WordLevel tokenizer over :data:`WORDS`, wrapped as a left-padding fast tokenizer."""
+def build_tokenizer(*, eos_last: bool = False) -> Any:
+    """A WordLevel tokenizer over :data:`WORDS`, wrapped as a left-padding fast tokenizer.
+
+    ``eos_last``: the EOS token takes the last id (presets whose model never samples it: ``eos_sampled=False``).
+    """
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {tok: i for i, tok in enumerate(SPECIAL + WORDS)}
+    order = (*(s for s in SPECIAL if s != "<eos>"), *WORDS, "<eos>") if eos_last else SPECIAL + WORDS
+    vocab = {tok: i for i, tok in enumerate(order)}
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     fast = PreTrainedTokenizerFast(
@@ -115,17 +161,65 @@ def build_model(spec: str = "tiny", *, seed: int = 0) -> tuple[Any, Any]:
 
         model = LlamaForCausalLM.from_pretrained(tool_preset_folder(spec, seed=seed))
         return model, build_tool_tokenizer()
-    tokenizer = build_tokenizer()
-    return _llama(PRESETS[spec], tokenizer, seed), tokenizer
+    p = PRESETS[spec]
+    tokenizer = build_tokenizer(eos_last=not p.eos_sampled)
+    if p.arch == "qwen2":
+        return _qwen2(p, tokenizer, seed), tokenizer
+    return _llama(p, tokenizer, seed), tokenizer
+
+
+def _vocab_size(p: Preset, tokenizer: Any) -> int:
+    """The output layer's size: the whole vocabulary, or all but the last id (the EOS) when it is never sampled."""
+    if p.eos_sampled:
+        return len(tokenizer)
+    if tokenizer.eos_token_id != len(tokenizer) - 1:
+        raise ValueError("eos_sampled=False needs the EOS token last (build_tokenizer(eos_last=True))")
+    return len(tokenizer) - 1
+
+
+def _seeded(config: Any, cls: Any, p: Preset, tokenizer: Any, seed: int) -> Any:
+    """``cls(config)`` initialised with ``seed`` (the global RNG untouched), in the preset's dtype, with the
+    tokenizer's pad/EOS in its generation config."""
+    import torch
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = cls(config)
+    if p.dtype != "float32":
+        model = model.to(getattr(torch, p.dtype))
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.bos_token_id = None
+    return model
+
+
+def _qwen2(p: Preset, tokenizer: Any, seed: int) -> Any:
+    """A randomly initialised Qwen2 decoder of shape ``p`` (q/k/v biases, tied embeddings, as Qwen2-0.5B)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(
+        vocab_size=_vocab_size(p, tokenizer),
+        hidden_size=p.hidden_size,
+        intermediate_size=p.intermediate_size,
+        num_hidden_layers=p.num_hidden_layers,
+        num_attention_heads=p.num_attention_heads,
+        num_key_value_heads=p.num_key_value_heads,
+        max_position_embeddings=512,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id if p.eos_sampled else None,  # outside the output layer otherwise
+        bos_token_id=None,
+        tie_word_embeddings=True,
+        dtype=p.dtype,
+    )
+    return _seeded(config, Qwen2ForCausalLM, p, tokenizer, seed)
 
 
 def _llama(p: Preset, tokenizer: Any, seed: int) -> Any:
     """A randomly initialised Llama decoder of shape ``p`` over ``tokenizer``'s vocabulary (seeded)."""
-    import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
-        vocab_size=len(tokenizer),
+        vocab_size=_vocab_size(p, tokenizer),
         hidden_size=p.hidden_size,
         intermediate_size=p.intermediate_size,
         num_hidden_layers=p.num_hidden_layers,
@@ -139,13 +233,7 @@ def _llama(p: Preset, tokenizer: Any, seed: int) -> Any:
         attention_bias=False,
         mlp_bias=False,
     )
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = LlamaForCausalLM(config)
-    model.generation_config.pad_token_id = tokenizer.pad_token_id
-    model.generation_config.eos_token_id = tokenizer.eos_token_id
-    model.generation_config.bos_token_id = None
-    return model
+    return _seeded(config, LlamaForCausalLM, p, tokenizer, seed)
 
 
 #: file in a :func:`save_preset` folder naming what it holds (weights, config and vocabulary digest)

@@ -50,6 +50,9 @@ class RunResult:
     peak_rss_bytes: int
     final_reward: float
     peak_child_rss_bytes: int = 0
+    #: the trainer process's peak of CUDA memory reserved by torch's allocator (0 without CUDA); its rollout
+    #: workers' first-generation peaks are in ``mrl_metrics`` (``mrl/rollout/budget_memory_peak_bytes/<w>``)
+    gpu_peak_bytes: int = 0
     rewards: list[float] = field(default_factory=list)
     kl: list[float] = field(default_factory=list)
     losses: list[float] = field(default_factory=list)
@@ -342,6 +345,7 @@ def run_training(
         tokens_per_s=tokens / train_s if train_s else 0.0,
         peak_rss_bytes=peak_rss_bytes(),
         peak_child_rss_bytes=resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024,
+        gpu_peak_bytes=int(torch.cuda.max_memory_reserved()) if torch.cuda.is_initialized() else 0,
         final_reward=sum(last) / len(last),
         rewards=rewards,
         kl=kl,

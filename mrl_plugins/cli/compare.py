@@ -18,6 +18,13 @@ memory of one run cannot leak into the next. Run kinds:
 * ``trl_vllm`` -- TRL's own ``use_vllm=True, vllm_mode="colocate"``, plugin off (only when vllm is installed;
   on CPU TRL's first weight sync into vLLM fails: the row says so and the comparison goes on).
 
+Only when named in ``--runs`` (the GPU check names them, ``benchmarks/gpu``):
+
+* ``trl_continuous_batching`` -- vanilla TRL generating with transformers' continuous batching
+  (``use_transformers_continuous_batching=True``), TRL's other generation path without vLLM;
+* ``all_in_process`` -- every stage on ``mrl`` with ``rollout.workers: 0``: the plugin's engine in the trainer
+  process (its sampling loop instead of ``generate``, no second process, no overlap).
+
 Every kind runs ``--repeats`` times, interleaved (round 1: A B C, round 2: B C A, ...), so a change in the
 host's load hits every kind alike; the table gives medians with [min..max]. The host's load average and the
 CPU share of other processes are sampled before and during each run; the report warns when the host was busy.
@@ -50,6 +57,7 @@ class RunKind:
     vanilla: bool = False  # plain TRL: mrl_plugins.enable not called
     requires: str | None = None  # a Python module the kind needs
     all_cores: bool = False  # torch gets every core (TRL's best setting for a single process)
+    on_request: bool = False  # run only when named in --runs
 
 
 _UP = {"rollout": "upstream", "weight_sync": "upstream", "comm": "upstream"}
@@ -69,6 +77,14 @@ RUNS: dict[str, RunKind] = {
         requires="vllm",
         all_cores=True,
     ),
+    "trl_continuous_batching": RunKind(
+        _UP,
+        overrides={"train": {"trl_args": {"use_transformers_continuous_batching": True}}},
+        vanilla=True,
+        all_cores=True,
+        on_request=True,
+    ),
+    "all_in_process": RunKind(_ALL, overrides={"rollout": {"workers": 0}}, on_request=True),
 }
 QUICK_RUNS = ("upstream", "all")
 QUICK = {"model": "tiny", "steps": 8}
@@ -215,7 +231,7 @@ def run_one(
     """One run in its own process group: (result, error, host load).
 
     ``on_poll(step, max_steps, elapsed_s, s_per_step)`` about twice a second; the host is sampled every second."""
-    from mrl_plugins.cli.hostload import HostSampler, measure_before, summarize_during
+    from mrl_plugins.cli.hostload import GpuSampler, HostSampler, measure_before, summarize_during
 
     json_path, log_path, prog_path = (base.with_suffix(s) for s in (".json", ".log", ".progress"))
     for p in (json_path, prog_path):
@@ -231,10 +247,18 @@ def run_one(
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # vLLM's CPU backend reserves no KV cache by default
     before = measure_before()
     sampler = HostSampler()
+    gpu = GpuSampler.start(base.with_suffix(".gpu"))  # None without nvidia-smi
     t0 = time.monotonic()
     with open(log_path, "w", encoding="utf-8") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     sampler.mark(proc.pid)
+
+    def load_of() -> dict[str, Any]:
+        out = {"before": before, "during": summarize_during(sampler.samples), "wall_s": time.monotonic() - t0}
+        if gpu is not None:
+            out["gpu"] = gpu.stop(proc.pid)
+        return out
+
     step, rate, last_sample = 0, None, t0
     try:
         while proc.poll() is None:
@@ -259,11 +283,11 @@ def run_one(
         except ProcessLookupError:
             pass
         proc.wait(timeout=30)
+        load = load_of()
         if not isinstance(exc, subprocess.TimeoutExpired):
             raise
-        load = {"before": before, "during": summarize_during(sampler.samples), "wall_s": time.monotonic() - t0}
         return None, f"timed out after {timeout:.0f} s (--timeout)", load
-    load = {"before": before, "during": summarize_during(sampler.samples), "wall_s": time.monotonic() - t0}
+    load = load_of()
     if proc.returncode != 0:
         text = log_path.read_text(encoding="utf-8", errors="replace")
         return None, f"exit {proc.returncode}: {error_of(text)}", load
@@ -392,6 +416,42 @@ def table(report: dict[str, Any], names: list[str]) -> str:
     return "\n".join(lines)
 
 
+def gpu_table(report: dict[str, Any], names: list[str]) -> list[str]:
+    """Per run kind, the GPU while it ran (nvidia-smi, every 500 ms; medians over the repeats), or nothing when no
+    run was sampled (no nvidia-smi)."""
+    rows = []
+    for name in names:
+        loads = [x["gpu"] for x in report["load"] if x["kind"] == name and x.get("gpu", {}).get("samples")]
+        reps = report["repeats"].get(name) or []
+        if not loads:
+            continue
+
+        def med(values: list[Any], fmt: str) -> str:
+            values = [v for v in values if v is not None]
+            return format(statistics.median(values), fmt) if values else "-"
+
+        trainer = med([r.get("gpu_peak_bytes", 0) / 2**20 for r in reps], ".0f")
+        prefix = "mrl/rollout/budget_memory_peak_bytes/"
+        workers = [sum(v for k, v in r.get("mrl_metrics", {}).items() if k.startswith(prefix)) for r in reps]
+        rows.append(
+            f"| {name} | {len(loads)} | {med([g['util_mean'] for g in loads], '.0f')} | "
+            f"{med([g['busy_share'] for g in loads], '.2f')} | "
+            f"{med([g['memory_used_max_mb'] for g in loads], '.0f')} | "
+            f"{trainer} | {med([w / 2**20 for w in workers], '.0f') if any(workers) else '-'} |"
+        )
+    if not rows:
+        return []
+    return [
+        "## GPU (nvidia-smi every 500 ms; medians over the repeats)",
+        "",
+        "| run | n | utilization % (mean) | busy share (samples with a kernel) | GPU memory used, MB (max, all "
+        "processes) | trainer's torch peak reserved, MB | workers' first-generation peak, MB |",
+        "|---|---|---|---|---|---|---|",
+        *rows,
+        "",
+    ]
+
+
 def verdict_lines(report: dict[str, Any]) -> list[str]:
     return [f"- {n}: {v}" for n, v in report["verdict"].items()]
 
@@ -406,8 +466,8 @@ def cli(argv: list[str]) -> int:
     p.add_argument("--model", help="override train.model (tiny, small, tiny-tools or a checkpoint folder)")
     p.add_argument(
         "--runs",
-        help=f"comma list of run kinds (default: {','.join(RUNS)}, all_tools_inline only for a tool task; --quick: "
-        "upstream,all)",
+        help=f"comma list of run kinds (valid: {','.join(RUNS)}; default: all but trl_continuous_batching and "
+        "all_in_process, all_tools_inline only for a tool task; --quick: upstream,all)",
     )
     p.add_argument("--repeats", type=int, default=3, help="runs per kind, interleaved, order rotated (default 3)")
     p.add_argument(
@@ -444,7 +504,8 @@ def cli(argv: list[str]) -> int:
     config = str(resolve_config_path(ns.config))
     data = load_yaml(config)
     tool_job = (data.get("train") or {}).get("task", "count") != "count"
-    default = [n for n in RUNS if tool_job or n != "all_tools_inline"]  # the same as 'all' on a job without tools
+    # all_tools_inline is the same as 'all' on a job without tools
+    default = [n for n in RUNS if (tool_job or n != "all_tools_inline") and not RUNS[n].on_request]
     names = [n.strip() for n in (ns.runs or ",".join(default)).split(",") if n.strip()]
     unknown = [n for n in names if n not in RUNS]
     if unknown:
@@ -548,6 +609,7 @@ def cli(argv: list[str]) -> int:
         "",
         *speed,
         "",
+        *gpu_table(report, names),
         reward,
         "",
         *[f"![{f}]({f})" for f in pngs],

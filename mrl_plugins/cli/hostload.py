@@ -94,3 +94,81 @@ def summarize_during(samples: list[dict[str, float]]) -> dict[str, Any]:
         "others_cpu_share_max": max(shares),
         "samples": len(samples),
     }
+
+
+class GpuSampler:
+    """NVIDIA GPUs during one run, from ``nvidia-smi`` in loop mode (a background process, every 500 ms): the GPUs'
+    utilization (the share of each sample period in which a kernel ran) and memory in use, and each compute
+    process's memory. ``None`` from :meth:`start` where there is no ``nvidia-smi``."""
+
+    PERIOD_MS = 500
+
+    def __init__(self, folder: Any) -> None:
+        from pathlib import Path
+
+        self.folder = Path(folder)
+        self._procs: list[Any] = []
+
+    @classmethod
+    def start(cls, folder: Any) -> GpuSampler | None:
+        import shutil
+        import subprocess
+
+        if shutil.which("nvidia-smi") is None:
+            return None
+        self = cls(folder)
+        self.folder.mkdir(parents=True, exist_ok=True)
+        queries = {
+            "gpu": ["--query-gpu=index,utilization.gpu,memory.used"],
+            "apps": ["--query-compute-apps=pid,used_memory"],
+        }
+        for name, query in queries.items():
+            with open(self.folder / f"{name}.csv", "w", encoding="ascii") as out:
+                self._procs.append(
+                    subprocess.Popen(
+                        ["nvidia-smi", *query, "--format=csv,noheader,nounits", f"-lms={cls.PERIOD_MS}"],
+                        stdout=out,
+                        stderr=subprocess.DEVNULL,
+                    )
+                )
+        return self
+
+    def stop(self, root_pid: int | None = None) -> dict[str, Any]:
+        """Stop sampling; the run's summary: ``util_mean`` / ``util_max`` (%, GPU 0 over the run), ``busy_share``
+        (samples in which a kernel ran), ``memory_used_max_mb`` (GPU 0, every process), ``process_max_mb`` (pid -> its
+        highest memory; in a sandbox whose pids differ from the host's they are the host's), ``root_max_mb`` (the run's
+        own process, when its pid was seen)."""
+        for p in self._procs:
+            p.terminate()
+        for p in self._procs:
+            try:
+                p.wait(timeout=5)
+            except Exception:  # noqa: BLE001 - a hung nvidia-smi is killed, never waited for
+                p.kill()
+        utils, mems = [], []
+        for line in self._lines("gpu"):
+            idx, util, mem = (x.strip() for x in line.split(",")[:3])
+            if idx == "0" and util.replace(".", "").isdigit():
+                utils.append(float(util))
+                mems.append(float(mem))
+        per_pid: dict[int, float] = {}
+        for line in self._lines("apps"):
+            parts = [x.strip() for x in line.split(",")]
+            if len(parts) >= 2 and parts[0].isdigit() and parts[1].replace(".", "").isdigit():
+                per_pid[int(parts[0])] = max(per_pid.get(int(parts[0]), 0.0), float(parts[1]))
+        return {
+            "samples": len(utils),
+            "period_ms": self.PERIOD_MS,
+            "util_mean": sum(utils) / len(utils) if utils else None,
+            "util_max": max(utils) if utils else None,
+            "busy_share": sum(u > 0 for u in utils) / len(utils) if utils else None,
+            "memory_used_max_mb": max(mems) if mems else None,
+            "process_max_mb": {str(k): v for k, v in sorted(per_pid.items())},
+            "root_max_mb": per_pid.get(root_pid) if root_pid is not None else None,
+        }
+
+    def _lines(self, name: str) -> list[str]:
+        try:
+            return [ln for ln in (self.folder / f"{name}.csv").read_text(encoding="ascii").splitlines() if ln.strip()]
+        except (OSError, UnicodeDecodeError):
+            return []

@@ -40,7 +40,7 @@ from .lifecycle import ReadyClock, finalizer, main_not_reimported, release, spaw
 from .pool_checks import WorkerDiedError, check_pool_config, stage_names
 from .pool_restarts import Restarts
 from .wire import STOP, SWITCHED, BatchMeta, GenerateRequest, WeightsNotice, WorkerError, WorkerEvent
-from .worker import ServedModel, WorkerSpec, budget_metrics, worker_main
+from .worker import ServedModel, WorkerSpec, budget_metrics, param_dtypes, worker_main
 
 log = logging.getLogger("mrl_plugins.rollout")
 
@@ -139,7 +139,9 @@ class WorkerPool(Restarts):
             raise
         self.sender = self.senders["policy"]
         served = {
-            m: ServedModel(mod.config.to_dict(), type(mod).__name__, self.senders[m].receiver_handle())
+            m: ServedModel(
+                mod.config.to_dict(), type(mod).__name__, self.senders[m].receiver_handle(), *param_dtypes(mod)
+            )
             for m, mod in self.models.items()
         }
         self._errors = self._mp.Queue()

@@ -43,11 +43,26 @@ NOTICE_GRACE_S = 5.0  # how long a notice makes an idle worker try for its versi
 
 @dataclass
 class ServedModel:
-    """One model a worker serves (picklable): its architecture and the handle of its weight stream."""
+    """One model a worker serves (picklable): its architecture, its parameters' dtypes (the trainer's: a bf16
+    policy is served in bf16) and the handle of its weight stream."""
 
     model_config: dict
     model_class: str
     weight_handle: Any
+    dtype: str | None = None  # the dtype of most of the trainer's parameters (None: the config's default)
+    dtypes: dict[str, str] = field(default_factory=dict)  # parameters of another dtype than ``dtype``, by name
+
+
+def param_dtypes(model: Any) -> tuple[str | None, dict[str, str]]:
+    """``(dtype, exceptions)`` of ``model``'s parameters for :class:`ServedModel`: the most common dtype and the
+    names of the parameters of another one (names without the ``torch.`` prefix: ``bfloat16``)."""
+    from collections import Counter
+
+    names = {n: str(p.dtype).removeprefix("torch.") for n, p in model.named_parameters()}
+    if not names:
+        return None, {}
+    common = Counter(names.values()).most_common(1)[0][0]
+    return common, {n: d for n, d in names.items() if d != common}
 
 
 @dataclass
@@ -69,12 +84,21 @@ class WorkerSpec:
 
 
 def _build_model(spec: ServedModel) -> Any:
+    """The served model from its config, in the trainer's dtypes (its weights arrive with the first version)."""
+    import torch
     import transformers
 
     cls = getattr(transformers, spec.model_class, None) or transformers.AutoModelForCausalLM
     config_cls = transformers.AutoConfig.for_model(spec.model_config["model_type"]).__class__
     config = config_cls.from_dict(spec.model_config)
     model = cls(config) if cls is not transformers.AutoModelForCausalLM else cls.from_config(config)
+    if spec.dtype is not None:
+        model = model.to(getattr(torch, spec.dtype))
+    if spec.dtypes:
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if name in spec.dtypes:
+                    param.data = param.data.to(getattr(torch, spec.dtypes[name]))
     return model.eval()
 
 
@@ -109,10 +133,12 @@ def worker_main(
         engines: dict[str, Any] = {}
         for mid, served in spec.models.items():
             model = _build_model(served)
+            # the engine first: one that runs the model in place (transformers) moves it to the worker's device, and
+            # the receiver then holds its double buffer where the parameters are (on a GPU, not in host memory)
+            engines[mid] = build_engine(spec, model, getattr(served.weight_handle, "engine_options", None))
             receivers[mid] = pm.weight_sync_open_receiver(
                 ctx=ctx, model=model, handle=served.weight_handle, model_id=mid, rank=spec.index
             )
-            engines[mid] = build_engine(spec, model, getattr(served.weight_handle, "engine_options", None))
             if getattr(receivers[mid], "into_engine", False):  # weight_sync 'vllm': rounds load into the engine
                 receivers[mid].bind_engine(engines[mid])
         producer = pm.comm_open_producer(ctx=ctx, handle=spec.comm_handle, index=spec.index)
@@ -272,7 +298,8 @@ def _memory_reservation(spec: WorkerSpec, device: Any, engine: Any, events: Any)
 
 def budget_metrics(budgets: dict[int, dict]) -> dict[str, float]:
     """``rollout/budget_*`` gauges from what the workers reported: per worker ``w``, its cores, threads, NPU core
-    limits (cube, vector; -1: none set) and reserved memory fraction (0: none)."""
+    limits (cube, vector; -1: none set), reserved memory fraction (0: none) and the device memory its first
+    generation peaked at (bytes; 0 until measured; CPU: the process's peak RSS)."""
     out: dict[str, float] = {}
     for w, got in sorted(budgets.items()):
         b, mem = got.get("budget") or {}, got.get("memory") or {}
@@ -282,6 +309,7 @@ def budget_metrics(budgets: dict[int, dict]) -> dict[str, float]:
         out[f"rollout/budget_npu_cube_cores/{w}"] = float(cube)
         out[f"rollout/budget_npu_vector_cores/{w}"] = float(vector)
         out[f"rollout/budget_memory_fraction/{w}"] = float(mem.get("fraction") or 0.0)
+        out[f"rollout/budget_memory_peak_bytes/{w}"] = float(mem.get("peak_bytes") or 0.0)
     return out
 
 
@@ -312,6 +340,7 @@ def _pull_weights(receiver: Any, switch_timeout: float, timeout: float) -> int |
 
 __all__ = [
     "ServedModel",
+    "param_dtypes",
     "WorkerSpec",
     "apply_worker_budget",
     "budget_metrics",
