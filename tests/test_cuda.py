@@ -60,16 +60,16 @@ def test_device_selection_and_visible_devices(monkeypatch):
 
     # colocate: the worker shares the trainer's GPU, seen as cuda:0 inside its process
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
-    places, trainer_cores, shared = worker_placements(load_config({"mode": "colocate"}), CudaDevice(0))
+    places, trainer_cores, shared = worker_placements(load_config({"mode": "colocate"}), CudaDevice(index=0))
     assert trainer_cores is None
     assert places == [{"env": {"CUDA_VISIBLE_DEVICES": "0"}, "device": "cuda:0", "threads": 1}]
     # a visible list is honoured: the worker's entry is the parent's physical id
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
-    places, _, _ = worker_placements(load_config({"mode": "colocate"}), CudaDevice(0))
+    places, _, _ = worker_placements(load_config({"mode": "colocate"}), CudaDevice(index=0))
     assert places[0]["env"] == {"CUDA_VISIBLE_DEVICES": "0"}
     if count == 1:  # a dedicated worker needs a second GPU: one clear error
         with pytest.raises(ConfigError, match="needs device 1 but CUDA_VISIBLE_DEVICES=0 lists only 1"):
-            worker_placements(load_config({"mode": "disaggregated"}), CudaDevice(0))
+            worker_placements(load_config({"mode": "disaggregated"}), CudaDevice(index=0))
 
 
 @require_cuda
@@ -168,7 +168,7 @@ def _cuda_pool(config: dict, model, sampling, factory):
     cfg = load_config(config)
     pm = get_plugin_manager(cfg)
     ctx = StageContext(config=cfg, metrics=StageMetrics())
-    places, _, _ = worker_placements(cfg, CudaDevice(0))
+    places, _, _ = worker_placements(cfg, CudaDevice(index=0))
     return WorkerPool(pm, ctx, model, sampling, placements=places, engine_factory=factory, seed=0)
 
 

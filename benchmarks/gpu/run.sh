@@ -19,7 +19,7 @@
 #
 # Knobs: MRL_GPU_BUDGET_S (whole script, default 330), MRL_GPU_RUNS (run kinds, default upstream,all),
 # MRL_GPU_REPEATS (default 2), MRL_GPU_STEPS (default: the config's), MRL_GPU_TESTS_S (tests' box, default 150),
-# MRL_GPU_REWARD_LEVEL (time-to-reward threshold, default 0.5), MRL_GPU_PYTEST (extra pytest arguments).
+# MRL_GPU_REWARD_LEVEL (time-to-reward threshold, default 0.9), MRL_GPU_PYTEST (extra pytest arguments).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 ROOT=$PWD
@@ -134,7 +134,7 @@ if has_part compare; then
     part_done compare $rc $(($(date +%s) - t0))
 fi
 
-$PY benchmarks/gpu/summarize.py "$OUT" --mode "$MODE" --level "${MRL_GPU_REWARD_LEVEL:-0.5}"
+$PY benchmarks/gpu/summarize.py "$OUT" --mode "$MODE" --level "${MRL_GPU_REWARD_LEVEL:-0.9}"
 summary_rc=$?
 [ -f "$WORK/compare/report.md" ] && cp "$WORK/compare/report.md" "$OUT/report.md"
 tar -C "$OUT" -czf "$OUT/results.tar.gz" work

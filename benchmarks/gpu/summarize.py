@@ -24,6 +24,10 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 from typing import Any
 
+ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:  # run as a script from a checkout: mrl_plugins from the checkout
+    sys.path.insert(0, str(ROOT))
+
 SWITCH = re.compile(r"switch model_id=policy (-?\d+) -> (\d+) bytes=(\d+) seconds=([0-9.]+)")
 
 
@@ -109,11 +113,31 @@ def _stats(values: list[float]) -> dict[str, float] | None:
     return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
 
 
-def kinds(work: Path, reps: dict[str, list[dict]], report: dict | None, level: float) -> dict[str, dict]:
+def steady_steps_per_s(result: dict, skip: int = 2) -> float | None:
+    """1 / the median optimizer step after the first ``skip`` (the device's first-use costs, the workers' start)."""
+    steps = [b - a for a, b in (result.get("timeline") or {}).get("steps", [])][skip:]
+    return 1.0 / statistics.median(steps) if steps else None
+
+
+def gpu_loads(work: Path, report: dict | None) -> dict[str, list[dict]]:
+    """nvidia-smi's view of each run, per kind: from the report, else from the samples the runs left."""
+    from mrl_plugins.cli.hostload import gpu_summary
+
     loads: dict[str, list[dict]] = {}
-    for load in (report or {}).get("load", []):
-        if load.get("gpu"):
-            loads.setdefault(load["kind"], []).append(load["gpu"])
+    if report is not None:
+        for load in report.get("load", []):
+            if load.get("gpu"):
+                loads.setdefault(load["kind"], []).append(load["gpu"])
+        return loads
+    for folder in sorted((work / "compare" / "runs").glob("*.gpu")):
+        summary = gpu_summary(folder)
+        if summary["samples"]:
+            loads.setdefault(folder.stem.rsplit("-", 1)[0], []).append(summary)
+    return loads
+
+
+def kinds(work: Path, reps: dict[str, list[dict]], report: dict | None, level: float) -> dict[str, dict]:
+    loads = gpu_loads(work, report)
     out = {}
     for name, results in reps.items():
         if not results:
@@ -132,6 +156,7 @@ def kinds(work: Path, reps: dict[str, list[dict]], report: dict | None, level: f
             "steps": steps,
             "steps_per_s": _stats([r["steps_per_s"] for r in results]),
             "per_repeat_steps_per_s": [round(r["steps_per_s"], 4) for r in results],
+            "steady_steps_per_s": _stats([steady_steps_per_s(r) for r in results]),
             "final_reward": _stats([r["final_reward"] for r in results]),
             "rewards": [[round(x, 3) for x in r.get("rewards", [])] for r in results],
             f"time_to_reward_{level}_s": [time_to(r, level) for r in results],
@@ -145,12 +170,13 @@ def kinds(work: Path, reps: dict[str, list[dict]], report: dict | None, level: f
             "gpu_memory_used_max_mb": _stats([g.get("memory_used_max_mb") for g in gpu]),
             "gpu_process_max_mb": [g.get("process_max_mb") for g in gpu],
         }
-    base = (out.get("upstream") or {}).get("steps_per_s")
-    for k in out.values():
-        s = k["steps_per_s"]
-        if base and s and base["median"]:
-            k["x_upstream"] = round(s["median"] / base["median"], 3)
-            k["x_upstream_range"] = [round(s["min"] / base["max"], 3), round(s["max"] / base["min"], 3)]
+    for key, suffix in (("steps_per_s", ""), ("steady_steps_per_s", "_steady")):
+        base = (out.get("upstream") or {}).get(key)
+        for k in out.values():
+            s = k[key]
+            if base and s and base["median"]:
+                k[f"x_upstream{suffix}"] = round(s["median"] / base["median"], 3)
+                k[f"x_upstream{suffix}_range"] = [round(s["min"] / base["max"], 3), round(s["max"] / base["min"], 3)]
     return out
 
 
@@ -176,10 +202,10 @@ def markdown(summary: dict) -> str:
         lines += [
             "## Compare (one invocation, interleaved repeats)",
             "",
-            f"| run | n | steps/s median [min..max] | x upstream [range] | time to reward {level} (s) | final reward |"
-            " trainer GPU peak MB | worker GPU peak MB | publish ms/version | worker switch ms/version |"
-            " GPU util % | GPU busy share | GPU memory used max MB |",
-            "|" + "---|" * 13,
+            "| run | n | steps/s median [min..max] | x upstream [range] | steady steps/s (after 2 steps) |"
+            f" x upstream | time to reward {level} (s) | final reward | trainer GPU peak MB | worker GPU peak MB |"
+            " publish ms/version | worker switch ms/version | GPU util % | GPU busy share | GPU memory used max MB |",
+            "|" + "---|" * 15,
         ]
 
         def fmt(st: dict | None, f: str = ".3f", rng: bool = True) -> str:
@@ -188,11 +214,14 @@ def markdown(summary: dict) -> str:
             return format(st["median"], f) + (f" [{format(st['min'], f)}..{format(st['max'], f)}]" if rng else "")
 
         for name, k in summary["kinds"].items():
-            x = k.get("x_upstream")
-            xr = k.get("x_upstream_range")
+
+            def ratio(suffix: str, k: dict = k) -> str:
+                x, xr = k.get(f"x_upstream{suffix}"), k.get(f"x_upstream{suffix}_range")
+                return "-" if x is None else f"{x:.2f} [{xr[0]:.2f}..{xr[1]:.2f}]"
+
             lines.append(
-                f"| {name} | {k['repeats']} | {fmt(k['steps_per_s'])} | "
-                f"{'-' if x is None else f'{x:.2f} [{xr[0]:.2f}..{xr[1]:.2f}]'} | "
+                f"| {name} | {k['repeats']} | {fmt(k['steps_per_s'])} | {ratio('')} | "
+                f"{fmt(k['steady_steps_per_s'])} | {ratio('_steady')} | "
                 f"{k[f'time_to_reward_{level}_s']} | {fmt(k['final_reward'])} | "
                 f"{fmt(k['trainer_gpu_peak_mb'], '.0f', False)} | {fmt(k['worker_gpu_peak_mb'], '.0f', False)} | "
                 f"{fmt(k['weight_publish_ms_per_version'], '.0f', False)} | "

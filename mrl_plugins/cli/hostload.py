@@ -145,30 +145,37 @@ class GpuSampler:
                 p.wait(timeout=5)
             except Exception:  # noqa: BLE001 - a hung nvidia-smi is killed, never waited for
                 p.kill()
-        utils, mems = [], []
-        for line in self._lines("gpu"):
-            idx, util, mem = (x.strip() for x in line.split(",")[:3])
-            if idx == "0" and util.replace(".", "").isdigit():
-                utils.append(float(util))
-                mems.append(float(mem))
-        per_pid: dict[int, float] = {}
-        for line in self._lines("apps"):
-            parts = [x.strip() for x in line.split(",")]
-            if len(parts) >= 2 and parts[0].isdigit() and parts[1].replace(".", "").isdigit():
-                per_pid[int(parts[0])] = max(per_pid.get(int(parts[0]), 0.0), float(parts[1]))
-        return {
-            "samples": len(utils),
-            "period_ms": self.PERIOD_MS,
-            "util_mean": sum(utils) / len(utils) if utils else None,
-            "util_max": max(utils) if utils else None,
-            "busy_share": sum(u > 0 for u in utils) / len(utils) if utils else None,
-            "memory_used_max_mb": max(mems) if mems else None,
-            "process_max_mb": {str(k): v for k, v in sorted(per_pid.items())},
-            "root_max_mb": per_pid.get(root_pid) if root_pid is not None else None,
-        }
+        return gpu_summary(self.folder, root_pid)
 
-    def _lines(self, name: str) -> list[str]:
+
+def gpu_summary(folder: Any, root_pid: int | None = None) -> dict[str, Any]:
+    """What a :class:`GpuSampler` left in ``folder`` (see :meth:`GpuSampler.stop`)."""
+    from pathlib import Path
+
+    def lines(name: str) -> list[str]:
         try:
-            return [ln for ln in (self.folder / f"{name}.csv").read_text(encoding="ascii").splitlines() if ln.strip()]
+            return [ln for ln in (Path(folder) / f"{name}.csv").read_text(encoding="ascii").splitlines() if ln.strip()]
         except (OSError, UnicodeDecodeError):
             return []
+
+    utils, mems = [], []
+    for line in lines("gpu"):
+        fields = [x.strip() for x in line.split(",")]
+        if len(fields) >= 3 and fields[0] == "0" and fields[1].replace(".", "").isdigit():
+            utils.append(float(fields[1]))
+            mems.append(float(fields[2]))
+    per_pid: dict[int, float] = {}
+    for line in lines("apps"):
+        parts = [x.strip() for x in line.split(",")]
+        if len(parts) >= 2 and parts[0].isdigit() and parts[1].replace(".", "").isdigit():
+            per_pid[int(parts[0])] = max(per_pid.get(int(parts[0]), 0.0), float(parts[1]))
+    return {
+        "samples": len(utils),
+        "period_ms": GpuSampler.PERIOD_MS,
+        "util_mean": sum(utils) / len(utils) if utils else None,
+        "util_max": max(utils) if utils else None,
+        "busy_share": sum(u > 0 for u in utils) / len(utils) if utils else None,
+        "memory_used_max_mb": max(mems) if mems else None,
+        "process_max_mb": {str(k): v for k, v in sorted(per_pid.items())},
+        "root_max_mb": per_pid.get(root_pid) if root_pid is not None else None,
+    }

@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import re
 import resource
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from mrl_plugins.device.base import Device
 
@@ -84,7 +84,7 @@ def reset_peak_rss() -> bool:
 class CpuDevice(Device):
     """The host CPU. Streams/events are no-ops (events still time host work); collectives use ``gloo``."""
 
-    type: str = "cpu"
+    type: str = field(default="cpu", init=False)
     index: int | None = None
 
     def memory_stats(self) -> dict[str, int]:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from mrl_plugins.device.base import Device, DeviceEvent, DeviceStream, check_fraction, check_priority
 
@@ -25,7 +25,7 @@ def cuda_priority_number(priority: str, priority_range: tuple[int, int]) -> int:
 class CudaDevice(Device):
     """One CUDA GPU (``torch.cuda``); collectives use ``nccl``; ``CUDA_VISIBLE_DEVICES`` selects GPUs."""
 
-    type: str = "cuda"
+    type: str = field(default="cuda", init=False)  # CudaDevice(1) is cuda:1
     index: int | None = 0
 
     def new_stream(self, priority: str = "normal") -> DeviceStream:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import ModuleType
 
 from mrl_plugins.device import probe
@@ -33,7 +33,7 @@ def npu_namespace() -> ModuleType:
 class NpuDevice(Device):
     """One Ascend NPU; collectives use ``hccl``; ``ASCEND_RT_VISIBLE_DEVICES`` selects NPUs."""
 
-    type: str = "npu"
+    type: str = field(default="npu", init=False)  # NpuDevice(1) is npu:1
     index: int | None = 0
 
     def new_stream(self, priority: str = "normal") -> DeviceStream:
