@@ -152,12 +152,16 @@ class TrainConfig:
 
     trainer: str = field(default="grpo", metadata={"help": "TRL trainer: 'grpo' or 'rloo'"})
     model: str = field(
-        default="small", metadata={"help": "preset ('tiny', 'small', 'tiny-tools') or a local HF checkpoint folder"}
+        default="small",
+        metadata={
+            "help": "preset ('tiny', 'small', 'tiny-tools'; the GPU job's 'qwen2-360m', 'qwen2-tiny') or a local HF "
+            "checkpoint folder"
+        },
     )
     task: str = field(
         default="count",
         metadata={
-            "help": "'count' (presets tiny, small), or the calculator task of preset tiny-tools (grpo only): "
+            "help": "'count' (presets tiny, small, qwen2-360m, qwen2-tiny), or the calculator task of preset tiny-tools (grpo only): "
             "'tools' (tools=[add, subtract]), 'environment' (environment_factory=CalculatorEnv) or 'environments' "
             "(a dict of two: AddEnv, SubtractEnv)"
         },

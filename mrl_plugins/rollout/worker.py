@@ -142,8 +142,6 @@ def worker_main(
             if getattr(receivers[mid], "into_engine", False):  # weight_sync 'vllm': rounds load into the engine
                 receivers[mid].bind_engine(engines[mid])
         producer = pm.comm_open_producer(ctx=ctx, handle=spec.comm_handle, index=spec.index)
-        for engine in engines.values():
-            _warm_up(engine, device)
         reserve = _memory_reservation(spec, device, engines.get("policy"), events)
         if ready is not None:
             ready.set()  # models built, weights and experience paths attached
@@ -274,37 +272,6 @@ def apply_worker_budget(spec: WorkerSpec) -> tuple[Any, Any]:
     if spec.cores and device.type == "cpu":
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", ",".join(map(str, spec.cores)))
     return device, applied
-
-
-#: the warm-up generation on an accelerator: prompt and completion tokens
-WARM_UP_TOKENS = 4
-
-
-def _warm_up(engine: Any, device: Any) -> None:
-    """On a GPU/NPU, one short generation before the worker reports ready: the device runtime's first-use costs
-    (kernel loading, library handles, the allocator's first blocks) then fall in the worker's start, which the
-    trainer's own model covers (``rollout.local_warmup``), not in its first batch (measured on an H200: the first
-    batch of a fresh worker took 8.8 s against 2.6 s later, 2026-12-04). The engine's sampling RNG is put back, so
-    the worker's samples are those of an engine that never warmed up. CPU and engines that hold their own copy of
-    the weights (vLLM) are left alone."""
-    import time
-
-    if device.type == "cpu" or getattr(engine, "applies_weights", False) or not hasattr(engine, "params"):
-        return
-    params, generator = engine.params, getattr(engine, "generator", None)
-    state = generator.get_state() if generator is not None else None
-    saved = params.max_new_tokens
-    params.max_new_tokens = min(saved, WARM_UP_TOKENS)
-    start = time.perf_counter()
-    try:
-        engine.generate([list(range(1, WARM_UP_TOKENS + 1))], num_generations=2)
-    finally:
-        params.max_new_tokens = saved
-        if state is not None:
-            generator.set_state(state)
-    device.synchronize()
-    seconds = time.perf_counter() - start
-    logging.getLogger("mrl_plugins.rollout").info("worker warm-up on %s: %.2f s", device.spec, seconds)
 
 
 def _memory_reservation(spec: WorkerSpec, device: Any, engine: Any, events: Any) -> Any:
