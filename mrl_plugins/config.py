@@ -161,7 +161,8 @@ class TrainConfig:
     task: str = field(
         default="count",
         metadata={
-            "help": "'count' (presets tiny, small, qwen2-360m, qwen2-tiny), or the calculator task of preset tiny-tools (grpo only): "
+            "help": "'count' (presets tiny, small, qwen2-360m, qwen2-tiny), or the calculator task of preset "
+            "tiny-tools (grpo only): "
             "'tools' (tools=[add, subtract]), 'environment' (environment_factory=CalculatorEnv) or 'environments' "
             "(a dict of two: AddEnv, SubtractEnv)"
         },

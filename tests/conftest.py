@@ -20,6 +20,20 @@ os.environ["TRL_EXPERIMENTAL_SILENCE"] = "1"
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
+def benchmarks_command(*args: str) -> list[str]:
+    """``python -m benchmarks ARGS``: the lab of this checkout (never installed) as a command line; run it with
+    ``env=benchmarks_env()`` (the checkout on ``PYTHONPATH``, whatever the working directory)."""
+    return [sys.executable, "-m", "benchmarks", *args]
+
+
+def benchmarks_env(base: dict[str, str] | None = None) -> dict[str, str]:
+    """``base`` (default: this environment) with the checkout first on ``PYTHONPATH`` (what ``python -m benchmarks``
+    needs)."""
+    env = dict(os.environ if base is None else base)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
+    return env
+
+
 def pytest_configure(config: pytest.Config) -> None:
     """Ctrl-C as in a terminal's foreground job, even when the tests run as a background job (a shell starts those
     with SIGINT ignored, and every process they start, spawned workers and the Ctrl-C tests' trainers included,

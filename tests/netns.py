@@ -1,4 +1,4 @@
-"""Two-host harness for the tests: network namespaces from :mod:`mrl_plugins.bench.netns`, always torn down.
+"""Two-host harness for the tests: network namespaces from :mod:`benchmarks.netns`, always torn down.
 
 ``hosts`` is a fixture factory: ``hosts(workers=1, rate="1gbit")`` makes a trainer namespace and worker
 namespaces on a veth bridge (10.77.0.0/24, nothing else is ever addressed) and deletes them when the test
@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from mrl_plugins.bench import netns
+from benchmarks import netns
 
 TRAINER = netns.TRAINER_ADDR
 RENDEZVOUS_PORT = 29555  # inside the trainer's own namespace: nothing else listens there

@@ -1,7 +1,7 @@
 """A real two-node Ray cluster across network namespaces, for the ``launcher: ray`` tests (and nothing else).
 
 :class:`RayCluster` makes a trainer namespace and one worker namespace on a veth bridge in ``10.79.0.0/24``
-(:class:`mrl_plugins.bench.netns.Hosts`, names ``mrlray-<pid>-<n>-t`` / ``-w0``; the other two-host tests use
+(:class:`benchmarks.netns.Hosts`, names ``mrlray-<pid>-<n>-t`` / ``-w0``; the other two-host tests use
 ``10.77.0``), starts Ray's head in the trainer's namespace (no CPU of its own: actors can only be placed on the
 worker node) and ``ray start --address`` in the worker's, with Ray's session files in a temporary folder of its
 own. :meth:`RayCluster.close` kills every process in the two namespaces (Ray's daemons and workers included: they
@@ -20,7 +20,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from mrl_plugins.bench import netns
+from benchmarks import netns
 from tests import netns as two_hosts
 
 SUBNET = "10.79.0"

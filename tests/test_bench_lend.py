@@ -1,16 +1,17 @@
-"""``mrl bench rollout --part c`` (lending on vs off): the pure helpers, and the real command's keys with --quick
-(two short real GRPO runs of the tiny model; nothing here is timed or compared, the lead measures on a quiet host)."""
+"""``python -m benchmarks rollout --part c`` (lending on vs off): the pure helpers, and the real command's keys with
+--quick (two short real GRPO runs of the tiny model; nothing here is timed or compared, the lead measures on a quiet
+host)."""
 
 from __future__ import annotations
 
 import json
 import math
 import subprocess
-import sys
 
 import pytest
 
-from mrl_plugins.bench.lend import percentile, request_seconds
+from benchmarks.lend import percentile, request_seconds
+from tests.conftest import benchmarks_command, benchmarks_env
 from tests.marks import require_trl
 
 
@@ -32,9 +33,8 @@ def test_request_seconds_skips_each_workers_first_generation():
 @require_trl
 def test_bench_rollout_part_c_reports_lend_on_and_off(tmp_path):
     out = tmp_path / "lend.json"
-    cmd = [sys.executable, "-m", "mrl_plugins.cli.main", "bench", "rollout", "--quick", "--part", "c"]
-    cmd += ["--json", str(out)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    cmd = benchmarks_command("rollout", "--quick", "--part", "c", "--json", str(out))
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=benchmarks_env())
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     data = json.loads(out.read_text())
     assert set(data["ratios"]) == {"lend_p99_generate_on_vs_off", "lend_steps_per_s_on_vs_off"}

@@ -1,6 +1,6 @@
-"""``mrl bench ray --quick``: one invocation runs the same job with ``launcher: local`` and ``ray_apart`` (Ray's own
-processes started on the first core, the rollout actor bound to the second: ``rollout.ray_worker_cores``) on a Ray
-cluster it starts for the purpose, measures Ray's idle and running cost, and leaves no process of that cluster
+"""``python -m benchmarks ray --quick``: one invocation runs the same job with ``launcher: local`` and ``ray_apart``
+(Ray's own processes started on the first core, the rollout actor bound to the second: ``rollout.ray_worker_cores``)
+on a Ray cluster it starts for the purpose, measures Ray's idle and running cost, and leaves no process of that cluster
 behind. Figures are not asserted (a quiet host is needed for them); their presence and sanity are, and that no
 thread of Ray's own processes was ever runnable on the actor's core."""
 
@@ -9,11 +9,11 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from tests.conftest import benchmarks_command, benchmarks_env
 from tests.marks import require_ray, require_trl
 
 pytestmark = [pytest.mark.slow, pytest.mark.ray]
@@ -25,9 +25,8 @@ def test_bench_ray_quick_compares_launchers_and_measures_rays_cost(tmp_path):
     out = tmp_path / "bench.json"
     before = {p.name for p in Path("/tmp").glob("mrlbench-ray-*")}
     got = subprocess.run(
-        [sys.executable, "-m", "mrl_plugins.cli.main", "bench", "ray", "--quick", "--launchers", "local,ray_apart",
-         "--json", str(out)],
-        capture_output=True, text=True, timeout=900, cwd=tmp_path,
+        benchmarks_command("ray", "--quick", "--launchers", "local,ray_apart", "--json", str(out)),
+        capture_output=True, text=True, timeout=900, cwd=tmp_path, env=benchmarks_env(),
     )  # fmt: skip
     assert got.returncode == 0, got.stdout[-3000:] + got.stderr[-3000:]
     res = json.loads(out.read_text())

@@ -1,17 +1,17 @@
-"""``mrl bench rollout --part b``: every setting trains the same job, and the real command's keys with --quick
-(nothing here is timed or compared; the lead measures on a quiet host)."""
+"""``python -m benchmarks rollout --part b``: every setting trains the same job, and the real command's keys with
+--quick (nothing here is timed or compared; the lead measures on a quiet host)."""
 
 from __future__ import annotations
 
 import json
 import subprocess
-import sys
 
 import pytest
 
-from mrl_plugins.bench.rollout import grpo_settings
+from benchmarks.rollout import grpo_settings
 from mrl_plugins.config import load_yaml
 from mrl_plugins.run import preflight
+from tests.conftest import benchmarks_command, benchmarks_env
 from tests.marks import require_trl
 
 
@@ -56,8 +56,8 @@ def test_part_b_on_a_kl_job_lets_the_worker_score_the_reference():
 
 def test_part_b_refuses_an_unknown_job_before_running_anything():
     proc = subprocess.run(
-        [sys.executable, "-m", "mrl_plugins.cli.main", "bench", "rollout", "--job", "nope"],
-        capture_output=True, text=True, timeout=120,
+        benchmarks_command("rollout", "--job", "nope"),
+        capture_output=True, text=True, timeout=120, env=benchmarks_env(),
     )  # fmt: skip
     assert proc.returncode == 2 and "'nope' not found" in proc.stderr and "compare_kl" in proc.stderr, proc.stderr
     assert "(a)" not in proc.stdout  # part (a) did not start
@@ -68,9 +68,8 @@ def test_part_b_refuses_an_unknown_job_before_running_anything():
 def test_bench_rollout_part_b_reports_bounds_and_work_per_step(tmp_path):
     """The real command with --quick on the KL job (four short GRPO runs of the tiny model; nothing is timed)."""
     out = tmp_path / "b.json"
-    cmd = [sys.executable, "-m", "mrl_plugins.cli.main", "bench", "rollout", "--quick", "--part", "b"]
-    cmd += ["--job", "compare_kl", "--json", str(out)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    cmd = benchmarks_command("rollout", "--quick", "--part", "b", "--job", "compare_kl", "--json", str(out))
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=benchmarks_env())
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     data = json.loads(out.read_text())
     grpo, ratios = data["grpo"], data["ratios"]

@@ -1,4 +1,5 @@
-"""Every ``mrl`` subcommand's ``--help``: exit 0, readable text, and no torch/transformers import before parsing.
+"""Every ``mrl`` subcommand's ``--help``: exit 0, readable text, and no torch/transformers import before parsing;
+and ``python -m benchmarks`` (the lab, run from a checkout): its list, its usage errors, each tool's ``--help``.
 
 Each command runs for real in a fresh interpreter (``python -X importtime -m mrl_plugins.cli.main ... --help``);
 ``-X importtime`` lists every module the process imported, so a heavy import shows up whatever the machine load.
@@ -13,6 +14,8 @@ import sys
 
 import pytest
 
+from tests.conftest import REPO_ROOT
+
 HEAVY = ("torch", "transformers", "vllm", "torch_npu", "deepspeed", "ray")
 COMMANDS = [
     [],
@@ -20,15 +23,10 @@ COMMANDS = [
     ["run"],
     ["compare"],
     ["doctor"],
-    ["plan"],
     ["worker"],
-    ["bench"],
-    ["bench", "comm"],
-    ["bench", "weights"],
-    ["bench", "rollout"],
-    ["bench", "ray"],
     ["trl"],
 ]
+BENCHMARKS = ("comm", "weights", "rollout", "engine", "ray", "plan")
 
 
 def _help(args: list[str], flag: str = "--help") -> tuple[subprocess.CompletedProcess, set[str]]:
@@ -58,32 +56,35 @@ def test_help_exits_0_without_heavy_imports(args):
 
 
 def test_short_help_flag_too():
-    proc, imported = _help(["bench", "comm"], "-h")
-    assert proc.returncode == 0 and "--reps" in proc.stdout and "torch" not in imported
+    proc, imported = _help(["doctor"], "-h")
+    assert proc.returncode == 0 and "--config" in proc.stdout and "torch" not in imported
 
 
-def test_bench_help_lists_every_benchmark():
-    proc, _ = _help(["bench"])
-    for name in ("comm", "weights", "rollout", "ray"):
+def test_the_lab_is_not_a_command_of_the_package():
+    for args in (["bench", "comm"], ["plan"]):
+        cmd = [sys.executable, "-m", "mrl_plugins.cli.main", *args, "--help"]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 2 and "invalid choice" in proc.stderr
+
+
+def _benchmarks(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "benchmarks", *args], capture_output=True, text=True, timeout=300, cwd=REPO_ROOT
+    )
+
+
+def test_benchmarks_list_every_tool_and_refuse_an_unknown_one():
+    proc = _benchmarks("--help")
+    assert proc.returncode == 0
+    for name in BENCHMARKS:
         assert re.search(rf"^\s+{name}\s+\S", proc.stdout, re.M), proc.stdout
+    for args in ((), ("nope",)):
+        proc = _benchmarks(*args)
+        assert proc.returncode == 2 and f"valid: {', '.join(BENCHMARKS)}" in proc.stderr
 
 
-def test_bench_without_a_name_is_a_usage_error():
-    for args in (["bench"], ["bench", "nope"]):
-        proc = subprocess.run(
-            [sys.executable, "-m", "mrl_plugins.cli.main", *args], capture_output=True, text=True, timeout=120
-        )
-        assert proc.returncode == 2 and "valid: comm, engine, ray, rollout, weights" in proc.stderr
-
-
-def _options(help_text: str) -> set[str]:
-    return set(re.findall(r"(?<![\w-])--[a-z][a-z-]*", help_text))
-
-
-@pytest.mark.parametrize("name,module", [("comm", "mrl_plugins.bench.comm"), ("weights", "mrl_plugins.bench.weights")])
-def test_fast_bench_help_matches_the_benchmarks_own_parser(name, module):
-    """``mrl bench comm --help`` answers from mrl_plugins.cli.bench_args; the module's own parser must agree."""
-    fast, _ = _help(["bench", name])
-    own = subprocess.run([sys.executable, "-m", module, "--help"], capture_output=True, text=True, timeout=300)
-    assert own.returncode == 0, own.stderr[-2000:]
-    assert _options(fast.stdout) == _options(own.stdout) and "--reps" in _options(own.stdout)
+@pytest.mark.parametrize("name", BENCHMARKS)
+def test_each_benchmark_answers_help(name):
+    proc = _benchmarks(name, "--help")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert f"usage: python -m benchmarks {name}" in proc.stdout

@@ -106,9 +106,8 @@ def test_the_checker_finds_a_circle():
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
 
-#: command-line layers: the CLI itself and the benchmarks it runs (``mrl bench rollout`` drives ``mrl compare``'s
-#: run launcher); the stage packages, the adapter and the core modules must not import either
-COMMAND_LAYERS = ("mrl_plugins.cli", "mrl_plugins.bench")
+#: the command-line layer; the stage packages, the adapter and the core modules must not import it
+COMMAND_LAYERS = ("mrl_plugins.cli",)
 
 
 def test_no_package_module_imports_the_cli():
@@ -118,3 +117,24 @@ def test_no_package_module_imports_the_cli():
         if not m.startswith(COMMAND_LAYERS) and any(d.startswith(COMMAND_LAYERS) for d in deps)
     }
     assert offenders == {}
+
+
+def _raw_imports(path: Path) -> set[str]:
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            out.add(node.module)
+    return out
+
+
+def test_the_package_never_imports_the_lab():
+    """``benchmarks/`` (the repository's lab, ``python -m benchmarks``) uses the package, never the other way."""
+    offenders = {
+        m: sorted(i for i in _raw_imports(p) if i.split(".")[0] == "benchmarks")
+        for m, p in _modules().items()
+        if any(i.split(".")[0] == "benchmarks" for i in _raw_imports(p))
+    }
+    assert offenders == {}
+    assert not (REPO_ROOT / "mrl_plugins" / "bench").exists()

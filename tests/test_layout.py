@@ -125,6 +125,8 @@ def test_wheel_contains_every_package(tmp_path):
         "runs",
         ".*_cache",
         ".hypothesis",
+        ".venv",
+        ".whl",
     )
     shutil.copytree(REPO_ROOT, src, ignore=ignore)
     out = tmp_path / "wheels"
@@ -161,7 +163,8 @@ def test_wheel_contains_every_package(tmp_path):
     for yaml_file in (REPO_ROOT / "configs").glob("*.yaml"):
         assert f"mrl_plugins/configs/{yaml_file.name}" in names
     assert "mrl_plugins/py.typed" in names
-    assert not any(n.startswith(("adapters/", "hookspecs/", "configs/", "tests/")) for n in names)
+    assert not any(n.startswith(("adapters/", "hookspecs/", "configs/", "tests/", "benchmarks/")) for n in names)
+    assert not any(n.startswith("mrl_plugins/bench") for n in names)  # the lab stays in the repository
     assert PTH_NAME in names and PTH_NAME in record
     assert pth.startswith("import os; os.environ.get('MRL_PLUGINS') and ")
     assert "mrl = mrl_plugins.cli.main:main" in entry_points

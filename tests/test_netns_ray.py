@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from mrl_plugins.bench import netns
+from benchmarks import netns
 from tests import netns as two_hosts
 from tests import ray_cluster
 from tests.marks import require_ray, require_trl

@@ -1,26 +1,17 @@
-"""``mrl plan``: bandwidth budget arithmetic, unit parsing, the CLI table/JSON and exit codes."""
+"""``python -m benchmarks plan``: bandwidth budget arithmetic, the product's unit parsing
+(``mrl_plugins.cli.units``), the CLI table/JSON and exit codes."""
 
 from __future__ import annotations
 
 import json
 import subprocess
-import sys
 
 import pytest
 
-from mrl_plugins.cli.plan import (
-    RATE_UNITS,
-    build_plan,
-    check_paths,
-    cli,
-    experience_budget,
-    format_rate,
-    frame_bytes_from_report,
-    parse_rate,
-    parse_size,
-    weight_budget,
-)
+from benchmarks.plan import build_plan, check_paths, cli, experience_budget, frame_bytes_from_report, weight_budget
+from mrl_plugins.cli.units import RATE_UNITS, format_rate, parse_rate, parse_size
 from mrl_plugins.errors import ConfigError
+from tests.conftest import benchmarks_command, benchmarks_env
 
 
 def test_source_worked_example_is_13_1_mb_per_s():
@@ -183,10 +174,11 @@ def test_frame_bytes_from_report(tmp_path, capsys):
 
 def test_module_entry_point():
     proc = subprocess.run(
-        [sys.executable, "-m", "mrl_plugins.cli.plan", "--envs", "128", "--rate", "200", "--bytes", "512"],
+        benchmarks_command("plan", "--envs", "128", "--rate", "200", "--bytes", "512"),
         capture_output=True,
         text=True,
         timeout=60,
+        env=benchmarks_env(),
     )
     assert proc.returncode == 0, proc.stderr
     assert "13.1 MB/s" in proc.stdout
@@ -202,7 +194,7 @@ def test_placement_plan_refuses_bad_input(capsys):
 
 
 def test_placement_plan_text():
-    from mrl_plugins.bench.placement import format_result, pick
+    from benchmarks.placement import format_result, pick
 
     picked, why = pick(3.1, 2.6, 0.1, 2.4)
     assert picked == "turns" and "keeps the faster of the two measurements" in why
@@ -229,12 +221,12 @@ def test_placement_plan_measures_on_this_machine(tmp_path):
         pytest.skip("needs trl")
     out = tmp_path / "plan.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "mrl_plugins.cli.main", "plan", "--config", "compare_small", "--model", "tiny"]
-        + ["--steps", "6", "--json", str(out)],
+        benchmarks_command("plan", "--config", "compare_small", "--model", "tiny", "--steps", "6", "--json", str(out)),
         capture_output=True,
         text=True,
         timeout=600,
         check=False,
+        env=benchmarks_env(),
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     r = json.loads(out.read_text())

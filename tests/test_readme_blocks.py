@@ -206,6 +206,35 @@ def _check_mrl(words: list[str], where: str) -> None:
             load_config(str(path) if path.exists() else value)  # a checkout path or a bundled name
 
 
+@functools.cache
+def _benchmark_help(name: str) -> str:
+    from tests.conftest import benchmarks_command, benchmarks_env
+
+    proc = subprocess.run(
+        benchmarks_command(name, "--help"), capture_output=True, text=True, env=benchmarks_env(_clean_env()),
+        timeout=300, cwd=REPO_ROOT,
+    )  # fmt: skip
+    assert proc.returncode == 0, (name, proc.stderr[-2000:])
+    return proc.stdout
+
+
+def _check_python(words: list[str], where: str) -> None:
+    """``python -m benchmarks NAME [options]`` (the lab, from a checkout): a tool it has, options that tool takes."""
+    from benchmarks.__main__ import TOOLS
+
+    assert words[1:3] == ["-m", "benchmarks"], f"{where}: `{shlex.join(words)}`: only `python -m benchmarks` is known"
+    assert len(words) > 3 and words[3] in TOOLS, f"{where}: `{shlex.join(words)}`: valid: {', '.join(TOOLS)}"
+    shown = set(re.findall(r"(?<![\w-])--[a-z][a-z-]*", _benchmark_help(words[3])))
+    for i, w in enumerate(words[4:], 4):
+        if w.startswith("--"):
+            assert w.split("=")[0] in shown, f"{where}: `python -m benchmarks {words[3]}` has no option {w}"
+        if w in ("--config", "--lend-config"):
+            from mrl_plugins.config import load_config
+
+            path = REPO_ROOT / words[i + 1]
+            load_config(str(path) if path.exists() else words[i + 1])
+
+
 def _check_pip(words: list[str], where: str) -> None:
     project = _toml_loads((REPO_ROOT / "pyproject.toml").read_text(encoding="utf-8"))["project"]
     assert words[1] in ("install", "uninstall"), where
@@ -241,7 +270,10 @@ def _check_taskset(words: list[str], where: str) -> None:
 
 
 def test_bash_blocks_run_commands_that_exist():
-    checks = {"mrl": _check_mrl, "pip": _check_pip, "tox": _check_tox, "ray": _check_ray, "taskset": _check_taskset}
+    checks = {
+        "mrl": _check_mrl, "python": _check_python, "pip": _check_pip, "tox": _check_tox, "ray": _check_ray,
+        "taskset": _check_taskset,
+    }  # fmt: skip
     found = _all_blocks("bash")
     assert {"README.md", "docs/multi-host.md", "docs/vllm.md"} <= {rel for rel, _ in found}
     ran = set()
@@ -255,13 +287,15 @@ def test_bash_blocks_run_commands_that_exist():
 
 
 def test_when_it_pays_commands_exist():
-    """The command column of the README's "When it pays" table: each `mrl ...` is a real subcommand and option."""
+    """The command column of the README's "When it pays" table: each `mrl ...` is a real subcommand and option, each
+    `python -m benchmarks ...` a tool of the lab with its options."""
     rows = [ln for ln in doc_blocks.section("When it pays").splitlines() if ln.startswith("| ")][1:]
     cells = [row.rstrip(" |").rsplit("|", 1)[-1] for row in rows]
-    commands = [c for cell in cells for c in re.findall(r"`(mrl [^`]+)`", cell)]
+    commands = [c for cell in cells for c in re.findall(r"`(mrl [^`]+|python -m benchmarks [^`]+)`", cell)]
     assert len(commands) >= 6, commands
     for c in commands:
-        _check_mrl(shlex.split(c), "README.md, When it pays")
+        words = shlex.split(c)
+        (_check_mrl if words[0] == "mrl" else _check_python)(words, "README.md, When it pays")
     for script in (s for cell in cells for s in re.findall(r"`bash ([^` ]+)`", cell)):  # the benchmarks' scripts
         assert (REPO_ROOT / script).is_file(), f"README.md, When it pays: {script} does not exist"
 

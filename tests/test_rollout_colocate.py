@@ -14,7 +14,7 @@ import time
 import pytest
 import torch
 
-from mrl_plugins.bench.engine_server import (
+from benchmarks.engine_server import (
     EngineOutOfMemoryError,
     EngineServer,
     EngineServerError,

@@ -15,6 +15,7 @@ import torch
 from mrl_plugins.errors import ConfigError
 from mrl_plugins.models import build_model
 from mrl_plugins.rollout.engine import SamplingParams
+from tests.conftest import benchmarks_command, benchmarks_env
 from tests.marks import require_vllm
 
 PROMPTS = [[3, 4, 5], [6, 7, 8, 9, 10], [11]]
@@ -387,12 +388,11 @@ def test_bench_engine_reports_both_engines_and_the_ratio_keys(tmp_path):
     import json
     import math
     import subprocess
-    import sys
 
     out = tmp_path / "engine.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "mrl_plugins.cli.main", "bench", "engine", "--quick", "--model", "tiny", "--json",
-         str(out)], capture_output=True, text=True, timeout=600, env=child_env(),
+        benchmarks_command("engine", "--quick", "--model", "tiny", "--json", str(out)),
+        capture_output=True, text=True, timeout=600, env=benchmarks_env(child_env()),
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     res = json.loads(out.read_text())
@@ -425,17 +425,16 @@ def test_bench_engine_reports_both_engines_and_the_ratio_keys(tmp_path):
 
 def test_bench_engine_bad_cores_is_one_clear_error():
     import subprocess
-    import sys
 
     proc = subprocess.run(
-        [sys.executable, "-m", "mrl_plugins.cli.main", "bench", "engine", "--cores", "99"],
-        capture_output=True, text=True, timeout=120, env=child_env(),
+        benchmarks_command("engine", "--cores", "99"),
+        capture_output=True, text=True, timeout=120, env=benchmarks_env(child_env()),
     )  # fmt: skip
     assert proc.returncode == 2 and "--cores: [99] not among this process's cores" in proc.stderr, proc.stderr
     engine_core = max(os.sched_getaffinity(0))
     proc = subprocess.run(  # the trainer-like loop on an engine's core would measure contention, not an idle engine
-        [sys.executable, "-m", "mrl_plugins.cli.main", "bench", "engine", "--cores", str(engine_core),
-         "--trainer-core", str(engine_core)], capture_output=True, text=True, timeout=120, env=child_env(),
+        benchmarks_command("engine", "--cores", str(engine_core), "--trainer-core", str(engine_core)),
+        capture_output=True, text=True, timeout=120, env=benchmarks_env(child_env()),
     )  # fmt: skip
     assert proc.returncode == 2, proc.stderr
     assert f"--trainer-core: {engine_core} is not among the cores outside --cores [{engine_core}]" in proc.stderr

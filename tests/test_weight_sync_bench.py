@@ -1,4 +1,4 @@
-"""Smoke test of ``mrl bench weights``: it runs end to end and reports every required figure.
+"""Smoke test of ``python -m benchmarks weights``: it runs end to end and reports every required figure.
 
 No performance assertion here (performance is reported by the benchmark itself); only structure,
 consistency of the ratios with the reported medians, and bit-exactness of the gloo transfers.
@@ -10,7 +10,7 @@ import json
 
 import pytest
 
-from mrl_plugins.bench.weights import cli, qwen_shapes, small_shapes
+from benchmarks.weights import cli, qwen_shapes, small_shapes
 from tests.marks import require_trl
 
 pytestmark = pytest.mark.slow

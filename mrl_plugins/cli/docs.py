@@ -132,9 +132,8 @@ def _weight_sync_defaults() -> str:
             rows.append(f"| {name} | (unused: vLLM's weight-transfer backend) | (unused) |")
             continue
         rows.append(f"| {name} | {_value(DEFAULT_CHUNK_BYTES[name])} | {_value(DEFAULT_BUCKET_BYTES[name])} |")
-    return "Per-transport defaults (`mrl_plugins.weight_sync.config`; measured in `mrl bench weights`):\n\n" + (
-        "\n".join(rows)
-    )
+    head = "Per-transport defaults (`mrl_plugins.weight_sync.config`; measured in `python -m benchmarks weights`):"
+    return head + "\n\n" + "\n".join(rows)
 
 
 def render() -> str:

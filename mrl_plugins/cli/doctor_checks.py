@@ -380,7 +380,7 @@ def reserve_from_peaks(peaks: Mapping[str, str], device_memory: str, headroom: f
 
     A peak whose reservation exceeds the card raises ConfigError (from the device layer), never clamped.
     """
-    from mrl_plugins.cli.plan import parse_size
+    from mrl_plugins.cli.units import parse_size
 
     total = parse_size(device_memory)
     return {n: _device().reservation_fraction(int(parse_size(p)), int(total), headroom) for n, p in peaks.items()}

@@ -1,4 +1,6 @@
-"""``mrl`` command line: plugins, run, trl, bench, compare, doctor, plan."""
+"""``mrl`` command line: plugins, run, trl, compare, doctor, worker.
+
+The benchmarks and lab tools are not commands of the installed package: ``python -m benchmarks`` in a checkout."""
 
 from __future__ import annotations
 
@@ -8,21 +10,6 @@ import sys
 from collections.abc import Callable
 
 from mrl_plugins.errors import MrlError
-
-BENCHES: dict[str, str] = {
-    "comm": "mrl_plugins.bench.comm",
-    "weights": "mrl_plugins.bench.weights",
-    "rollout": "mrl_plugins.bench.rollout",
-    "engine": "mrl_plugins.bench.engine",
-    "ray": "mrl_plugins.bench.launchers",
-}
-BENCH_HELP: dict[str, str] = {
-    "comm": "experience batches between two processes through three paths",
-    "weights": "weight-sync bandwidth against the per-parameter baseline and memcpy",
-    "rollout": "colocated inference latency with/without core binding; GRPO steps/s, async workers vs TRL",
-    "engine": "transformers vs vLLM rollout engines on the same cores: tokens/s, CPU per token, start-up, apply ms",
-    "ray": "the same GRPO job with rollout.launcher local, manual and ray: steps/s, Ray's idle and running cost",
-}
 
 
 def _add_selection(p: argparse.ArgumentParser) -> None:
@@ -115,22 +102,6 @@ def cmd_trl(argv: list[str]) -> int:
     return int(trl_main(argv) or 0)
 
 
-def bench_usage(argv: list[str]) -> int:
-    """``mrl bench [-h]``: the list of benchmarks (exit 0 when asked for, 2 for a missing or unknown one)."""
-    asked = bool(argv) and argv[0] in ("-h", "--help")
-    out = sys.stdout if asked else sys.stderr
-    names = ",".join(sorted(BENCHES))
-    print(f"usage: mrl bench {{{names}}} [options]  (mrl bench NAME --help: its options)", file=out)
-    if not asked:
-        why = f"unknown benchmark {argv[0]!r}" if argv else "which benchmark?"
-        print(f"mrl bench: error: {why}; valid: {', '.join(sorted(BENCHES))}", file=out)
-        return 2
-    print("\nbenchmarks:", file=out)
-    for name in sorted(BENCHES):
-        print(f"  {name:<9}{BENCH_HELP[name]}", file=out)
-    return 0
-
-
 def cmd_module(module: str) -> Callable[[list[str]], int]:
     def run(argv: list[str]) -> int:
         import importlib
@@ -150,11 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("trl", help="run TRL's CLI (trl grpo/rloo ...) with the plugins on", add_help=False)
     sub.add_parser("compare", help="vanilla TRL vs plugins side by side: report, JSON, plots", add_help=False)
     sub.add_parser("doctor", help="pre-run checks / post-run triage", add_help=False)
-    sub.add_parser(
-        "plan", help="bandwidth budget per path; --config C: placement plan (auto) from a short run", add_help=False
-    )
     sub.add_parser("worker", help="run a rollout worker for a trainer on another host", add_help=False)
-    sub.add_parser("bench", help="benchmarks: comm, weights, rollout, engine, ray", add_help=False)
     if not argv or argv[0] in ("-h", "--help"):
         parser.print_help()
         return 0
@@ -170,19 +137,8 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_module("mrl_plugins.cli.compare")(rest)
         if command == "doctor":
             return cmd_module("mrl_plugins.cli.doctor")(rest)
-        if command == "plan":
-            return cmd_module("mrl_plugins.cli.plan")(rest)
         if command == "worker":
             return cmd_module("mrl_plugins.rollout.remote")(rest)
-        if command == "bench":
-            if not rest or rest[0] not in BENCHES:
-                return bench_usage(rest)
-            if {"-h", "--help"} & set(rest[1:]):
-                from mrl_plugins.cli.bench_args import PARSERS
-
-                if rest[0] in PARSERS:  # that benchmark's module imports torch: answer without it
-                    PARSERS[rest[0]]().parse_args(rest[1:])
-            return cmd_module(BENCHES[rest[0]])(rest[1:])
         parser.parse_args(argv)  # prints the usage error for an unknown command
         return 2
     except MrlError as exc:

@@ -236,14 +236,15 @@ def _mask(a: np.ndarray, scratch: dict | None) -> np.ndarray:
 
 
 #: transports whose frames stay in this host's memory: a lossy codec costs CPU there and saves no time
-#: (``mrl bench comm``: fp16 0.7-0.8x raw's batches/s on the shm ring); every other transport crosses a link
+#: (``python -m benchmarks comm``: fp16 0.7-0.8x raw's batches/s on the shm ring); every other transport crosses a link
 LOCAL_TRANSPORTS = ("shm", "queue")
 
 
 def resolve_codec(name: str, transport: str) -> str:
     """The codec ``comm.codec`` means on ``transport``: ``auto`` is ``raw`` on :data:`LOCAL_TRANSPORTS` and
     ``fp16`` (overflow-guarded) on network transports (``torch_distributed``, third-party ones), where bytes cost
-    time (``mrl bench comm --link 1gbit``: fp16 2.4x raw's batches/s); other names are returned as they are."""
+    time (``python -m benchmarks comm --link 1gbit``: fp16 2.4x raw's batches/s); other names are returned as they
+    are."""
     if name != "auto":
         return name
     return "raw" if transport in LOCAL_TRANSPORTS else "fp16"

@@ -181,7 +181,7 @@ def decide(
 class PlacementController:
     """Applies :func:`decide` to a running pipeline: :meth:`observe` every generation interval, :meth:`check` at
     each generation (returns the arrangement to use for it). ``force(arr)`` switches at the next check (tests,
-    ``mrl plan``)."""
+    ``python -m benchmarks plan``)."""
 
     scaling: Scaling
     initial: str = TURNS

@@ -36,7 +36,7 @@ transfer only when a newer version is being sent.
     no group) device tensors are copied to host memory on the sender and from host memory into the destination on
     the receiver (unverified on hardware; on CPU tested with the device layer naming nccl).
 
-    Measured with ``mrl bench weights`` (988 MB Qwen2.5-0.5B-like list, 2 processes on 2 shared
+    Measured with ``python -m benchmarks weights`` (988 MB Qwen2.5-0.5B-like list, 2 processes on 2 shared
     cores, load average ~2 from other jobs): 2.9-3.0 GB/s with checksums, 3.8-4.0 without, per-param
     baseline 2.2-2.3 (1.30-1.33x and 1.69-1.76x). On a quiet host the baseline reaches 2.8-3.1 GB/s and
     this transport 3.3-3.5 with checksums (1.13-1.22x), 4.2 without (1.41-1.53x). The earlier design

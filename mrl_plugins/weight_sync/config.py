@@ -6,7 +6,7 @@ of the 12 GB/s of an idle machine; torch 2.13 CPU, one torch thread per process)
 "the transport's default":
 
 ==========  ============  ============  ===================================================
-transport   chunk_bytes   bucket_bytes  measured (median GB/s; see ``mrl bench weights``)
+transport   chunk_bytes   bucket_bytes  measured (median GB/s; see ``python -m benchmarks weights``)
 ==========  ============  ============  ===================================================
 shm         4 MiB         (unused)      publish+load, 177 MB bf16, one process: 1 MiB 2.69,
                                         4 MiB 3.31, 16 MiB 2.74, 64 MiB 2.40 (checksums on);

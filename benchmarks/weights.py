@@ -1,4 +1,4 @@
-"""``mrl bench weights``: weight-sync bandwidth against the per-parameter baseline and memcpy.
+"""``python -m benchmarks weights``: weight-sync bandwidth against the per-parameter baseline and memcpy.
 
 Cases, each on a Qwen2.5-0.5B-like shape list (290 bf16 tensors, 988 MB; ``--quick``: a ~120 MB
 list) and on the ``small`` preset model (``mrl_plugins.models.build_model("small")``, ~11 MB fp32; without
@@ -41,12 +41,12 @@ from typing import Any
 
 import torch
 
-from mrl_plugins.cli.bench_args import LINK_HELP
 from mrl_plugins.weight_sync.broadcast import BroadcastSender, PerParamSender
 from mrl_plugins.weight_sync.config import WeightSyncConfig
 from mrl_plugins.weight_sync.receiver import DoubleBufferedReceiver
 from mrl_plugins.weight_sync.shm import ShmSender
 
+from .link import LINK_HELP
 from .payloads import Shapes, make_tensors, qwen_shapes
 
 CASES = ("per_param", "bucketed", "bucketed_no_checksum")
@@ -372,8 +372,8 @@ def _fmt(d: dict[str, float]) -> str:
 
 
 def cli(argv: list[str] | None = None) -> int:
-    """``mrl bench weights [--json PATH] [--reps N] [--quick] [--link RATE]``."""
-    ap = argparse.ArgumentParser(prog="mrl bench weights", description=__doc__.splitlines()[0])
+    """``python -m benchmarks weights [--json PATH] [--reps N] [--quick] [--link RATE]``."""
+    ap = argparse.ArgumentParser(prog="python -m benchmarks weights", description=__doc__.splitlines()[0])
     ap.add_argument("--json", metavar="PATH", help="write the results as JSON")
     ap.add_argument("--reps", type=int, default=5, help="repetitions per case (default 5)")
     ap.add_argument("--quick", action="store_true", help="smaller shape list instead of the 0.5B one")
@@ -384,7 +384,9 @@ def cli(argv: list[str] | None = None) -> int:
     if args.link:
         from .link import link_cli, weights_link
 
-        return link_cli("mrl bench weights", weights_link, args.link, args.json, reps=args.reps, quick=args.quick)
+        return link_cli(
+            "python -m benchmarks weights", weights_link, args.link, args.json, reps=args.reps, quick=args.quick
+        )
     r = run_bench(args.reps, args.json, args.quick)
     print("loopback (both processes on one host):")
     print(f"memcpy (1 thread)          GB/s {_fmt(r['memcpy_gbps'])}")

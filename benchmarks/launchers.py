@@ -1,5 +1,6 @@
-"""``mrl bench ray``: what Ray's own processes cost on one host -- the same GRPO job with ``rollout.launcher:
-local``, ``manual``, ``ray`` and ``ray_apart``, repetitions interleaved (the order rotates per repetition).
+"""``python -m benchmarks ray``: what Ray's own processes cost on one host -- the same GRPO job with
+``rollout.launcher: local``, ``manual``, ``ray`` and ``ray_apart``, repetitions interleaved (the order rotates per
+repetition).
 
 * ``local``: ``configs/disaggregated.yaml`` as it is: one worker process of the trainer's, on its own core,
   experience and weights through shared memory.
@@ -117,7 +118,9 @@ class BenchCluster:
         self.start_s = time.monotonic() - t0
         if got.returncode != 0:
             self.close()
-            raise RuntimeError(f"mrl bench ray: `ray start --head` failed: {got.stdout[-2000:]}{got.stderr[-2000:]}")
+            raise RuntimeError(
+                f"python -m benchmarks ray: `ray start --head` failed: {got.stdout[-2000:]}{got.stderr[-2000:]}"
+            )
 
     def processes(self) -> list[Any]:
         """The cluster's processes now (psutil), the rollout actor included."""
@@ -359,7 +362,9 @@ def run_bench(*, launchers: list[str], reps: int, steps: int, model: str, idle_s
             clusters["ray"] = BenchCluster(cpus=len(cores))
         if "ray_apart" in launchers:
             if len(cores) < 2:
-                raise RuntimeError("mrl bench ray: the 'ray_apart' launcher needs 2 cores (Ray's and the worker's)")
+                raise RuntimeError(
+                    "python -m benchmarks ray: the 'ray_apart' launcher needs 2 cores (Ray's and the worker's)"
+                )
             clusters["ray_apart"] = BenchCluster(cpus=len(cores), cores=cores[:1])
         cluster = clusters.get("ray") or clusters.get("ray_apart")
         if cluster is not None:
@@ -476,8 +481,8 @@ def run_bench(*, launchers: list[str], reps: int, steps: int, model: str, idle_s
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="mrl bench ray",
-        description="mrl bench ray: the same GRPO job with rollout.launcher local, manual, ray and ray_apart (Ray's "
+        prog="python -m benchmarks ray",
+        description="the same GRPO job with rollout.launcher local, manual, ray and ray_apart (Ray's "
         "processes on the first core, the actor on the next) on this host (interleaved): steps/s, Ray's idle CPU and "
         "memory, Ray's CPU and cores during the runs.",
     )
@@ -503,7 +508,7 @@ def cli(argv: list[str]) -> int:
         from mrl_plugins.rollout.config import ray_installed
 
         if not ray_installed():
-            raise ConfigError("mrl bench ray: the 'ray' launcher needs Ray: pip install 'mrl-plugins[ray]'")
+            raise ConfigError("python -m benchmarks ray: the 'ray' launcher needs Ray: pip install 'mrl-plugins[ray]'")
     if ns.quick:
         ns.reps, ns.steps, ns.model, ns.idle_s = 1, 6, "tiny", 3.0
     print(f"GRPO on '{ns.model}', {ns.steps} steps, launchers {', '.join(launchers)}, {ns.reps} rep(s)", flush=True)

@@ -1,4 +1,5 @@
-"""``mrl bench engine``: the ``transformers`` and ``vllm`` rollout engines on the same cores, in one invocation.
+"""``python -m benchmarks engine``: the ``transformers`` and ``vllm`` rollout engines on the same cores, in one
+invocation.
 
 Each engine lives in its own process, both pinned to the same cores with the same thread count (``--cores``,
 ``--threads``), so start-up, peak RSS and CPU time are the engine's own. The parent runs the repetitions
@@ -46,8 +47,8 @@ ENGINES = ("transformers", "vllm")
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
-        prog="mrl bench engine",
-        description="mrl bench engine: transformers vs vLLM rollout engines on the same cores (interleaved).",
+        prog="python -m benchmarks engine",
+        description="transformers vs vLLM rollout engines on the same cores (interleaved).",
     )
     ap.add_argument("--json", metavar="PATH", help="write the results as JSON")
     ap.add_argument("--model", default="small", help="preset or local checkpoint folder (default: small)")
@@ -378,7 +379,8 @@ def _fmt(s: dict) -> str:
 def report(res: dict) -> str:
     st, host = res["settings"], res["host"]
     lines = [
-        f"mrl bench engine: {st['model']}, {st['prompts']} prompts x {st['generations']} x {st['new_tokens']} tokens, "
+        f"python -m benchmarks engine: {st['model']}, {st['prompts']} prompts x {st['generations']} x "
+        f"{st['new_tokens']} tokens, "
         f"cores {st['cores']}, {st['threads']} thread(s), {st['reps']} interleaved reps; host load "
         f"{host['load_before'][0]:.2f} -> {host['load_after'][0]:.2f} on {host['cpus']} CPUs",
     ]

@@ -1,4 +1,4 @@
-"""``mrl bench comm``: experience batches between two processes through three paths.
+"""``python -m benchmarks comm``: experience batches between two processes through three paths.
 
 Cases (each producer and consumer process limited to one torch thread, same batches):
 
@@ -36,8 +36,7 @@ from typing import Any
 
 import torch
 
-from mrl_plugins.cli.bench_args import LINK_HELP
-
+from .link import LINK_HELP
 from .payloads import SIZES, make_batch
 
 _KEEP_ITERS = {"64x1024": 40, "8x128": 400}
@@ -321,8 +320,9 @@ def _print(res: dict[str, Any]) -> None:
 
 
 def cli(argv: list[str] | None = None) -> int:
-    """``mrl bench comm [--json PATH] [--reps N] [--quick] [--link RATE]``; 0 if all targets are met, else 1."""
-    ap = argparse.ArgumentParser(prog="mrl bench comm", description=__doc__.split("\n")[0])
+    """``python -m benchmarks comm [--json PATH] [--reps N] [--quick] [--link RATE]``; 0 if all targets are met,
+    else 1."""
+    ap = argparse.ArgumentParser(prog="python -m benchmarks comm", description=__doc__.split("\n")[0])
     ap.add_argument("--json", metavar="PATH", help="write the results as JSON")
     ap.add_argument("--reps", type=int, default=5, help="timed runs per case (median reported)")
     ap.add_argument("--quick", action="store_true", help="fewer batches and at most 2 reps (smoke run)")
@@ -332,7 +332,7 @@ def cli(argv: list[str] | None = None) -> int:
         from .link import comm_link, link_cli
 
         reps = max(1, min(args.reps, 2) if args.quick else args.reps)
-        return link_cli("mrl bench comm", comm_link, args.link, args.json, reps=reps, quick=args.quick)
+        return link_cli("python -m benchmarks comm", comm_link, args.link, args.json, reps=reps, quick=args.quick)
     res = run_bench(reps=args.reps, json_path=args.json, quick=args.quick)
     return 0 if all(res["targets_met"].values()) else 1
 

@@ -1,11 +1,12 @@
-"""``mrl bench comm --link RATE`` and ``mrl bench weights --link RATE``: the same paths between two network hosts.
+"""``python -m benchmarks comm --link RATE`` and ``python -m benchmarks weights --link RATE``: the same paths
+between two network hosts.
 
-Two network namespaces joined by a veth link shaped to ``RATE`` with ``tc tbf`` (:mod:`mrl_plugins.bench.netns`;
+Two network namespaces joined by a veth link shaped to ``RATE`` with ``tc tbf`` (:mod:`benchmarks.netns`;
 needs root): the trainer's end in one (10.77.0.1), the rollout worker's end in the other (10.77.0.2), each a
-process of one torch thread started with ``ip netns exec`` (``python -m mrl_plugins.bench.link ROLE ARGS``).
+process of one torch thread started with ``ip netns exec`` (``python -m benchmarks.link ROLE ARGS``).
 
 Experience (``comm``): a ``torch_distributed`` producer sends GRPO batches
-(:func:`~mrl_plugins.bench.payloads.make_batch`, 64x1024 and 8x128) to the consumer, alternating the codecs
+(:func:`~benchmarks.payloads.make_batch`, 64x1024 and 8x128) to the consumer, alternating the codecs
 ``raw`` and ``fp16`` run by run (rotating order) on the same connection; the consumer times each run of
 batches after a warm-up, decoding and checking every frame. ``compressed_vs_raw_link_<size>`` is the median
 over repetitions of fp16's batches/s over raw's within a repetition; ``compressed_bytes_link_<size>`` the
@@ -34,11 +35,16 @@ from typing import Any
 from mrl_plugins.errors import ConfigError
 
 WORKER_ADDR = "10.77.0.2"
+#: the help of ``--link`` in ``python -m benchmarks comm`` and ``weights``
+LINK_HELP = (
+    "instead: between two network namespaces over a veth link shaped to RATE with tc (e.g. 1gbit; needs root); "
+    "see benchmarks/link.py"
+)
 _UNITS = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9}
 
 
 def link_cli(prog: str, measure: Any, rate: str, json_path: str | None, **kw: Any) -> int:
-    """The ``--link RATE`` branch of ``mrl bench comm|weights``: measure, write ``json_path``; 0 if every
+    """The ``--link RATE`` branch of ``python -m benchmarks comm|weights``: measure, write ``json_path``; 0 if every
     target is met, 1 if not, 2 when the link cannot be made here (not root) or the rate is not one tc reads."""
     try:
         res = measure(rate, **kw)
@@ -104,7 +110,7 @@ def _comm_consumer(args: dict) -> dict:
 
 
 def _comm_producer(args: dict) -> dict:
-    from mrl_plugins.bench.payloads import SIZES, make_batch
+    from benchmarks.payloads import SIZES, make_batch
     from mrl_plugins.comm.codec import make_codec
     from mrl_plugins.comm.config import CommConfig
     from mrl_plugins.comm.dist_transport import DistProducerHandle
@@ -151,7 +157,8 @@ def comm_link(rate: str, reps: int = 3, quick: bool = False) -> dict[str, Any]:
 
 def measure_link(rate: str, reps: int = 3) -> dict[str, Any]:
     """What the experience path (``torch_distributed``, raw 64x1024 frames) carries over a link shaped to ``rate``
-    between two network namespaces: payload bytes per second (median of ``reps`` runs), for ``mrl plan``."""
+    between two network namespaces: payload bytes per second (median of ``reps`` runs), for
+    ``python -m benchmarks plan``."""
     schedule = [("64x1024", rep, "raw", 40) for rep in range(reps)]
     got = _two_hosts(rate, "comm-consumer", "comm-producer", {"schedule": schedule, "warmup": 3})
     per_run = [r["rate"] * r["bytes"] for r in got["first"]["runs"]]
@@ -164,14 +171,14 @@ def measure_link(rate: str, reps: int = 3) -> dict[str, Any]:
 
 # ---------------------------------------------------------------------------------------------- weights
 def _shapes(quick: bool) -> Any:
-    from mrl_plugins.bench.payloads import qwen_shapes
+    from benchmarks.payloads import qwen_shapes
 
     # 0.5B-like list: 988 MB (8 s a transfer at 1 Gbit/s); quick: 6 layers of it on a 32k vocabulary, ~155 MB
     return qwen_shapes(vocab=32000, layers=6) if quick else qwen_shapes()
 
 
 def _weights_sender(args: dict) -> dict:
-    from mrl_plugins.bench.payloads import make_tensors
+    from benchmarks.payloads import make_tensors
     from mrl_plugins.weight_sync.broadcast import BroadcastSender, PerParamSender
     from mrl_plugins.weight_sync.config import WeightSyncConfig
 
@@ -200,7 +207,7 @@ def _weights_sender(args: dict) -> dict:
 def _weights_receiver(args: dict) -> dict:
     import torch
 
-    from mrl_plugins.bench.payloads import make_tensors
+    from benchmarks.payloads import make_tensors
     from mrl_plugins.weight_sync.broadcast import BroadcastHandle
 
     named = make_tensors(_shapes(args["quick"]))
@@ -248,7 +255,7 @@ def weights_link(rate: str, reps: int = 3, quick: bool = False) -> dict[str, Any
 # ---------------------------------------------------------------------------------------------- both
 def _two_hosts(rate: str, first: str, second: str, args: dict, handshake: str = "port") -> dict[str, Any]:
     """Run role ``first`` in the trainer's namespace and ``second`` in the worker's; their JSON answers."""
-    from mrl_plugins.bench import netns
+    from benchmarks import netns
 
     why = netns.unavailable()
     if why is not None:
@@ -257,19 +264,25 @@ def _two_hosts(rate: str, first: str, second: str, args: dict, handshake: str = 
         parse_rate(rate)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the checkout: `-m benchmarks.link` finds it
+    path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONPATH": path}
     args = {**args, "host": netns.TRAINER_ADDR}
     t0 = time.perf_counter()
     with netns.Hosts(1, rate=rate) as h:
-        cmd = [sys.executable, "-m", "mrl_plugins.bench.link"]
+        cmd = [sys.executable, "-m", "benchmarks.link"]
         a = h.popen(h.trainer, [*cmd, first, json.dumps(args)], env=env, stdout=subprocess.PIPE, text=True)
         hello = json.loads(a.stdout.readline() or "null")
         if not hello:
-            raise RuntimeError(f"mrl bench --link: the {first} process exited (code {a.wait(30)})")
+            raise RuntimeError(
+                f"python -m benchmarks comm|weights --link: the {first} process exited (code {a.wait(30)})"
+            )
         b = h.run(h.worker_ns[0], [*cmd, second, json.dumps({**args, handshake: hello[handshake]})], timeout=900,
                   env=env, capture_output=True, text=True)  # fmt: skip
         if b.returncode != 0:
-            raise RuntimeError(f"mrl bench --link: the {second} process failed: {b.stderr[-2000:]}")
+            raise RuntimeError(
+                f"python -m benchmarks comm|weights --link: the {second} process failed: {b.stderr[-2000:]}"
+            )
         out, _ = a.communicate(timeout=300)
         drops = h.drops()
     return {"first": json.loads(out.strip().splitlines()[-1]), "second": json.loads(b.stdout.strip().splitlines()[-1]),

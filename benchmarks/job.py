@@ -20,5 +20,5 @@ def run_job(data: dict[str, Any], out: Path, label: str, kind: Any, steps: int) 
         path, label, kind, out / label, timeout=1800, max_steps=steps, on_poll=lambda *a: None
     )
     if result is None:
-        raise RuntimeError(f"mrl bench rollout: run {label} failed: {error}")
+        raise RuntimeError(f"python -m benchmarks rollout: run {label} failed: {error}")
     return result, load

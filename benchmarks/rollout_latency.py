@@ -1,6 +1,7 @@
-"""Benchmark part (a) of ``mrl bench rollout``: colocated engine latency while a training loop runs next to it.
+"""Benchmark part (a) of ``python -m benchmarks rollout``: colocated engine latency while a training loop runs next
+to it.
 
-Three processes: this one sends inference requests and times them; an :class:`~mrl_plugins.bench.engine_server.
+Three processes: this one sends inference requests and times them; an :class:`~benchmarks.engine_server.
 EngineServer` answers them (``engine_model`` preset, ``prompts`` prompts x ``new_tokens`` tokens, no EOS so every
 request decodes exactly ``new_tokens`` tokens); a trainer process runs forward + backward + AdamW steps on the
 ``small`` preset (batch ``train_batch`` x ``train_seq`` tokens) without pause. Cases, each with fresh processes:
@@ -109,7 +110,7 @@ def _run_case(
     case_budget_s: float,
     timeout: float,
 ) -> dict[str, Any]:
-    from mrl_plugins.bench.engine_server import EngineServer
+    from benchmarks.engine_server import EngineServer
     from mrl_plugins.rollout.engine import SamplingParams
 
     ctx = mp.get_context("spawn")
@@ -284,8 +285,8 @@ def _print_table(result: dict[str, Any], out: Any) -> None:
 
 
 def cli(argv: list[str] | None = None) -> int:
-    """``mrl bench rollout`` part (a): ``[--json PATH] [--reps N] [--quick]``; prints a table, returns 0."""
-    parser = argparse.ArgumentParser(prog="mrl bench rollout", description=__doc__.splitlines()[0])
+    """``python -m benchmarks rollout`` part (a): ``[--json PATH] [--reps N] [--quick]``; prints a table, returns 0."""
+    parser = argparse.ArgumentParser(prog="python -m benchmarks rollout", description=__doc__.splitlines()[0])
     parser.add_argument("--json", dest="json_path", default=None, help="write the results as JSON to this path")
     parser.add_argument("--reps", type=int, default=5, help="measurement windows per case (medians over them)")
     parser.add_argument("--quick", action="store_true", help="fewer requests, skip the threads_only case")

@@ -1,5 +1,5 @@
-"""Payloads of the benchmarks: GRPO experience batches (``mrl bench comm``) and weight shape lists (``mrl bench
-weights``), shared by the loopback and the link (:mod:`mrl_plugins.bench.link`) variants."""
+"""Payloads of the benchmarks: GRPO experience batches (``python -m benchmarks comm``) and weight shape lists
+(``python -m benchmarks weights``), shared by the loopback and the link (:mod:`benchmarks.link`) variants."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
-"""``mrl bench rollout``: (a) colocated inference latency with/without core binding, (b) GRPO steps/s of
+"""``python -m benchmarks rollout``: (a) colocated inference latency with/without core binding, (b) GRPO steps/s of
 the async disaggregated pipeline and of ``rollout.placement: auto`` against upstream TRL's synchronous generate,
 (c) ``rollout.lend_cores`` on vs off: steps/s, the generation requests' p50/p99 and oversubscription
-(:mod:`mrl_plugins.bench.lend`; ``--part c``, not in the default ``both``).
+(:mod:`benchmarks.lend`; ``--part c``, not in the default ``both``).
 
 (b) runs one GRPO job, the ``train`` section of ``--job`` (a bundled config or YAML, default ``compare_small``;
 ``small`` preset unless ``--model``), in separate processes (``mrl compare``'s runner), same seed, steps, learning
@@ -158,7 +158,9 @@ def run_grpo_part(
 
 
 def cli(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="mrl bench rollout", description=__doc__.split("\n\n")[0].replace("``", ""))
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks rollout", description=__doc__.split("\n\n")[0].replace("``", "")
+    )
     p.add_argument("--json", help="write the results here")
     p.add_argument("--reps", type=int, default=5, help="latency repetitions for part (a)")
     p.add_argument("--grpo-reps", type=int, default=2, help="GRPO runs per setting for part (b)")
@@ -182,7 +184,7 @@ def cli(argv: list[str]) -> int:
         help="part (c): rollout.placement_start for both settings (lending happens in the split; '': the config's)",
     )
     ns = p.parse_args(argv)
-    from mrl_plugins.bench.rollout_latency import run_bench as run_latency
+    from benchmarks.rollout_latency import run_bench as run_latency
 
     if ns.quick:
         ns.reps, ns.grpo_reps, ns.steps, ns.model, ns.lend_reps = 1, 1, 4, "tiny", 1
@@ -207,7 +209,7 @@ def cli(argv: list[str]) -> int:
         result["grpo"] = grpo
         result["ratios"].update(grpo["ratios"])
     if ns.part in ("c", "all"):
-        from mrl_plugins.bench.lend import run_lend_part
+        from benchmarks.lend import run_lend_part
 
         steps = 150 if ns.quick else ns.steps  # tiny: ~10 s, the worker is ready after ~5 s
         print(f"(c) GRPO on '{ns.model}' ({ns.lend_config}), {steps} steps: rollout.lend_cores on vs off", flush=True)

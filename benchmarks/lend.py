@@ -1,5 +1,5 @@
-"""``mrl bench rollout`` part (c): what lending the idle worker's cores to the trainer (``rollout.lend_cores``)
-costs the generation requests and gains in steps/s.
+"""``python -m benchmarks rollout`` part (c): what lending the idle worker's cores to the trainer
+(``rollout.lend_cores``) costs the generation requests and gains in steps/s.
 
 The same bundled config (``compare_kl`` by default: balanced stages, the split is where lending happens) runs with
 ``rollout.lend_cores`` true and false, same seed and steps, each setting a separate process (``mrl compare``'s

@@ -1,4 +1,4 @@
-"""``mrl plan --config C``: the placement plan of a config, from a short measurement on this machine.
+"""``python -m benchmarks plan --config C``: the placement plan of a config, from a short measurement on this machine.
 
 Two short runs of the config's embedded job (``train:`` section; each in its own process, like ``mrl compare``):
 
@@ -64,7 +64,8 @@ def measure(
     cfg = load_config(data)
     if cfg.rollout.workers < 1 or cfg.rollout.remote_workers:
         raise ConfigError(
-            f"mrl plan --config: {config!r} has no local rollout workers (rollout.workers: {cfg.rollout.workers}, "
+            f"python -m benchmarks plan --config: {config!r} has no local rollout workers "
+            f"(rollout.workers: {cfg.rollout.workers}, "
             f"remote_workers: {cfg.rollout.remote_workers}): there is no placement to choose"
         )
     if steps < 5:

@@ -1,6 +1,6 @@
-"""``mrl plan``: the bandwidth budget of a disaggregated run (source §2.2), checked against a link speed; with
-``--config C``, the placement plan of a config instead (:mod:`mrl_plugins.bench.placement`): from two short runs
-on this machine, the steps/s of taking turns on all cores (measured), of the async split (projected, as
+"""``python -m benchmarks plan``: the bandwidth budget of a disaggregated run (source §2.2), checked against a
+link speed; with ``--config C``, the placement plan of a config instead (:mod:`benchmarks.placement`): from two
+short runs on this machine, the steps/s of taking turns on all cores (measured), of the async split (projected, as
 ``rollout.placement: auto`` projects it, and measured), and which one ``auto`` would pick.
 
 Two flows cross the network between the inference (rollout) pool and the trainer:
@@ -33,119 +33,24 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from mrl_plugins.cli.units import (
+    format_count,
+    format_rate,
+    format_size,
+    parse_rate,
+    parse_size,
+)
 from mrl_plugins.errors import ConfigError, choices
 
 # ---------------------------------------------------------------------------------------------------------------------
 # units
 # ---------------------------------------------------------------------------------------------------------------------
 
-_DECIMAL = {"": 1.0, "K": 1e3, "k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12}
-_BINARY = {"Ki": 2.0**10, "Mi": 2.0**20, "Gi": 2.0**30, "Ti": 2.0**40}
-
-
-def _rate_units() -> dict[str, float]:
-    """Unit spelling -> bytes per second for one unit."""
-    units: dict[str, float] = {}
-    for prefix, mult in (_DECIMAL | _BINARY).items():
-        for form in ("bit/s", "bit", "bps"):
-            units[prefix + form] = mult / 8.0
-        if prefix:
-            units[prefix + "b/s"] = mult / 8.0
-        for form in ("B/s", "Bps"):
-            units[prefix + form] = mult
-    units["bytes/s"] = 1.0
-    return units
-
-
-RATE_UNITS: dict[str, float] = _rate_units()
-#: What error messages list (the other spellings in RATE_UNITS are accepted too).
-RATE_UNITS_SHOWN: tuple[str, ...] = (
-    "bit/s", "Kbit/s", "Mbit/s", "Gbit/s", "Tbit/s", "Gb/s", "Gbps",
-    "B/s", "KB/s", "MB/s", "GB/s", "TB/s", "KiB/s", "MiB/s", "GiB/s",
-)  # fmt: skip
-SIZE_UNITS: dict[str, float] = {"B": 1.0} | {p + "B": m for p, m in (_DECIMAL | _BINARY).items() if p}
 #: Bytes per parameter for ``--dtype``.
 DTYPE_BYTES: dict[str, float] = {
     "fp64": 8, "float64": 8, "fp32": 4, "float32": 4, "bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2,
     "fp8": 1, "float8": 1, "int8": 1, "int4": 0.5,
 }  # fmt: skip
-
-_NUMBER = r"[+-]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][+-]?\d+)?"
-_QUANTITY = re.compile(rf"^\s*({_NUMBER})\s*([A-Za-z/]*)\s*$")
-
-
-def _split(text: str, what: str, valid: str) -> tuple[float, str]:
-    if not isinstance(text, str):
-        raise ConfigError(f"{what}: expected text like '10Gbit', got {type(text).__name__}; valid units: {valid}")
-    m = _QUANTITY.match(text)
-    if m is None:
-        raise ConfigError(f"{what}: cannot read {text!r} as a number with a unit; valid units: {valid}")
-    value = float(m.group(1))
-    if not math.isfinite(value) or value <= 0:
-        raise ConfigError(f"{what}: {text!r} must be a positive number; valid units: {valid}")
-    return value, m.group(2)
-
-
-def parse_rate(text: str) -> float:
-    """Bytes per second of a link or rate such as ``10Gbit``, ``25 Gb/s``, ``1.25GB/s``, ``800MB/s``, ``100Mbps``.
-
-    ``b``/``bit`` is bits, ``B`` is bytes; K/M/G/T are powers of 1000, Ki/Mi/Gi/Ti powers of 1024. ``bit``,
-    ``bps`` and ``bytes`` are matched case-insensitively (``10gbit``), the others exactly (``Gb`` is not ``GB``).
-    ConfigError naming the valid units for a missing or unknown unit, zero or a negative number.
-    """
-    valid = ", ".join(RATE_UNITS_SHOWN)
-    value, unit = _split(text, "rate", valid)
-    if not unit:
-        raise ConfigError(f"rate {text!r} has no unit (bits or bytes?); valid units: {valid}")
-    mult = RATE_UNITS.get(unit)
-    if mult is None:
-        low = unit.lower()
-        for name, m in RATE_UNITS.items():
-            if name.lower() == low and any(k in low for k in ("bit", "bps", "bytes")):
-                mult = m
-                break
-    if mult is None:
-        raise ConfigError(f"rate {text!r}: unknown unit {unit!r}; valid units: {valid}")
-    return value * mult
-
-
-def parse_size(text: str | float | int) -> float:
-    """Bytes of ``512``, ``512B``, ``4KiB``, ``1.5MB`` (a bare number is bytes); ConfigError for bad input."""
-    valid = choices(SIZE_UNITS)
-    if isinstance(text, bool):
-        raise ConfigError(f"size: expected a number of bytes, got {text!r}; valid units: {valid}")
-    if isinstance(text, int | float):
-        text = repr(text)
-    value, unit = _split(text, "size", valid)
-    if not unit:
-        return value
-    if unit not in SIZE_UNITS:
-        raise ConfigError(f"size {text!r}: unknown unit {unit!r}; valid units: {valid}")
-    return value * SIZE_UNITS[unit]
-
-
-def format_rate(bytes_per_s: float) -> str:
-    """``13107200`` -> ``'13.1 MB/s'`` (decimal units, three significant digits)."""
-    for unit, mult in (("TB/s", 1e12), ("GB/s", 1e9), ("MB/s", 1e6), ("KB/s", 1e3)):
-        if bytes_per_s >= mult:
-            return f"{bytes_per_s / mult:.3g} {unit}"
-    return f"{bytes_per_s:.3g} B/s"
-
-
-def format_size(n_bytes: float) -> str:
-    """``1e9`` -> ``'1 GB'`` (decimal units)."""
-    for unit, mult in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
-        if n_bytes >= mult:
-            return f"{n_bytes / mult:.3g} {unit}"
-    return f"{n_bytes:.3g} B"
-
-
-def format_count(n: float) -> str:
-    """``5e8`` -> ``'500M'``, ``1.5e9`` -> ``'1.5G'``."""
-    for unit, mult in (("T", 1e12), ("G", 1e9), ("M", 1e6), ("K", 1e3)):
-        if n >= mult:
-            return f"{n / mult:.4g}{unit}"
-    return f"{n:.4g}"
 
 
 def _positive(name: str, value: float, *, integer: bool = False) -> float:
@@ -387,10 +292,10 @@ def frame_bytes_from_report(path: str | Path, run: str | None = None) -> tuple[s
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="mrl plan",
+        prog="python -m benchmarks plan",
         description="Bandwidth budget for experience and weight traffic between rollout and trainer pools.",
-        epilog="Example: mrl plan --envs 128 --rate 200 --bytes 512 --params 0.5e9 --update-interval 15 "
-        "--receivers 4 --link 10Gbit",
+        epilog="Example: python -m benchmarks plan --envs 128 --rate 200 --bytes 512 --params 0.5e9 "
+        "--update-interval 15 --receivers 4 --link 10Gbit",
     )
     e = p.add_argument_group("experience (rollout -> trainer)")
     e.add_argument("--envs", type=int, help="parallel environments")
@@ -423,7 +328,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _placement_cli(args: argparse.Namespace) -> int:
-    from mrl_plugins.bench.placement import format_result, measure
+    from benchmarks.placement import format_result, measure
 
     given = [f"--{k}" for k in ("envs", "rate", "bytes_", "params", "update_interval", "link") if getattr(args, k)]
     if given:
@@ -432,7 +337,7 @@ def _placement_cli(args: argparse.Namespace) -> int:
     try:
         result = measure(args.config, steps=args.steps, model=args.model, split=not args.no_split_run)
     except RuntimeError as exc:
-        print(f"mrl plan: error: {exc}", file=sys.stderr)
+        print(f"python -m benchmarks plan: error: {exc}", file=sys.stderr)
         return 1
     print(format_result(result))
     if args.json:
@@ -464,7 +369,7 @@ def _plan_from_args(args: argparse.Namespace) -> dict[str, Any]:
     if args.measure is not None:
         if link is not None:
             raise ConfigError("give either --link or --measure, not both")
-        from mrl_plugins.bench.link import measure_link
+        from benchmarks.link import measure_link
 
         got = measure_link(args.measure)
         print(
@@ -476,7 +381,8 @@ def _plan_from_args(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def cli(argv: Sequence[str] | None = None) -> int:
-    """``mrl plan ...``: print the budget table; 0 when every path fits the link, 1 if one is over, 2 on bad input."""
+    """``python -m benchmarks plan ...``: print the budget table; 0 when every path fits the link, 1 if one is over,
+    2 on bad input."""
     parser = _parser()
     try:
         args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
@@ -487,7 +393,7 @@ def cli(argv: Sequence[str] | None = None) -> int:
             return _placement_cli(args)
         plan = _plan_from_args(args)
     except ConfigError as exc:
-        print(f"mrl plan: error: {exc}", file=sys.stderr)
+        print(f"python -m benchmarks plan: error: {exc}", file=sys.stderr)
         return 2
     print(format_plan(plan))
     if args.json:
