@@ -35,12 +35,6 @@ TESTED_TRL = ("1.14", "1.15", "1.16")
 SUPPORTED_TRAINERS = ("GRPOTrainer", "RLOOTrainer")
 
 
-def is_trl_available() -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec("trl") is not None
-
-
 def check_trl_version(installed: str | None = None) -> str:
     """Return the installed TRL version, or raise UnsupportedVersionError naming the supported range."""
     from packaging.specifiers import SpecifierSet

@@ -30,15 +30,12 @@ own path on the main thread (follow-up turns still on the workers).
 from __future__ import annotations
 
 import copy
-import logging
 import threading
 import time
 import types
 from collections import defaultdict
 from contextlib import contextmanager
 from typing import Any
-
-log = logging.getLogger("mrl_plugins.adapters.trl")
 
 
 class _RolloutDone(Exception):  # noqa: N818 - control flow, not an error

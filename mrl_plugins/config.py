@@ -58,6 +58,10 @@ REMOVED_KEYS: dict[str, str] = {
         "was removed: nothing received batches ahead on a background thread (the rollout overlaps generation "
         "with training: rollout.pipeline: async); delete the key"
     ),
+    "comm.full_policy": (
+        "was removed (2026-12-04): a full ring always waits for space (comm.send_timeout_s); its 'drop_newest' "
+        "dropped an answer the trainer then waited for until rollout.timeout_s failed the run; delete the key"
+    ),
 }
 
 

@@ -32,7 +32,6 @@ from mrl_plugins.hookspecs import (
 #: fixed backend choices of the upstream stages (cross-process)
 UPSTREAM_WEIGHT_TRANSPORT = "per_param"
 UPSTREAM_COMM_TRANSPORT = "queue"
-UPSTREAM_COMM_CODEC = "raw"
 
 #: the per_param group: one collective per parameter, a new process cannot join it
 _PER_PARAM = Capabilities(collective=True)

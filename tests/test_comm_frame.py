@@ -215,8 +215,10 @@ def test_config_validation():
     assert cfg.codec == "raw" and cfg.ring_slots == 2
     with pytest.raises(ConfigError, match="unknown key 'ring'.*ring_slots"):
         CommConfig.from_dict({"ring": 2})
-    with pytest.raises(ConfigError, match="full_policy.*'block' or 'drop_newest'"):
-        CommConfig.from_dict({"full_policy": "spill"})
+    with pytest.raises(ConfigError, match="comm.full_policy was removed .* a full ring always waits"):
+        from mrl_plugins.config import load_config
+
+        load_config({"comm": {"full_policy": "drop_newest"}})
     with pytest.raises(ConfigError, match="ring_slots"):
         CommConfig.from_dict({"ring_slots": 0})
     with pytest.raises(ConfigError, match="heartbeat_timeout_s"):

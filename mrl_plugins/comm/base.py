@@ -112,27 +112,6 @@ class Heartbeat:
             self._thread.join(timeout=2 * self._interval + 1.0)
 
 
-class Backoff:
-    """Polling waits: a few yields, then sleeps growing to ``cap`` seconds."""
-
-    def __init__(self, cap: float = 2e-4) -> None:
-        self.n = 0
-        self.cap = cap
-
-    def wait(self) -> None:
-        if self.n < 4:
-            self.n += 1
-            time.sleep(0)
-            return
-        delay = 2e-5 * (1.6 ** (self.n - 4))
-        if delay < self.cap:
-            self.n += 1
-        time.sleep(min(self.cap, delay))
-
-    def reset(self) -> None:
-        self.n = 0
-
-
 def deadline_of(timeout: float | None, default: float) -> float:
     """Absolute monotonic deadline for ``timeout`` (``None`` -> ``default``)."""
     return time.monotonic() + (default if timeout is None else max(0.0, float(timeout)))

@@ -9,7 +9,6 @@ from typing import Any
 from mrl_plugins.errors import ConfigError, choices
 
 CODECS: tuple[str, ...] = ("auto", "raw", "fp16", "bf16")
-FULL_POLICIES: tuple[str, ...] = ("block", "drop_newest")
 CHECKSUMS: tuple[str, ...] = ("xxh3", "crc32c", "none")
 
 
@@ -52,13 +51,6 @@ class CommConfig:
     slot_bytes: int = field(
         default=8 << 20, metadata={"help": "bytes per ring slot = largest frame accepted (>= 4096)"}
     )
-    full_policy: str = field(
-        default="block",
-        metadata={
-            "help": "when the ring is full: 'block' (wait up to send_timeout_s, then StageTimeoutError) or "
-            "'drop_newest' (the frame is not sent, counted in 'dropped', send returns 0)"
-        },
-    )
     send_timeout_s: float = field(default=60.0, metadata={"help": "longest a send waits for ring space (s)"})
     receive_timeout_s: float = field(default=60.0, metadata={"help": "longest a receive waits for a frame (s)"})
     heartbeat_interval_s: float = field(default=0.25, metadata={"help": "how often each end stamps its heartbeat"})
@@ -93,10 +85,6 @@ class CommConfig:
                 raise ConfigError(f"comm.{key} must be an integer >= {lo}, got {val!r}")
         if not isinstance(self.host, str) or not self.host:
             raise ConfigError(f"comm.host must be a host name or IP address, got {self.host!r}")
-        if self.full_policy not in FULL_POLICIES:
-            raise ConfigError(
-                f"comm.full_policy: unknown policy {self.full_policy!r}; valid: {choices(FULL_POLICIES)}"
-            )
         for key in (
             "send_timeout_s",
             "receive_timeout_s",

@@ -286,7 +286,7 @@ class DistProducer:
         self._outbox: queue.Queue = queue.Queue(maxsize=config.ring_slots)
         self._tx = threading.Thread(target=self._run, name=f"mrl-comm-dist{h.index}-tx", daemon=True)
         self._tx.start()
-        self._stats = dict.fromkeys(("frames", "bytes", "raw_bytes", "fallbacks", "wait_s", "dropped"), 0)
+        self._stats = dict.fromkeys(("frames", "bytes", "raw_bytes", "fallbacks", "wait_s"), 0)
         self._hb = Heartbeat(self._beat, config.heartbeat_interval_s, f"mrl-comm-dist{h.index}-hb")
 
     def _beat(self) -> None:
@@ -324,9 +324,6 @@ class DistProducer:
         frame = torch.empty(plan.nbytes, dtype=torch.uint8)
         plan.write_into(frame.numpy().data)
         hdr = torch.tensor([plan.nbytes], dtype=torch.int64)
-        if self.config.full_policy == "drop_newest" and self._outbox.full():
-            self._stats["dropped"] += 1
-            return 0
         t0 = time.perf_counter()
         try:
             self._outbox.put((hdr, frame), timeout=t)
@@ -351,7 +348,7 @@ class DistProducer:
             time.sleep(0.005)
 
     def stats(self) -> dict[str, float]:
-        """Counters: frames, bytes, raw_bytes, fallbacks, wait_s, dropped, queue_depth."""
+        """Counters: frames, bytes, raw_bytes, fallbacks, wait_s, queue_depth."""
         return {**self._stats, "queue_depth": self._outbox.qsize()}
 
     def close(self, timeout: float = 10.0) -> None:

@@ -50,7 +50,6 @@ _EXTRA = struct.Struct("<32sq")
 _FIELD = struct.Struct("<64sBBBBI8qQQQ")
 _ZEROS = (0,) * MAX_NDIM  # shape padding of a field entry
 _HCRC_OFF = 4 + 2 + 2 + 4 + 8 + 8 + 8 + 4 + 4 + 4  # offset of the header crc slot
-_PCRC_OFF = _HCRC_OFF - 4
 FLAG_CHECKSUM = 1
 FLAG_XXH3 = 2
 CHECKSUMS = ("xxh3", "crc32c", "none")

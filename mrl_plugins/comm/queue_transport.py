@@ -146,7 +146,7 @@ class QueueProducer:
         self.config = config
         h.pids[h.index] = os.getpid()
         h.state[h.index] = _ATTACHED
-        self._stats = dict.fromkeys(("frames", "bytes", "raw_bytes", "fallbacks", "wait_s", "dropped"), 0)
+        self._stats = dict.fromkeys(("frames", "bytes", "raw_bytes", "fallbacks", "wait_s"), 0)
         self._hb = Heartbeat(self._beat, config.heartbeat_interval_s, f"mrl-comm-qproducer{h.index}-hb")
         self._closed = False
 
@@ -158,9 +158,6 @@ class QueueProducer:
         fields = {k: _to_wire(v) for k, v in batch.items()}
         data = pickle.dumps((self.index, dict(meta), fields), protocol=pickle.HIGHEST_PROTOCOL)
         t = self.config.send_timeout_s if timeout is None else timeout
-        if self.config.full_policy == "drop_newest" and self.h.q.full():
-            self._stats["dropped"] += 1
-            return 0
         t0 = time.perf_counter()
         deadline = time.monotonic() + t
         try:
@@ -183,7 +180,7 @@ class QueueProducer:
         return len(data)
 
     def stats(self) -> dict[str, float]:
-        """Counters: frames, bytes, raw_bytes, fallbacks (always 0), wait_s, dropped."""
+        """Counters: frames, bytes, raw_bytes, fallbacks (always 0), wait_s."""
         return dict(self._stats)
 
     def close(self) -> None:

@@ -241,16 +241,13 @@ class ShmConsumer:
 
     def stats(self) -> dict[str, float]:
         """Counters: frames, bytes, raw_bytes, fallbacks (the producers' overflow-guard fallbacks, read from the
-        frames), corrupt, wait_s, dead_peers, queue_depth, dropped (producer side)."""
+        frames), corrupt, wait_s, dead_peers, queue_depth."""
         out = dict(self._stats)
         depth = 0
-        dropped = 0
         if self.seg.buf is not None:
             for i in range(self.n):
                 depth += _U64.unpack_from(self.seg.buf, self._cb(i))[0] - self._read[i]
-                dropped += _U64.unpack_from(self.seg.buf, self._cb(i) + 32)[0]
         out["queue_depth"] = depth
-        out["dropped"] = dropped
         return out
 
     def close(self, unlink: bool = True) -> None:
@@ -346,7 +343,7 @@ class ShmProducer:
         _U64.pack_into(buf, self._cb + 8, os.getpid())
         _F64.pack_into(buf, self._cb + 16, time.monotonic())
         _U32.pack_into(buf, self._cb + 24, _ATTACHED)
-        self._stats = dict.fromkeys(("frames", "bytes", "raw_bytes", "fallbacks", "wait_s", "dropped"), 0)
+        self._stats = dict.fromkeys(("frames", "bytes", "raw_bytes", "fallbacks", "wait_s"), 0)
         self._hb = Heartbeat(self._beat, config.heartbeat_interval_s, f"mrl-comm-producer{index}-hb")
 
     def _beat(self) -> None:
@@ -381,10 +378,6 @@ class ShmProducer:
         self._stats["fallbacks"] += plan.fallbacks
         head = self._head
         if head - _U64.unpack_from(buf, self._cb + 128)[0] >= self.slots:
-            if self.config.full_policy == "drop_newest":
-                self._stats["dropped"] += 1
-                _U64.pack_into(buf, self._cb + 32, self._stats["dropped"])
-                return 0
             self._wait_space(head, timeout)
         base = self._slot0 + (head % self.slots) * self.slot_bytes
         n = plan.write_into(buf[base + _SLOT_HDR : base + self.slot_bytes])
@@ -415,8 +408,7 @@ class ShmProducer:
                 if now >= deadline:
                     raise StageTimeoutError(
                         f"shm producer {self.index}: ring full ({self.slots} slots) for {t} s; the consumer is "
-                        "not keeping up (raise comm.send_timeout_s or comm.ring_slots, or use full_policy "
-                        "'drop_newest')"
+                        "not keeping up"
                     )
                 spins += 1
                 if spins <= 2:

@@ -19,10 +19,7 @@ torch_npu is imported inside the calls, never at module import.
 
 from __future__ import annotations
 
-import logging
 from typing import Any
-
-log = logging.getLogger("mrl_plugins.device")
 
 #: why CUDA lends nothing (logged once per run and in the docs)
 CUDA_NOTHING_TO_LEND = (

@@ -20,13 +20,6 @@ from .shards import VersionGoneError, WeightSyncError
 from .shm import ShmSender
 from .sources import iter_trainer_weights
 
-TRANSPORTS = {
-    "shm": ShmSender,
-    "directory": DirectorySender,
-    "broadcast": BroadcastSender,
-    "per_param": PerParamSender,
-}
-
 __all__ = [
     "BroadcastSender",
     "DirectorySender",
@@ -34,7 +27,6 @@ __all__ = [
     "PerParamSender",
     "PollInterval",
     "ShmSender",
-    "TRANSPORTS",
     "VersionGoneError",
     "WeightSyncConfig",
     "WeightSyncError",
