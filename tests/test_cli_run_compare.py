@@ -87,6 +87,16 @@ def test_mrl_compare_quick_repeats_interleaved_with_load_progress_and_plots(tmp_
             assert st["n"] == 2 and st["min"] == values[0] and st["max"] == values[1]
             assert st["median"] == pytest.approx(sum(values) / 2)
         assert report["runs"][kind] in reps  # the representative (median-speed) repeat, what doctor --report reads
+        assert [(r["round"], r["seed"]) for r in reps] == [(1, 0), (2, 1)]  # each round its own seed
+    # per seed: both kinds of a round share its seed; the round's ratio is its own kinds' speeds
+    assert set(report["seeds"]) == {"0", "1"}
+    for seed, runs in report["seeds"].items():
+        assert set(runs) == {"upstream", "all"}
+        up, al = (next(r for r in report["repeats"][k] if r["seed"] == int(seed)) for k in ("upstream", "all"))
+        assert runs["all"]["x_upstream"] == pytest.approx(al["steps_per_s"] / up["steps_per_s"])
+        assert runs["all"]["final_reward"] == al["final_reward"] and runs["all"]["collapsed"] is False  # 8 steps
+    assert report["collapsed_at_seeds"] == {"upstream": [], "all": []}
+    assert "## per seed" in (out / "report.md").read_text()
     spread = report["medians"]["all"]["steps_per_s"], report["medians"]["upstream"]["steps_per_s"]
     overlap = spread[0]["min"] <= spread[1]["max"] and spread[1]["min"] <= spread[0]["max"]
     assert report["verdict"]["all"].startswith("no significant difference" if overlap else ("faster", "slower"))
@@ -221,3 +231,22 @@ def test_mrl_compare_sigterm_stops_the_running_run(tmp_path):
             proc.kill()
             proc.wait(timeout=30)
         proc.stdout.close()
+
+
+def test_a_run_that_unlearned_its_task_counts_as_collapsed():
+    from mrl_plugins.cli.compare import collapsed, per_seed
+
+    learning = [0.1] * 10 + [0.5] * 10
+    gone = [0.6] * 10 + [0.2] * 5 + [0.0] * 10  # the tool job at some seeds: reward to 0
+    assert not collapsed(learning) and collapsed(gone)
+    assert not collapsed([0.6] * 5 + [0.0] * 5)  # too short to have two windows: never counts
+    assert not collapsed([0.0] * 25)  # nothing to lose
+    rep = {"steps_per_s": 2.0, "final_reward": 0.5}
+    got = per_seed(
+        {
+            "upstream": [{**rep, "seed": 0, "rewards": learning}, {**rep, "seed": 1, "rewards": gone}],
+            "all": [{**rep, "steps_per_s": 3.0, "seed": 0, "rewards": learning}],
+        }
+    )
+    assert got["collapsed_at_seeds"] == {"upstream": [1], "all": []}
+    assert got["seeds"]["0"]["all"]["x_upstream"] == 1.5 and got["seeds"]["1"]["upstream"]["collapsed"] is True

@@ -26,8 +26,12 @@ Only when named in ``--runs`` (the GPU check names them, ``benchmarks/gpu``):
   process (its sampling loop instead of ``generate``, no second process, no overlap).
 
 Every kind runs ``--repeats`` times, interleaved (round 1: A B C, round 2: B C A, ...), so a change in the
-host's load hits every kind alike; the table gives medians with [min..max]. The host's load average and the
-CPU share of other processes are sampled before and during each run; the report warns when the host was busy.
+host's load hits every kind alike; the table gives medians with [min..max]. Each round trains with its own seed
+(``train.seed`` + round - 1, the same for that round's runs: model initialisation, data order, sampling), so a
+comparison does not rest on one trajectory; the report gives each seed's final rewards and the runs that collapsed
+(:func:`collapsed`: the reward fell to under half of where it started), and each round's speed ratio. The host's
+load average and the CPU share of other processes are sampled before and during each run; the report warns when the
+host was busy.
 Writes ``report.md``, ``report.json`` and PNG plots into ``--out``; exits 1 when a plugin run's median final
 reward (mean of the last 10 logged steps) is below upstream's by more than ``--tolerance``.
 """
@@ -92,6 +96,8 @@ QUICK = {"model": "tiny", "steps": 8}
 #: answer every batch and the smoke comparison would never exercise the workers
 QUICK_OVERRIDES = {"rollout": {"local_warmup": False}}
 MEDIAN_KEYS = ("steps_per_s", "wall_s", "train_s", "tokens_per_s", "final_reward")
+#: a run collapsed when its final reward (mean of the last 10 logged) is under this share of its first 10's mean
+COLLAPSE_SHARE = 0.5
 _RANK_PREFIX = re.compile(r"^\[rank\d+\]:\s*")  # torch.distributed's prefix on a rank's traceback lines
 _ERROR_LINE = re.compile(r"^(?:[\w.]+\.)?(\w*(?:Error|Exception|Exit|Interrupt)\w*): .+")
 
@@ -294,6 +300,35 @@ def run_one(
     return json.loads(json_path.read_text(encoding="utf-8")), None, load
 
 
+def collapsed(rewards: list[float]) -> bool:
+    """Whether a run unlearned its task: the mean of its last 10 logged rewards is below :data:`COLLAPSE_SHARE` of
+    the mean of its first 10 (a run too short to have both windows apart never counts)."""
+    if len(rewards) < 20:
+        return False
+    first, last = statistics.mean(rewards[:10]), statistics.mean(rewards[-10:])
+    return first > 0 and last < COLLAPSE_SHARE * first
+
+
+def per_seed(repeats: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+    """Each seed (round) of the comparison: every kind's final reward, steps/s and collapse, the speed ratio to
+    upstream in that round, and per kind the seeds it collapsed at."""
+    seeds: dict[int, dict[str, Any]] = {}
+    for name, reps in repeats.items():
+        for r in reps:
+            seed = int(r.get("seed", 0))
+            seeds.setdefault(seed, {})[name] = {
+                "final_reward": r["final_reward"],
+                "steps_per_s": r["steps_per_s"],
+                "collapsed": collapsed(r.get("rewards", [])),
+            }
+    for runs in seeds.values():
+        base = runs.get("upstream", {}).get("steps_per_s")
+        for run in runs.values():
+            run["x_upstream"] = run["steps_per_s"] / base if base else None
+    collapses = {n: sorted(s for s, runs in seeds.items() if runs.get(n, {}).get("collapsed")) for n in repeats}
+    return {"seeds": {str(s): seeds[s] for s in sorted(seeds)}, "collapsed_at_seeds": collapses}
+
+
 def _stats(values: list[float]) -> dict[str, float]:
     return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
 
@@ -354,6 +389,7 @@ def summarize(
         failed_reward = [n for n, m in medians.items() if n != "upstream" and m["final_reward"]["median"] < floor]
     summary["reward_ok"] = not failed_reward
     summary["reward_below_tolerance"] = failed_reward
+    summary.update(per_seed(repeats))
     return summary
 
 
@@ -452,6 +488,37 @@ def gpu_table(report: dict[str, Any], names: list[str]) -> list[str]:
     ]
 
 
+def seed_table(report: dict[str, Any], names: list[str]) -> list[str]:
+    """One row per seed (round): each kind's final reward (collapsed runs marked) and x upstream in that round."""
+    kinds = [n for n in names if n in report["medians"]]
+    if not report.get("seeds") or not kinds:
+        return []
+    lines = [
+        "## per seed (each round trains with its own seed, shared by that round's runs)",
+        "",
+        "| seed | " + " | ".join(f"{n}: final reward, x upstream" for n in kinds) + " |",
+        "|---|" + "---|" * len(kinds),
+    ]
+    for seed, runs in report["seeds"].items():
+        cells = []
+        for n in kinds:
+            run = runs.get(n)
+            if run is None:
+                cells.append("-")
+                continue
+            x = "-" if run["x_upstream"] is None else f"{run['x_upstream']:.2f}x"
+            cells.append(f"{run['final_reward']:.3f}{' COLLAPSED' if run['collapsed'] else ''}, {x}")
+        lines.append(f"| {seed} | " + " | ".join(cells) + " |")
+    gone = {n: s for n, s in report["collapsed_at_seeds"].items() if s}
+    lines += [
+        "",
+        "collapsed (the last 10 rewards under half of the first 10's): "
+        + ("; ".join(f"{n} at seed(s) {', '.join(map(str, s))}" for n, s in gone.items()) if gone else "none"),
+        "",
+    ]
+    return lines
+
+
 def verdict_lines(report: dict[str, Any]) -> list[str]:
     return [f"- {n}: {v}" for n, v in report["verdict"].items()]
 
@@ -527,11 +594,14 @@ def cli(argv: list[str]) -> int:
     skipped = {n: why for n in names if (why := skip_reason(RUNS[n]))}
     active = [n for n in names if n not in skipped]
     configs, steps_of = {}, {}
+    first_seed = load_config({"train": data.get("train") or {}}).train.seed
     for n in active:
-        configs[n] = out / "runs" / f"{n.replace('+', '_')}.yaml"
         run_cfg = kind_config(data, RUNS[n], steps=ns.steps, model=ns.model, quick=ns.quick)
-        configs[n].write_text(yaml.safe_dump(run_cfg))
         steps_of[n] = load_config(run_cfg).train.steps
+        for rnd in range(1, ns.repeats + 1):  # each round its own seed, the same for every kind of that round
+            run_cfg["train"] = {**run_cfg["train"], "seed": first_seed + rnd - 1}
+            configs[n, rnd] = out / "runs" / f"{n.replace('+', '_')}-{rnd}.yaml"
+            configs[n, rnd].write_text(yaml.safe_dump(run_cfg))
     order = [(r + 1, k) for r in range(ns.repeats) for k in (active[r % len(active) :] + active[: r % len(active)])]
     repeats: dict[str, list[dict[str, Any]]] = {n: [] for n in active}
     failed: dict[str, str] = {}
@@ -552,7 +622,7 @@ def cli(argv: list[str]) -> int:
             progress.start(i, name, rnd, ns.repeats, base.with_suffix(".log"))
             rest = [k for _, k in order[i:] if k not in failed]
             result, error, load = run_one(
-                configs[name],
+                configs[name, rnd],
                 name,
                 RUNS[name],
                 base,
@@ -567,6 +637,7 @@ def cli(argv: list[str]) -> int:
                 continue
             assert result is not None
             result["host"] = load
+            result["round"], result["seed"] = rnd, first_seed + rnd - 1
             repeats[name].append(result)
             progress.done(
                 name,
@@ -609,6 +680,7 @@ def cli(argv: list[str]) -> int:
         "",
         *speed,
         "",
+        *seed_table(report, names),
         *gpu_table(report, names),
         reward,
         "",
@@ -620,6 +692,9 @@ def cli(argv: list[str]) -> int:
     print()
     print("\n".join(speed[2:]) or "no speed verdict (upstream did not run)")
     print(reward)
+    gone = {n: s for n, s in summary["collapsed_at_seeds"].items() if s}
+    if gone:
+        print("collapsed: " + "; ".join(f"{n} at seed(s) {', '.join(map(str, s))}" for n, s in gone.items()))
     if host["warning"]:
         print(host["warning"])
     print(f"report: {out / 'report.md'}")
