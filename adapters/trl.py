@@ -14,6 +14,7 @@ this package reads, wraps or sets is listed in :mod:`mrl_plugins.adapters.trl_me
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import logging
 import os
 import sys
@@ -95,8 +96,10 @@ def enable(trainer: Any, config: Any = None) -> Any:
     cfg = load_config(config)
     pm = get_plugin_manager(cfg)
     _check_combination(pm, cfg)
-    device = get_device(cfg.device)
-    _check_rollout(trainer, cfg, pm, kind)
+    device = trainer_device(trainer) if cfg.device in (None, "auto") else get_device(cfg.device)
+    if cfg.device != device.spec:  # the workers, Ray's bundles and doctor see the device the trainer is on
+        cfg = dataclasses.replace(cfg, device=device.spec)
+    _check_rollout(trainer, cfg, pm, kind, device)
     plan = None if pm.is_upstream("rollout") else _plan(trainer, pm, cfg, device)
     if getattr(trainer, "_mrl_state", None) is not None:  # enabled before (a notebook cell run again): start over
         disable(trainer)
@@ -121,13 +124,19 @@ def enable(trainer: Any, config: Any = None) -> Any:
     return trainer
 
 
-def _check_rollout(trainer: Any, cfg: Any, pm: Any, kind: str) -> None:
+def trainer_device(trainer: Any) -> Any:
+    """The :class:`~mrl_plugins.device.Device` the trainer trains on (TRL's accelerator's)."""
+    from mrl_plugins.device import get_device
+
+    dev = trainer.accelerator.device
+    return get_device("cpu" if dev.type == "cpu" else f"{dev.type}:{dev.index or 0}")
+
+
+def _check_rollout(trainer: Any, cfg: Any, pm: Any, kind: str, device: Any) -> None:
     """What the 'mrl' rollout refuses on this trainer, before anything is changed."""
     if not pm.is_upstream("rollout"):
         if trainer.accelerator.num_processes == 1:  # several ranks split the cores / devices among their pools
-            from mrl_plugins.device import get_device
-
-            cfg.rollout.check_placement_on(cfg.mode, get_device(cfg.device))
+            cfg.rollout.check_placement_on(cfg.mode, device)
         if cfg.rollout.old_logps == "engine":
             _check_engine_logps(trainer, kind)
         if cfg.rollout.ref_logps == "engine":
@@ -444,7 +453,7 @@ def summary_line(trainer: Any, state: State, device: Any, plan: tuple | None = N
             if rc.placement == "auto":
                 where += "; placement auto: this split or taking turns on all cores, from measured stage times"
             elif rc.warmup:
-                where += "; until ready: the trainer's own model generates (rollout.local_warmup)"
+                where += "; until ready: the trainer's own model generates"
             else:
                 where += f"; until ready: the first generation waits (at most {rc.start_timeout_s:g} s)"
         parts.append(f"rollout={name} ({where})")
@@ -454,7 +463,9 @@ def summary_line(trainer: Any, state: State, device: Any, plan: tuple | None = N
     parts.append(f"weight_sync={ws}")
     comm = "upstream" if pm.is_upstream("comm") else _plugin(pm, "comm")
     if comm == "mrl":
-        comm = f"{cfg.comm.transport}/{cfg.comm.codec}"
+        from mrl_plugins.comm.codec import resolve_codec
+
+        comm = f"{cfg.comm.transport}/{resolve_codec(cfg.comm.codec, cfg.comm.transport)}"
     parts.append(f"comm={comm}")
     acc = getattr(trainer, "accelerator", None)
     world = getattr(acc, "num_processes", 1) or 1

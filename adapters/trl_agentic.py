@@ -136,7 +136,7 @@ def _take_rollouts_ahead(trainer: Any, state: Any, gen: Any, shadow: Any) -> Non
             trainer._last_loaded_step = step
         stale = gen.version - rollout.oldest_version()
         metrics.gauge("rollout/staleness", max(0, stale))
-        if stale > rc.max_staleness:
+        if stale > rc.staleness_bound:
             metrics.add("rollout/stale_samples", len(inputs))
             if rc.stale_policy == "drop":
                 metrics.add("rollout/dropped_samples", len(inputs))

@@ -283,7 +283,7 @@ class ShadowLookahead:
             from mrl_plugins.errors import StageTimeoutError
 
             raise StageTimeoutError(
-                f"rollout ahead: batch not rolled out within {self.timeout:.0f} s (rollout.timeout_s): a tool or a "
+                f"rollout ahead: batch not rolled out within {self.timeout:.0f} s (timeout_s): a tool or a "
                 "turn is still running"
             )
         if rollout.error is not None:

@@ -36,7 +36,12 @@ def main(argv: list[str] | None = None) -> int:
         for name, (_, text) in TOOLS.items():
             print(f"  {name:<9}{text}", file=out)
         return 0
+    import os
+
+    from mrl_plugins.config_fields import INTERNAL_ENV
     from mrl_plugins.errors import MrlError
+
+    os.environ[INTERNAL_ENV] = "1"  # the lab sets internal values (lending off, placements held...) in its runs
 
     module, _ = TOOLS[argv[0]]
     try:

@@ -1,5 +1,6 @@
 """``python -m benchmarks ray``: what Ray's own processes cost on one host -- the same GRPO job with
-``rollout.launcher: local``, ``manual``, ``ray`` and ``ray_apart``, repetitions interleaved (the order rotates per
+its worker started locally (``local``), by hand (``manual``), by Ray (``ray``: ``rollout.ray_address``) and by Ray
+with its processes apart (``ray_apart``), repetitions interleaved (the order rotates per
 repetition).
 
 * ``local``: ``configs/disaggregated.yaml`` as it is: one worker process of the trainer's, on its own core,
@@ -319,10 +320,9 @@ def job_config(launcher: str, *, steps: int, model: str, tmp: Path, cluster: Ben
     if launcher == "local":
         return data
     rollout = {
-        **data["rollout"],
+        **(data.get("rollout") or {}),
         "workers": 0,
         "remote_workers": 1,
-        "launcher": "ray" if launcher == "ray_apart" else launcher,
         "rendezvous": f"127.0.0.1:{port}",
         "local_warmup": False,
     }
@@ -333,8 +333,8 @@ def job_config(launcher: str, *, steps: int, model: str, tmp: Path, cluster: Ben
         rollout["ray_worker_cores"] = rest[: rollout.get("engine_threads", 1)]
         rollout["trainer_cores"] = list(cluster.cores)
     data["rollout"] = rollout
-    data["comm"] = {**data["comm"], "transport": "torch_distributed", "host": "127.0.0.1"}
-    data["weight_sync"] = {"transport": "directory", "directory": str(tmp / f"weights-{launcher}-{port}")}
+    # remote workers: experience over torch_distributed on the rendezvous host, weights through the directory
+    data["weight_sync"] = {"directory": str(tmp / f"weights-{launcher}-{port}")}
     return data
 
 

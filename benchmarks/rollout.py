@@ -72,7 +72,7 @@ def grpo_settings(
         train["learning_rate"] = 0.0
     disaggregated = load_yaml("disaggregated")
     if has_kl(train):  # the worker scores the reference too (compare_kl), else the trainer keeps that pass
-        disaggregated["rollout"] = {**disaggregated["rollout"], "ref_logps": "engine"}
+        disaggregated["rollout"] = {**(disaggregated.get("rollout") or {}), "ref_logps": "engine"}
     auto = {**job_config, "rollout": {**(job_config.get("rollout") or {}), "placement": "auto"}}
     settings = {  # name: (config, kind, train overrides)
         "upstream_1_thread": (load_yaml("upstream"), RunKind(UPSTREAM), {"threads": 1}),

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from mrl_plugins import tool_task
+from mrl_plugins.config_fields import internal, internal_allowed, internal_keys_in
 from mrl_plugins.errors import ConfigError, choices
 
 MODES = ("colocate", "disaggregated", "hybrid")
@@ -56,7 +57,15 @@ def _type_ok(value: Any, tp: Any) -> bool:
 REMOVED_KEYS: dict[str, str] = {
     "comm.prefetch": (
         "was removed: nothing received batches ahead on a background thread (the rollout overlaps generation "
-        "with training: rollout.pipeline: async); delete the key"
+        "with training: rollout.max_staleness >= 1); delete the key"
+    ),
+    "ports": (
+        "was removed (2026-12-04): nothing in a run bound a port from it; give the table to "
+        "`mrl doctor --ports name=port,...`"
+    ),
+    "rollout.launcher": (
+        "was removed (2026-12-04): set rollout.ray_address (auto | local | HOST:PORT) to have Ray start the remote "
+        "workers; without it they are started by hand (`mrl worker --connect`)"
     ),
     "comm.full_policy": (
         "was removed (2026-12-04): a full ring always waits for space (comm.send_timeout_s); its 'drop_newest' "
@@ -117,10 +126,24 @@ def _join(path: str, key: str) -> str:
     return key if path == TOP else f"{path}.{key}"
 
 
-def _nested(cls: type, value: Any, path: str) -> Any:
+def _check_internal(cls: type, data: Any, path: str) -> None:
+    """A user's config that sets an internal field: one error saying it is none and what decides it instead
+    (:mod:`mrl_plugins.config_fields`; ``MRL_ALLOW_INTERNAL_KEYS=1`` lets the tests and benchmarks set them)."""
+    if internal_allowed():
+        return
+    for key, why in internal_keys_in(cls, data):
+        raise ConfigError(f"{_join(path, key)} is not a setting (since 2026-12-04): {why}")
+
+
+def _nested(cls: type, value: Any, path: str, derived: dict[str, Any] | None = None) -> Any:
+    """The section ``cls`` from the user's mapping ``value`` (removed and internal keys refused), with the
+    ``derived`` values of its internal fields the mapping does not set."""
     if value is not None and not isinstance(value, dict | cls):
         raise ConfigError(f"{path}: expected a mapping, got {type(value).__name__}")
     _check_removed(value, path)
+    if isinstance(value, dict) or value is None:
+        _check_internal(cls, value, path)
+        value = {**(derived or {}), **(value or {})}
     from_dict = getattr(cls, "from_dict", None)
     if from_dict is not None and not isinstance(value, cls):
         try:
@@ -178,6 +201,13 @@ class TrainConfig:
     threads: int = field(
         default=0, metadata={"help": "torch threads of the trainer process; 0 = all cores of the budget"}
     )
+    device: str = field(
+        default="auto",
+        metadata={
+            "help": "where the run trains: 'auto' (NPU, else CUDA, else CPU), 'cpu', 'cuda[:N]' or 'npu[:N]'; "
+            "enable() takes the device the trainer is on"
+        },
+    )
     output_dir: str = field(default="mrl-out", metadata={"help": "TRL output_dir"})
     logging_steps: int = field(default=1, metadata={"help": "TRL logging_steps"})
     trl_args: dict = field(default_factory=dict, metadata={"help": "extra GRPOConfig/RLOOConfig keyword arguments"})
@@ -197,6 +227,61 @@ class TrainConfig:
                 raise ConfigError(f"train.{key}: must be >= 1, got {getattr(self, key)}")
         if self.threads < 0:
             raise ConfigError(f"train.threads: must be >= 0, got {self.threads}")
+        check_device_spec(self.device, "train.device")
+
+
+def check_device_spec(value: Any, key: str) -> None:
+    """``auto``, ``cpu``, ``cuda[:N]`` or ``npu[:N]``; ConfigError naming ``key`` otherwise."""
+    dev, sep, index = str(value).partition(":")
+    if not isinstance(value, str) or dev not in DEVICES or (sep and (dev in ("auto", "cpu") or not index.isdigit())):
+        raise ConfigError(f"{key}: {value!r} is not a device; valid: {choices(DEVICES)} (cuda/npu optionally ':N')")
+
+
+#: how long an engine may take to start, beyond 1.5 x timeout_s (vLLM builds and profiles its engine)
+ENGINE_START_S = {"vllm": 300.0}
+#: experience transports between processes of one host (a heartbeat older than 5 s there means a hung process)
+LOCAL_COMM_TRANSPORTS = ("shm", "queue")
+
+
+def derive(top: Any, rollout: Any, weight_sync: Any, comm: Any) -> dict[str, dict[str, Any]]:
+    """The internal fields that follow from the user's settings, per section (``"top"`` for the top level).
+
+    ``timeout_s`` (T) bounds every wait for another process: a worker's answer, each wait of a weight transfer, a
+    send or receive of experience, a remote worker's or a network peer's silence; a peer on the same host is dead
+    after ``min(T, 5 s)`` without a heartbeat; a start may take ``max(1.5 T, the engine's start)``. ``checksums``
+    switches weights' and experience's checksums together. With remote workers the transports left at ``auto``
+    cross hosts (experience over ``torch_distributed`` on the rendezvous host, weights over ``broadcast``, or
+    ``directory`` when ``weight_sync.directory`` is set); otherwise shared memory. Placement auto lends idle worker
+    cores unless the weight transport is a collective one.
+    """
+    from mrl_plugins.rollout.config import parse_address
+    from mrl_plugins.weight_sync.config import COLLECTIVE_TRANSPORTS
+
+    t = float(top.timeout_s)
+    remote = rollout.remote_workers > 0
+    w_transport = weight_sync.transport
+    if w_transport == "auto":
+        w_transport = ("directory" if weight_sync.directory else "broadcast") if remote else "shm"
+    c_transport = comm.transport
+    if c_transport == "auto":
+        c_transport = "torch_distributed" if remote else "shm"
+    return {
+        "top": {"device": top.train.device},
+        "rollout": {
+            "timeout_s": t,
+            "start_timeout_s": max(1.5 * t, ENGINE_START_S.get(rollout.engine, 0.0)),
+            "lend_cores": w_transport not in COLLECTIVE_TRANSPORTS,
+        },
+        "weight_sync": {"transport": w_transport, "timeout_s": t, "verify_checksum": bool(top.checksums)},
+        "comm": {
+            "transport": c_transport,
+            "host": parse_address(rollout.rendezvous)[0] if remote else "127.0.0.1",
+            "send_timeout_s": t,
+            "receive_timeout_s": t,
+            "heartbeat_timeout_s": min(t, 5.0) if c_transport in LOCAL_COMM_TRANSPORTS else t,
+            "checksum": "xxh3" if top.checksums else "none",
+        },
+    }
 
 
 def _stage_classes() -> dict[str, type]:
@@ -207,34 +292,71 @@ def _stage_classes() -> dict[str, type]:
     return {"rollout": RolloutConfig, "weight_sync": WeightSyncConfig, "comm": CommConfig}
 
 
+AUTOLOAD_WHY = (
+    "third-party plugins load from the 'mrl_plugins' entry points unless MRL_DISABLE_PLUGIN_AUTOLOAD=1 (CLI: "
+    "--no-autoload); block one plugin with disable"
+)
+DEVICE_WHY = "enable() uses the device the trainer is on; mrl run / mrl compare: train.device"
+
+
 @dataclass
 class MrlConfig:
-    """The whole configuration (top level of the YAML file)."""
+    """The whole configuration (top level of the YAML file).
+
+    Loading it (:meth:`from_dict`, or building it in code) derives the internal fields of every section from the
+    settings (:func:`derive`); a section given as an object is taken as it is."""
 
     plugins: PluginsConfig = field(default_factory=PluginsConfig, metadata={"help": "plugin per stage"})
     disable: list[str] = field(default_factory=list, metadata={"help": "plugin names blocked before loading"})
-    autoload: bool = field(
-        default=True, metadata={"help": "load third-party plugins from the 'mrl_plugins' entry points"}
-    )
+    autoload: bool = internal(AUTOLOAD_WHY, default=True)
     mode: str = field(default="colocate", metadata={"help": "deployment: 'colocate', 'disaggregated' or 'hybrid'"})
-    device: str = field(default="auto", metadata={"help": "'auto', 'cpu', 'cuda[:N]' or 'npu[:N]'"})
+    device: str | None = internal(DEVICE_WHY, default=None)
+    timeout_s: float = field(
+        default=120.0,
+        metadata={
+            "help": "seconds to wait for another process (a worker's answer, each wait of a weight transfer, a send "
+            "or receive of experience, a remote worker's silence) before the run fails naming it; a worker may "
+            "take 1.5x as long to start (vLLM at least 300 s), a peer on this host is dead after min(timeout_s, "
+            "5) s without a heartbeat"
+        },
+    )
+    checksums: bool = field(
+        default=True,
+        metadata={
+            "help": "checksum weights (crc32c on shared memory and disk, xxh3 on broadcast; a mismatch means no "
+            "switch) and experience frames (xxh3; a corrupt frame is dropped and counted)"
+        },
+    )
     rollout: Any = field(default=None, metadata={"help": "rollout stage section"})
     weight_sync: Any = field(default=None, metadata={"help": "weight-sync stage section"})
     comm: Any = field(default=None, metadata={"help": "communication stage section"})
     train: TrainConfig = field(default_factory=TrainConfig, metadata={"help": "run settings for mrl run/compare"})
     log_metrics: bool = field(default=True, metadata={"help": "add mrl/<stage>/... keys to TRL's logs"})
-    ports: dict = field(
-        default_factory=dict, metadata={"help": "one port table for every process: name -> port (see mrl doctor)"}
-    )
 
     def __post_init__(self) -> None:
-        for name, cls in _stage_classes().items():
-            if getattr(self, name) is None:
-                setattr(self, name, cls())
-        for name, cls in (*_stage_classes().items(), ("plugins", PluginsConfig), ("train", TrainConfig)):
+        for name, cls in (("plugins", PluginsConfig), ("train", TrainConfig)):
             value = getattr(self, name)
-            if isinstance(value, dict):  # MrlConfig(rollout={...}) builds the typed section
+            if isinstance(value, dict):  # MrlConfig(train={...}) builds the typed section
                 setattr(self, name, _nested(cls, value, name))
+        stages = _stage_classes()
+        given = {name: getattr(self, name) for name in stages}
+        # a mapping (or nothing) is the user's settings; an object built in code is taken as it is
+        users = {
+            name: ({} if v is None else v) if isinstance(v, dict) or v is None else None for name, v in given.items()
+        }
+        # the settings first (internal fields at their standalone defaults), then what derives from them
+        first = {
+            name: given[name] if users[name] is None else _nested(stages[name], users[name], name) for name in stages
+        }
+        derived = derive(self, first["rollout"], first["weight_sync"], first["comm"])
+        for name in stages:
+            if users[name] is None:  # an object built in code: taken as it is
+                setattr(self, name, given[name])
+            else:  # a setting left at 'auto' (the transports) takes its derived value
+                user = {k: v for k, v in users[name].items() if not (v == "auto" and k in derived[name])}
+                setattr(self, name, _nested(stages[name], user, name, derived[name]))
+        if self.device is None:
+            self.device = derived["top"]["device"]
 
     def validate_all(self) -> None:
         """Validate the top level and every section (for objects built in code rather than from a dict)."""
@@ -255,25 +377,24 @@ class MrlConfig:
             raise ConfigError(f"{TOP}: expected a mapping at the top level, got {type(data).__name__}")
         data = dict(data)
         stages = _stage_classes()
-        sections = {name: _nested(stages[name], data.pop(name), name) for name in list(stages) if name in data}
+        sections = {name: data.pop(name) for name in list(stages) if name in data}
+        _check_removed(data, TOP)
+        _check_internal(_TopLevel, data, TOP)
+        for name, value in sections.items():  # the section's own errors before any derivation
+            if value is not None and not isinstance(value, dict):
+                raise ConfigError(f"{name}: expected a mapping, got {type(value).__name__}")
         top = section_from_dict(_TopLevel, data, TOP, valid_keys=[f.name for f in dataclasses.fields(cls)])
-        return cls(**dataclasses.asdict(top) | {"plugins": top.plugins, "train": top.train}, **sections)
+        values = {f.name: getattr(top, f.name) for f in dataclasses.fields(_TopLevel)}
+        return cls(**values, **{name: dict(value or {}) for name, value in sections.items()})
 
     def validate(self) -> None:
         if self.mode not in MODES:
             raise ConfigError(f"mode: {self.mode!r} is not a deployment mode; valid: {choices(MODES)}")
-        dev, sep, index = self.device.partition(":")
-        if dev not in DEVICES or (sep and (dev in ("auto", "cpu") or not index.isdigit())):
-            raise ConfigError(
-                f"device: {self.device!r} is not a device; valid: {choices(DEVICES)} (cuda/npu optionally ':N')"
-            )
-        seen: dict[int, str] = {}
-        for name, port in (self.ports or {}).items():
-            if isinstance(port, bool) or not isinstance(port, int) or not 1 <= port <= 65535:
-                raise ConfigError(f"ports.{name}: must be an integer port in 1..65535, got {port!r}")
-            if port in seen:
-                raise ConfigError(f"ports.{name}: port {port} is already assigned to ports.{seen[port]}")
-            seen[port] = name
+        if self.device is not None:
+            check_device_spec(self.device, "device")
+        t = self.timeout_s
+        if isinstance(t, bool) or not isinstance(t, int | float) or not t >= 1:
+            raise ConfigError(f"timeout_s: must be a number of seconds >= 1, got {t!r}")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -283,12 +404,13 @@ class MrlConfig:
 class _TopLevel:
     plugins: PluginsConfig = field(default_factory=PluginsConfig)
     disable: list[str] = field(default_factory=list)
-    autoload: bool = True
+    autoload: bool = internal(AUTOLOAD_WHY, default=True)
     mode: str = "colocate"
-    device: str = "auto"
+    device: str | None = internal(DEVICE_WHY, default=None)
+    timeout_s: float = 120.0
+    checksums: bool = True
     train: TrainConfig = field(default_factory=TrainConfig)
     log_metrics: bool = True
-    ports: dict = field(default_factory=dict)
 
     def validate(self) -> None:
         MrlConfig.validate(self)  # type: ignore[arg-type]

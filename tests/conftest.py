@@ -16,6 +16,10 @@ import pytest
 
 # TRL's experimental modules warn on import; with ``filterwarnings = error`` that would fail tests.
 os.environ["TRL_EXPERIMENTAL_SILENCE"] = "1"
+# The tests set internal config values (derived or constant for users: mrl_plugins.config_fields) in their configs,
+# in this process and in the runs they start; the tests of what a user's config may set remove it
+# (``user_config`` fixture).
+os.environ["MRL_ALLOW_INTERNAL_KEYS"] = "1"
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -95,6 +99,12 @@ def no_leaked_shared_memory() -> Iterator[None]:
         leaked -= _shm_in_use_elsewhere(leaked)
     if leaked:
         pytest.fail(f"shared memory left in {SHM_DIR} by the test session: {', '.join(sorted(leaked))}")
+
+
+@pytest.fixture
+def user_config(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Configs load as a user's do: internal values are refused (``MRL_ALLOW_INTERNAL_KEYS`` unset)."""
+    monkeypatch.delenv("MRL_ALLOW_INTERNAL_KEYS", raising=False)
 
 
 @pytest.fixture

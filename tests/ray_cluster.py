@@ -1,4 +1,4 @@
-"""A real two-node Ray cluster across network namespaces, for the ``launcher: ray`` tests (and nothing else).
+"""A real two-node Ray cluster across network namespaces, for the Ray tests (``rollout.ray_address``) only.
 
 :class:`RayCluster` makes a trainer namespace and one worker namespace on a veth bridge in ``10.79.0.0/24``
 (:class:`benchmarks.netns.Hosts`, names ``mrlray-<pid>-<n>-t`` / ``-w0``; the other two-host tests use

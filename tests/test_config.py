@@ -36,7 +36,7 @@ def test_bundled_configs_load(name):
     assert isinstance(cfg, MrlConfig)
     assert cfg.mode in MODES
     raw = load_yaml(path)
-    assert cfg.plugins.as_dict() == {**PluginsConfig().as_dict(), **raw["plugins"]}
+    assert cfg.plugins.as_dict() == {**PluginsConfig().as_dict(), **(raw.get("plugins") or {})}
     if "mode" in raw:
         assert cfg.mode == raw["mode"]
     for section in ("rollout", "weight_sync", "comm", "train"):
@@ -123,14 +123,14 @@ def test_unknown_top_level_key():
         load_config({"pluggins": {}})
     msg = str(err.value)
     assert "'pluggins'" in msg
-    for key in ("plugins", "disable", "mode", "device", "rollout", "weight_sync", "comm", "train"):
+    for key in ("plugins", "disable", "mode", "timeout_s", "checksums", "rollout", "weight_sync", "comm", "train"):
         assert f"'{key}'" in msg, key
 
 
 @pytest.mark.parametrize(
     ("data", "key", "valid"),
     [
-        ({"rollout": {"foo": 1}}, "rollout", "pipeline"),
+        ({"rollout": {"foo": 1}}, "rollout", "max_staleness"),
         ({"comm": {"foo": 1}}, "comm", "codec"),
         ({"weight_sync": {"foo": 1}}, "weight_sync", "transport"),
         ({"train": {"foo": 1}}, "train", "steps"),
@@ -149,10 +149,10 @@ def test_unknown_nested_key(data, key, valid):
     ("data", "pattern"),
     [
         ({"mode": "cluster"}, r"^mode: 'cluster'.*'colocate', 'disaggregated' or 'hybrid'"),
-        ({"device": "tpu"}, r"^device: 'tpu'.*'auto', 'cpu', 'cuda' or 'npu'"),
-        ({"device": "cuda:x"}, r"^device: 'cuda:x'"),
-        ({"device": "cpu:3"}, r"^device: 'cpu:3'"),
-        ({"rollout": {"pipeline": "eager"}}, r"^rollout\.pipeline: 'eager'.*'async' or 'sync'"),
+        ({"train": {"device": "tpu"}}, r"^train\.device: 'tpu'.*'auto', 'cpu', 'cuda' or 'npu'"),
+        ({"train": {"device": "cuda:x"}}, r"^train\.device: 'cuda:x'"),
+        ({"train": {"device": "cpu:3"}}, r"^train\.device: 'cpu:3'"),
+        ({"rollout": {"max_staleness": -1}}, r"^rollout\.max_staleness: must be an int >= 0 \(0: take turns\)"),
         ({"train": {"trainer": "ppo"}}, r"^train\.trainer: 'ppo'.*'grpo' or 'rloo'"),
     ],
 )
@@ -165,7 +165,8 @@ def test_bad_enum_values_name_valid_values(data, pattern):
     ("data", "pattern"),
     [
         ({"mode": 5}, r"^mode: expected str, got 5"),
-        ({"autoload": "no"}, r"^autoload: expected bool, got 'no'"),
+        ({"checksums": "no"}, r"^checksums: expected bool, got 'no'"),
+        ({"timeout_s": 0.5}, r"^timeout_s: must be a number of seconds >= 1, got 0\.5"),
         ({"disable": "mrl"}, r"^disable: expected list, got 'mrl'"),
         ({"disable": ["mrl", 3]}, r"^disable: expected list"),
         ({"train": {"steps": "10"}}, r"^train\.steps: expected int, got '10'"),
@@ -176,9 +177,6 @@ def test_bad_enum_values_name_valid_values(data, pattern):
         ({"comm": []}, r"^comm: expected a mapping, got list"),
         ({"train": [1]}, r"^train: expected a mapping, got list"),
         ({"train": {"steps": 0}}, r"^train\.steps: must be >= 1"),
-        ({"ports": {"a": 70000}}, r"^ports\.a: must be an integer port in 1\.\.65535, got 70000"),
-        ({"ports": {"a": 29500, "b": 29500}}, r"^ports\.b: port 29500 is already assigned to ports\.a"),
-        ({"ports": [29500]}, r"^ports: expected dict"),
     ],
 )
 def test_wrong_types(data, pattern):
@@ -197,7 +195,7 @@ def test_non_mapping_top_level(tmp_path):
 
 def test_malformed_yaml_names_file_and_line(tmp_path):
     path = tmp_path / "bad.yaml"
-    path.write_text("mode: colocate\nrollout:\n  workers: [1, 2\n  pipeline: async\n")
+    path.write_text("mode: colocate\nrollout:\n  workers: [1, 2\n  max_staleness: 1\n")
     with pytest.raises(ConfigError) as err:
         load_config(path)
     msg = str(err.value)
@@ -233,21 +231,23 @@ def test_env_overrides_from_process_env(monkeypatch):
     assert apply_env_overrides(MrlConfig()).disable == ["mrl.comm"]
 
 
-def test_every_field_has_help():
+def test_every_field_has_help_or_says_why_it_is_none():
     from mrl_plugins.comm.config import CommConfig
+    from mrl_plugins.config_fields import is_internal
     from mrl_plugins.rollout.config import RolloutConfig
     from mrl_plugins.weight_sync.config import WeightSyncConfig
 
     for cls in (MrlConfig, PluginsConfig, TrainConfig, RolloutConfig, WeightSyncConfig, CommConfig):
         for f in dataclasses.fields(cls):
-            assert f.metadata.get("help"), f"{cls.__name__}.{f.name} has no help"
+            text = f.metadata.get("internal") if is_internal(f) else f.metadata.get("help")
+            assert text, f"{cls.__name__}.{f.name} has no help (or, internal, no why)"
 
 
 def test_config_object_sections_are_validated():
     from mrl_plugins.rollout.config import RolloutConfig
 
-    with pytest.raises(ConfigError, match=r"rollout\.pipeline: 'eager'"):
-        load_config(MrlConfig(rollout=RolloutConfig(pipeline="eager")))
+    with pytest.raises(ConfigError, match=r"rollout\.placement: 'eager' invalid"):
+        load_config(MrlConfig(rollout=RolloutConfig(placement="eager")))
     with pytest.raises(ConfigError, match=r"train\.trainer: 'ppo'"):
         load_config(MrlConfig(train=TrainConfig(trainer="ppo")))
     with pytest.raises(ConfigError, match=r"plugins\.comm: expected str"):
@@ -256,7 +256,7 @@ def test_config_object_sections_are_validated():
 
 def test_config_object_accepts_section_dicts():
     cfg = MrlConfig(rollout={"workers": 3}, plugins={"comm": "upstream"}, train={"steps": 2})
-    assert cfg.rollout.workers == 3 and cfg.rollout.pipeline == "async"
+    assert cfg.rollout.workers == 3 and cfg.rollout.pipeline == "async" and cfg.rollout.timeout_s == 120
     assert cfg.plugins.comm == "upstream" and cfg.plugins.rollout == "mrl"
     assert cfg.train.steps == 2
     with pytest.raises(ConfigError, match=r"rollout: unknown key 'bogus'"):
@@ -276,9 +276,10 @@ def test_top_level_parser_covers_every_field():
         "autoload": False,
         "mode": "hybrid",
         "device": "cpu",
+        "timeout_s": 30.0,
+        "checksums": False,
         "train": {"steps": 3},
         "log_metrics": False,
-        "ports": {"weights": 29600},
         "rollout": {"workers": 2},
         "weight_sync": {"transport": "directory", "directory": "/tmp/w"},
         "comm": {"codec": "raw"},
@@ -299,5 +300,103 @@ def test_removed_key_is_one_error_naming_the_removal():
     """``comm.prefetch`` did nothing and was removed: a config that still sets it is told so, not 'unknown key'."""
     from mrl_plugins.config import load_config
 
-    with pytest.raises(ConfigError, match=r"^comm\.prefetch was removed: .*rollout\.pipeline: async"):
+    with pytest.raises(ConfigError, match=r"^comm\.prefetch was removed: .*rollout\.max_staleness >= 1"):
         load_config({"comm": {"prefetch": 2}})
+
+
+# --------------------------------------------------------------------------- what a user sets, what follows from it
+
+#: the user's keys outside train.* (docs/config.md lists these and no other)
+USER_KEYS = 35
+
+
+def test_a_user_sets_about_thirty_keys_and_docs_list_exactly_those():
+    from mrl_plugins.cli.docs import _sections
+    from mrl_plugins.config_fields import user_fields
+
+    keys = []
+    for key, cls, _ in _sections():
+        if key in ("", "plugins", "rollout", "weight_sync", "comm"):
+            nested = {"plugins", "rollout", "weight_sync", "comm", "train"}
+            keys += [f"{key}.{f.name}" if key else f.name for f in user_fields(cls) if key or f.name not in nested]
+    assert len(keys) == USER_KEYS, keys
+    doc = (REPO_ROOT / "docs" / "config.md").read_text()
+    for key in keys:
+        assert f"| `{key}` |" in doc, key
+    for hidden in ("rollout.timeout_s", "comm.ring_slots", "rollout.local_warmup", "weight_sync.chunk_bytes"):
+        assert f"| `{hidden}` |" not in doc
+
+
+@pytest.mark.parametrize(
+    ("data", "says"),
+    [
+        (
+            {"rollout": {"timeout_s": 5}},
+            r"^rollout\.timeout_s is not a setting \(since 2026-12-04\): the top-level timeout_s",
+        ),
+        ({"rollout": {"start_timeout_s": 5}}, r"^rollout\.start_timeout_s is not a setting.*1\.5 x timeout_s"),
+        ({"comm": {"heartbeat_timeout_s": 9}}, r"^comm\.heartbeat_timeout_s is not a setting.*min\(timeout_s, 5 s\)"),
+        ({"comm": {"ring_slots": 2}}, r"^comm\.ring_slots is not a setting"),
+        ({"comm": {"checksum": "none"}}, r"^comm\.checksum is not a setting.*checksums"),
+        ({"weight_sync": {"verify_checksum": False}}, r"^weight_sync\.verify_checksum is not a setting.*checksums"),
+        ({"rollout": {"local_warmup": False}}, r"^rollout\.local_warmup is not a setting.*trainer's own model"),
+        (
+            {"rollout": {"trainer_threads": 2}},
+            r"^rollout\.trainer_threads is not a setting.*one torch thread per core",
+        ),
+        ({"autoload": False}, r"^autoload is not a setting.*MRL_DISABLE_PLUGIN_AUTOLOAD=1"),
+        ({"device": "cpu"}, r"^device is not a setting.*trainer is on.*train\.device"),
+        ({"rollout": {"launcher": "ray"}}, r"^rollout\.launcher was removed.*rollout\.ray_address"),
+        ({"rollout": {"pipeline": "sync"}}, r"^rollout\.pipeline is not a setting.*max_staleness: 0 takes turns"),
+        ({"rollout": {"stale_policy": "keep"}}, r"^rollout\.stale_policy is not a setting.*max_staleness: null"),
+        ({"ports": {"a": 1}}, r"^ports was removed.*mrl doctor --ports"),
+    ],
+)
+def test_a_key_that_is_no_setting_any_more_is_one_error_naming_what_decides_it(user_config, data, says):
+    with pytest.raises(ConfigError, match=says):
+        load_config(data)
+
+
+def test_the_tests_and_benchmarks_may_set_internal_values(monkeypatch):
+    monkeypatch.setenv("MRL_ALLOW_INTERNAL_KEYS", "1")
+    cfg = load_config({"timeout_s": 30, "rollout": {"timeout_s": 5, "local_warmup": False}, "comm": {"ring_slots": 2}})
+    assert (cfg.rollout.timeout_s, cfg.rollout.local_warmup, cfg.comm.ring_slots) == (5, False, 2)
+    assert cfg.weight_sync.timeout_s == 30  # what is not set is still derived
+    with pytest.raises(ConfigError, match="rollout.launcher was removed"):  # removed keys stay errors
+        load_config({"rollout": {"launcher": "ray"}})
+
+
+def test_one_timeout_and_the_transports_follow_from_the_deployment(user_config):
+    cfg = load_config({"timeout_s": 40})
+    assert cfg.rollout.timeout_s == cfg.weight_sync.timeout_s == cfg.comm.send_timeout_s == 40
+    assert cfg.comm.receive_timeout_s == 40 and cfg.rollout.start_timeout_s == 60  # a start: 1.5 x
+    assert cfg.comm.heartbeat_timeout_s == 5  # a peer on this host: dead after min(T, 5 s)
+    assert (cfg.weight_sync.transport, cfg.comm.transport, cfg.comm.host) == ("shm", "shm", "127.0.0.1")
+    assert cfg.rollout.lend_cores is True and cfg.rollout.trainer_threads == 1 and cfg.device == "auto"
+    assert cfg.rollout.start_timeout_s == 60 and load_config({}).rollout.start_timeout_s == 180
+    assert load_config({"rollout": {"engine": "vllm"}}).rollout.start_timeout_s == 300  # vLLM's own start
+    remote = load_config({"timeout_s": 40, "rollout": {"remote_workers": 1, "rendezvous": "10.0.0.7:29500"}})
+    assert (remote.weight_sync.transport, remote.comm.transport) == ("broadcast", "torch_distributed")
+    assert remote.comm.host == "10.0.0.7" and remote.comm.heartbeat_timeout_s == 40  # across hosts: T
+    assert remote.rollout.lend_cores is False  # a collective weight transport: nothing to lend
+    shared = load_config({"rollout": {"remote_workers": 1}, "weight_sync": {"directory": "/shared/w"}})
+    assert shared.weight_sync.transport == "directory"
+    explicit = load_config({"weight_sync": {"transport": "per_param"}, "comm": {"transport": "queue"}})
+    assert (explicit.weight_sync.transport, explicit.comm.transport) == ("per_param", "queue")
+    off = load_config({"checksums": False, "rollout": {"trainer_cores": [0, 1]}, "train": {"device": "cpu"}})
+    assert off.weight_sync.verify_checksum is False and off.comm.checksum == "none"
+    assert off.rollout.trainer_threads == 2 and off.device == "cpu"
+
+
+def test_max_staleness_is_the_pipeline(user_config):
+    turns, ahead, keep = (load_config({"rollout": {"max_staleness": v}}).rollout for v in (0, 2, None))
+    assert (turns.pipeline, turns.stale_policy) == ("sync", "drop")
+    assert (ahead.pipeline, ahead.stale_policy, ahead.staleness_bound) == ("async", "drop", 2.0)
+    assert (keep.pipeline, keep.stale_policy, keep.staleness_bound) == ("async", "keep", float("inf"))
+
+
+def test_every_bundled_config_loads_as_a_users_config(user_config):
+    from mrl_plugins.config import bundled_configs
+
+    for name in bundled_configs():
+        load_config(name)

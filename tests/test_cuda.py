@@ -241,6 +241,7 @@ def test_grpo_trainer_on_cuda_every_batch_from_the_worker(tmp_path):
     trainer = build_trainer(cfg, enable_plugins=False, output_dir=str(tmp_path))
     assert trainer.model.device.type == "cuda"
     plugin_cfg = load_yaml("colocate")
+    plugin_cfg.setdefault("rollout", {})
     plugin_cfg["rollout"]["local_warmup"] = False  # every batch from the worker process
     mrl_plugins.enable(trainer, load_config(plugin_cfg))
     pids = list(trainer._mrl_state.runtime.pool.pids)

@@ -176,26 +176,29 @@ def test_config_file(tmp_path, capsys):
     port = _free_port()
     cfg = tmp_path / "run.yaml"
     cfg.write_text(
-        "mode: disaggregated\ndevice: cpu\nrollout:\n  workers: 2\n  engine_threads: 1\ntrain:\n  threads: 1\n"
-        f"ports:\n  master: {port}\n  weights: {port}\n"
+        "mode: disaggregated\nrollout:\n  workers: 2\n  engine_threads: 1\ntrain:\n  threads: 1\n  device: cpu\n"
     )
-    rc = cli(["--config", str(cfg)], env={})
+    rc = cli(["--config", str(cfg), "--ports", f"master={port},weights={port}"], env={})
     out = capsys.readouterr().out
     assert rc == 1  # the port collision
     assert f"port {port} assigned to master and weights" in out
-    trainer = "trainer: rollout.trainer_threads, workers: rollout.engine_threads"  # the adapter's CPU placement
+    trainer = "trainer: rollout.trainer_cores, workers: rollout.engine_threads"  # the adapter's CPU placement
     assert f"1+1+1 = 3 threads over 3 process(es) ({trainer})" in out
     assert "device 'cpu' present" in out
     other = _free_port()
-    rc = cli(["--config", str(cfg), "--ports", f"weights={other}"], env={})  # the command line overrides the table
+    rc = cli(["--config", str(cfg), "--ports", f"master={port},weights={other}"], env={})
     assert rc == 0, capsys.readouterr().out
+    old = tmp_path / "old.yaml"  # a key of an earlier release: the same error as a run's
+    old.write_text(f"ports:\n  master: {port}\n")
+    assert cli(["--config", str(old)], env={}) == 2
+    assert "ports was removed" in capsys.readouterr().err
     bad = tmp_path / "bad.yaml"
     bad.write_text("mode: split\n")
     assert cli(["--config", str(bad)], env={}) == 2
     assert "'colocate', 'disaggregated' or 'hybrid'" in capsys.readouterr().err
     assert cli(["--config", str(tmp_path / "missing.yaml")], env={}) == 2
     net = tmp_path / "net.yaml"
-    net.write_text("mode: disaggregated\ndevice: cpu\ncomm: {transport: torch_distributed}\n")
+    net.write_text("mode: disaggregated\ntrain: {device: cpu}\ncomm: {transport: torch_distributed}\n")
     assert cli(["--config", str(net)], env={}) == 0
     out = capsys.readouterr().out
     assert _lines(out)["ports"] == ["warn"] and "comm.transport=torch_distributed need(s) rendezvous ports" in out
@@ -323,7 +326,7 @@ def test_fake_npu_visible_devices_explicit_per_process(fake_npu, capsys):
     [
         ("mode: disaggregated\nrollout: {workers: 2}\n", "4,5,6", "ok", "ASCEND_RT_VISIBLE_DEVICES=4; process 1: "),
         ("mode: disaggregated\nrollout: {workers: 2}\n", "4,5", "fail", "needs device index 2 but"),
-        ("mode: disaggregated\ndevice: npu:1\nrollout: {workers: 1}\n", "0,1,2", "ok", "process 1: "),
+        ("mode: disaggregated\ntrain: {device: npu:1}\nrollout: {workers: 1}\n", "0,1,2", "ok", "process 1: "),
         ("mode: colocate\nrollout: {workers: 1}\n", "3", "warn", "both get card 3"),
         ("mode: hybrid\nrollout: {workers: 2, colocated_workers: 1}\n", "0,1", "warn", "processes 0 and 1 both"),
         ("mode: colocate\nrollout: {workers: 0}\n", "0", "ok", "process 0: ASCEND_RT_VISIBLE_DEVICES=0 (no card"),
@@ -338,7 +341,7 @@ def test_fake_npu_config_card_plan(fake_npu, tmp_path, capsys, yaml_text, visibl
     out = capsys.readouterr().out
     line = [x for x in out.splitlines() if x.startswith(f"{status:<5} visible devices:")]
     assert line and text in line[0], out
-    if "device: npu:1" in yaml_text:
+    if "device: npu:1" in yaml_text:  # train: {device: npu:1}
         assert "process 0: ASCEND_RT_VISIBLE_DEVICES=1; process 1: ASCEND_RT_VISIBLE_DEVICES=2" in out
 
 

@@ -1,4 +1,4 @@
-"""Rollout workers started, placed and restarted by Ray (``rollout.launcher: ray``) on a real two-node Ray cluster
+"""Rollout workers started, placed and restarted by Ray (``rollout.ray_address``) on a real two-node Ray cluster
 across network namespaces (tests/ray_cluster.py: the head in the trainer's namespace, with no CPU of its own, a
 worker node of 1 CPU in the other): a GRPO run (`mrl run`, tiny preset) whose worker Ray placed on the worker node
 learns, every weight version switched in order, through a SIGKILL of the actor's process mid-run (Ray restarts it,
@@ -65,18 +65,16 @@ def _config(tmp_path: Path, **rollout) -> dict:
     trainer at HEAD)."""
     return {
         "mode": "disaggregated",
+        "timeout_s": 60,
         "rollout": {
             "workers": 0,
             "remote_workers": 1,
-            "launcher": "ray",
             "ray_address": f"{HEAD}:{ray_cluster.GCS_PORT}",
             "rendezvous": RENDEZVOUS,
             "restart_workers": 1,
-            "timeout_s": 60,
             **rollout,
         },
-        "comm": {"transport": "torch_distributed", "host": HEAD},
-        "weight_sync": {"transport": "directory", "directory": str(tmp_path / "weights")},
+        "weight_sync": {"directory": str(tmp_path / "weights")},
     }
 
 
@@ -100,7 +98,10 @@ def test_grpo_worker_on_the_ray_node_learns_and_survives_a_sigkill(cluster, tmp_
     )  # the README's config ("On a Ray cluster") is this one, on the namespaces' addresses
     test_only = ("local_warmup", "engine_threads", "trainer_threads")
     assert pasted["rollout"] == {k: v for k, v in data["rollout"].items() if k not in test_only}
-    assert pasted["comm"] == data["comm"] and pasted["weight_sync"]["transport"] == "directory"
+    assert (
+        pasted["timeout_s"] == data["timeout_s"] and "comm" not in pasted
+    )  # auto: torch_distributed, rendezvous host
+    assert set(pasted["weight_sync"]) == {"directory"}  # auto with a directory: the directory transport
     (tmp_path / "run.yaml").write_text(yaml.safe_dump(data))
     doctor = cluster.hosts.run(cluster.trainer, [sys.executable, "-m", "mrl_plugins.cli.main", "doctor", "--config",
                                str(tmp_path / "run.yaml")], timeout=120, env=ray_cluster.env(), capture_output=True,

@@ -1,7 +1,7 @@
-"""``rollout.launcher`` without a cluster: the config's choices and refusals, Ray never imported at module import,
-one clear error within seconds where no cluster answers (pool and ``mrl doctor``), and the launcher's pure
-decisions (bundles, whether they can be placed, what a silent worker means). The cluster itself:
-tests/test_netns_ray.py."""
+"""Ray as the workers' launcher (``rollout.ray_address``) without a cluster: the config's choices and refusals, Ray
+never imported at module import, one clear error within seconds where no cluster answers (pool and ``mrl doctor``),
+and the launcher's pure decisions (bundles, whether they can be placed, what a silent worker means). The cluster
+itself: tests/test_netns_ray.py."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from mrl_plugins.errors import ConfigError
 from mrl_plugins.rollout.ray_launcher import actor_cores, bundle, describe_nodes, judge, placement_problem
 from tests.marks import require_ray
 
-RAY = {"workers": 0, "remote_workers": 1, "launcher": "ray"}
+RAY = {"workers": 0, "remote_workers": 1, "ray_address": "auto"}
 CROSS = {"comm": {"transport": "torch_distributed"}, "weight_sync": {"transport": "directory", "directory": "/tmp/w"}}
 
 
@@ -34,26 +34,28 @@ def _closed_port() -> int:
     return port
 
 
-def test_launcher_follows_the_remote_workers_unless_set():
+def test_who_starts_the_workers_follows_from_the_config(monkeypatch):
+    from mrl_plugins.rollout import config as rollout_config
+
+    monkeypatch.setattr(rollout_config, "ray_installed", lambda: True)  # ray_address is checked as with Ray there
     assert load_config({}).rollout.launch == "local"
-    assert load_config({"rollout": {"remote_workers": 2}}).rollout.launch == "manual"  # today's configs: unchanged
-    assert load_config({"rollout": {"remote_workers": 1, "launcher": "manual"}}).rollout.launch == "manual"
-    assert load_config({"rollout": {"launcher": "local", "workers": 2}}).rollout.launch == "local"
+    assert load_config({"rollout": {"workers": 2}}).rollout.launch == "local"
+    assert load_config({"rollout": {"remote_workers": 2}}).rollout.launch == "manual"  # started by hand
+    assert load_config({"rollout": {**RAY}, **CROSS}).rollout.launch == "ray"
 
 
 @pytest.mark.parametrize(
     ("rollout", "match"),
     [
-        ({"launcher": "slurm"}, r"rollout.launcher: 'slurm' invalid; valid: 'local', 'manual' or 'ray'"),
-        ({"launcher": "local", "remote_workers": 1}, r"'local' starts only the trainer's own worker processes"),
-        ({"launcher": "manual"}, r"'manual' starts the rollout.remote_workers, which is 0"),
-        ({"ray_strategy": "SPREAD"}, r"rollout.ray_strategy: only used with rollout.launcher 'ray' \(got 'local'\)"),
+        ({"launcher": "ray"}, r"rollout.launcher was removed .* set rollout.ray_address"),
+        ({"ray_address": "auto"}, r"rollout.ray_address: Ray starts the rollout.remote_workers, which is 0"),
+        ({"ray_strategy": "SPREAD"}, r"rollout.ray_strategy: only used with rollout.ray_address set"),
         ({**RAY, "ray_address": "ray://head:10001"}, r"Ray Client address, which the launcher does not support"),
         ({**RAY, "ray_address": "head"}, r"rollout.ray_address: expected HOST:PORT"),
         ({**RAY, "ray_strategy": "ROUND_ROBIN"}, r"'PACK', 'SPREAD', 'STRICT_PACK' or 'STRICT_SPREAD'"),
         ({**RAY, "ray_resources": {"GPU": 1}}, r"rollout.ray_resources: 'GPU': a custom resource name"),
         ({**RAY, "ray_resources": {"rollout_host": 0}}, r"rollout.ray_resources: 'rollout_host'"),
-        ({"ray_worker_cores": [1]}, r"rollout.ray_worker_cores: only used with rollout.launcher 'ray'"),
+        ({"ray_worker_cores": [1]}, r"rollout.ray_worker_cores: only used with rollout.ray_address set"),
         ({**RAY, "ray_worker_cores": [1, 1]}, r"ray_worker_cores: \[1, 1\] invalid; a list of distinct CPU core"),
         ({**RAY, "ray_worker_cores": [-1]}, r"ray_worker_cores: \[-1\] invalid"),
         ({**RAY, "ray_worker_cores": ["1-3"]}, r"ray_worker_cores: \['1-3'\] invalid"),
@@ -73,7 +75,7 @@ def test_each_actor_on_a_node_takes_its_own_slice_of_ray_worker_cores():
 
 
 def test_without_ray_the_ray_launcher_is_one_config_error_and_nothing_imports_it():
-    """Ray blocked (as if not installed): ``launcher: ray`` is refused when the config loads; the package, the
+    """Ray blocked (as if not installed): ``rollout.ray_address`` is refused when the config loads; the package, the
     manager, the CLI entry point and the launcher's own module import without Ray either way."""
     code = (
         "import sys, json\n"
@@ -89,11 +91,11 @@ def test_without_ray_the_ray_launcher_is_one_config_error_and_nothing_imports_it
     )
     got = _python(code)
     assert got.returncode == 0, got.stderr
-    assert "needs Ray, which is not installed here: pip install 'mrl-plugins[ray]'" in json.loads(got.stdout)
+    assert "Ray is not installed here: pip install 'mrl-plugins[ray]'" in json.loads(got.stdout)
     loaded = _python(
         "import sys\nimport mrl_plugins.cli.main, mrl_plugins.rollout.ray_launcher, mrl_plugins.rollout.pool\n"
         "from mrl_plugins.config import load_config\n"
-        "load_config({'rollout': {'workers': 0, 'remote_workers': 1, 'launcher': 'manual'}})\n"
+        "load_config({'rollout': {'workers': 0, 'remote_workers': 1}})\n"
         "print('ray' in sys.modules)"
     )
     assert loaded.stdout.strip() == "False", loaded.stderr
@@ -177,5 +179,7 @@ def test_doctor_reports_a_missing_cluster(tmp_path):
                          capture_output=True, text=True, timeout=120)  # fmt: skip
     assert got.returncode == 1, got.stdout + got.stderr
     line = next(x for x in got.stdout.splitlines() if "ray cluster" in x)
-    assert line.startswith("fail  ray cluster: rollout.launcher 'ray': no Ray cluster") and "ray start --head" in line
+    assert (
+        line.startswith("fail  ray cluster: Ray (rollout.ray_address): no Ray cluster") and "ray start --head" in line
+    )
     assert time.monotonic() - t0 < 60

@@ -99,10 +99,11 @@ def test_readme_quickstart_runs_as_pasted(tmp_path):
 # --------------------------------------------------------------------------- yaml
 
 
-def test_yaml_blocks_load_and_configs_validate(monkeypatch):
+def test_yaml_blocks_load_and_configs_validate(monkeypatch, user_config):
     """Every YAML block loads; a config-shaped one (top-level keys of ``MrlConfig``) loads through ``load_config``;
-    the TRL CLI's ``env:`` block names an ``MRL_PLUGINS`` value that loads the same way. A ``launcher: ray`` config
-    is checked as on a machine with Ray (here Ray need not be installed)."""
+    the TRL CLI's ``env:`` block names an ``MRL_PLUGINS`` value that loads the same way. A Ray config
+    (``rollout.ray_address``) is checked as on a machine with Ray (here Ray need not be installed). Blocks load as a
+    user's config: no internal values."""
     import dataclasses
 
     from mrl_plugins.rollout import config as rollout_config

@@ -62,14 +62,21 @@ def test_staleness_never_exceeds_the_bound(tmp_path, install_dist, monkeypatch, 
     assert sum(_series(hist, "mrl/rollout/lookahead_hits")) >= 3  # generation ran one batch ahead
 
 
+#: a bound every lookahead breaks: generating ahead (``pipeline`` and ``stale_policy`` are internal, derived from
+#: ``max_staleness``, whose 0 means taking turns) with samples allowed no version of lag -- the safety net of a sample
+#: older than the bound, which a one-batch lookahead under max_staleness >= 1 never is, reached on every batch
+OVER_THE_BOUND = {"max_staleness": 0, "pipeline": "async"}
+
+
 def test_samples_over_the_bound_are_dropped_and_regenerated(tmp_path, install_dist, monkeypatch):
-    hist = _run(tmp_path, install_dist, monkeypatch, {"max_staleness": 0, "stale_policy": "drop"}, engine_delay=0.1)
+    rollout = {**OVER_THE_BOUND, "stale_policy": "drop"}
+    hist = _run(tmp_path, install_dist, monkeypatch, rollout, engine_delay=0.1)
     assert max(_series(hist, "mrl/rollout/staleness")) == 0
     assert sum(_series(hist, "mrl/rollout/dropped_samples")) > 0
 
 
 def test_keep_policy_counts_stale_samples(tmp_path, install_dist, monkeypatch):
-    hist = _run(tmp_path, install_dist, monkeypatch, {"max_staleness": 0, "stale_policy": "keep"}, engine_delay=0.1)
+    hist = _run(tmp_path, install_dist, monkeypatch, {**OVER_THE_BOUND, "stale_policy": "keep"}, engine_delay=0.1)
     assert max(_series(hist, "mrl/rollout/staleness")) == 1
     assert sum(_series(hist, "mrl/rollout/stale_samples")) > 0
     assert sum(_series(hist, "mrl/rollout/dropped_samples")) == 0

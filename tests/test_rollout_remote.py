@@ -139,14 +139,14 @@ def torch_no_grad():
 def test_remote_workers_need_transports_that_reach_other_hosts():
     from mrl_plugins.errors import ConfigError
 
+    # the transports left at auto cross hosts with remote workers; chosen by hand, one that cannot is refused
     with pytest.raises(ConfigError, match=r"remote_workers: .* need comm and weight-sync ends that reach other hosts"):
-        make_pool({"rollout": {"remote_workers": 1}}, placements=[])
+        make_pool({"rollout": {"remote_workers": 1}, "comm": {"transport": "shm"}}, placements=[])
     with pytest.raises(ConfigError, match="rollout.rendezvous: expected HOST:PORT"):
         make_pool({"rollout": {"remote_workers": 1, "rendezvous": "nohost"}}, placements=[])
     # a trainer that listens for other hosts must give them an experience address they reach (refused before any
-    # socket is opened; the address is never contacted)
-    cross = {"rollout": {"remote_workers": 1, "rendezvous": "10.77.0.1:0"}, "comm": {"transport": "torch_distributed"},
-             "weight_sync": {"transport": "broadcast"}}  # fmt: skip
+    # socket is opened; the address is never contacted): only a config that sets the derived comm.host can miss
+    cross = {"rollout": {"remote_workers": 1, "rendezvous": "10.77.0.1:0"}, "comm": {"host": "127.0.0.1"}}
     with pytest.raises(ConfigError, match=r"comm.host is '127.0.0.1', which workers on other hosts cannot reach"):
         make_pool(cross, placements=[])
 

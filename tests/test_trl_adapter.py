@@ -165,7 +165,7 @@ def test_peft_policy_generates_with_the_merged_trained_weights(tmp_path, workers
         return iter(out.items())
 
     monkeypatch.setattr(sources, "iter_trainer_weights", recording)
-    mrl_plugins.enable(trainer, {"rollout": {"workers": workers, "local_warmup": False, "pipeline": "sync"}})
+    mrl_plugins.enable(trainer, {"rollout": {"workers": workers, "local_warmup": False, "max_staleness": 0}})
     if workers == 0:  # built when train() begins: build it now to look at the inference copy
         trainer._mrl_state.runtime.start()
     served = trainer._mrl_state.runtime.runtime.receiver.model if workers == 0 else None
@@ -200,7 +200,7 @@ def test_two_workers_take_every_version_through_a_broadcast_group(tmp_path):
     mrl_plugins.enable(
         trainer,
         {
-            "rollout": {"workers": 2, "local_warmup": False, "pipeline": "sync", "oversubscribe": True},
+            "rollout": {"workers": 2, "local_warmup": False, "max_staleness": 0, "oversubscribe": True},
             "weight_sync": {"transport": "broadcast", "timeout_s": 20, "poll_interval_s": 30},
         },
     )
@@ -282,6 +282,7 @@ def test_worker_pool_async_trains_and_cleans_up(tmp_path, kind):
     from mrl_plugins.config import load_config, load_yaml
 
     cfg = load_yaml("colocate")
+    cfg.setdefault("rollout", {})
     cfg["rollout"]["local_warmup"] = False  # every batch from the worker process
     mrl_plugins.enable(trainer, load_config(cfg))
     pool = trainer._mrl_state.runtime.pool
@@ -343,7 +344,7 @@ def test_env_variable_switches_plugins_on_at_startup(tmp_path):
         )
         line = (
             "mrl-plugins: rollout=mrl (1 worker, cores [1]; trainer cores [0]; until ready: the trainer's own model "
-            "generates (rollout.local_warmup)), weight_sync=shm, comm=shm/fp16"
+            "generates), weight_sync=shm, comm=shm/raw"
         )
         assert line in colocate.stderr, colocate.stderr[-2000:]
 
@@ -356,6 +357,7 @@ def test_trainer_model_answers_while_workers_start(tmp_path):
 
     trainer = _trainer(tmp_path, steps=3)
     cfg = load_yaml("disaggregated")
+    cfg.setdefault("rollout", {})
     cfg["rollout"]["start_method"] = "spawn"  # a worker that takes seconds to start (a forked one is ready at once)
     cfg.pop("train", None)
     mrl_plugins.enable(trainer, load_config(cfg))

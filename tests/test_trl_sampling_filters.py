@@ -43,10 +43,11 @@ def _colocate(workers: int) -> dict:
     from mrl_plugins.config import load_yaml
 
     cfg = load_yaml("colocate")
+    cfg.setdefault("rollout", {})
     cfg.pop("train", None)
     cfg["rollout"].update(workers=workers)
     if workers:  # every batch from the worker, generated with the trainer's current weights
-        cfg["rollout"].update(pipeline="sync", local_warmup=False, start_timeout_s=240)
+        cfg["rollout"].update(max_staleness=0, local_warmup=False, start_timeout_s=240)
     return cfg
 
 

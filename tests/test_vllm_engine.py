@@ -322,6 +322,7 @@ def _learn(engine: str, tmp_path, steps: int = 60, transport: str = "shm"):
     from mrl_plugins.run import run_training
 
     cfg = load_yaml("colocate")
+    cfg.setdefault("rollout", {})
     cfg["rollout"].update(engine=engine, local_warmup=False, start_timeout_s=240)  # every batch from the worker
     cfg["weight_sync"] = {**cfg.get("weight_sync", {}), "transport": transport}
     cfg["train"].update(model="tiny", steps=steps, seed=0, output_dir=str(tmp_path / f"{engine}-{transport}"))

@@ -142,13 +142,15 @@ def preflight_runs(
     data: dict[str, Any], names: list[str], *, steps: int | None, model: str | None, quick: bool = False
 ) -> None:
     """What each run's process will check before it builds its model (:func:`mrl_plugins.run.preflight`), done
-    here for every run first: a typo fails in seconds, not after the earlier runs."""
+    here for every run first: a typo fails in seconds, not after the earlier runs. The user's config is checked as a
+    user's (``--quick``'s own internal values are added to the runs' files after this check)."""
     from mrl_plugins.run import preflight
 
+    del quick  # the comparison's own values (QUICK_OVERRIDES) are no user setting to check
     for name in names:
         kind = RUNS[name]
         if skip_reason(kind) is None:
-            preflight(kind_config(data, kind, steps=steps, model=model, quick=quick), enable_plugins=not kind.vanilla)
+            preflight(kind_config(data, kind, steps=steps, model=model), enable_plugins=not kind.vanilla)
 
 
 def error_of(log_text: str) -> str:
@@ -248,7 +250,9 @@ def run_one(
         cmd.append("--vanilla")
     if kind.all_cores:
         cmd += ["--threads", "0"]
-    env = dict(os.environ, TRL_EXPERIMENTAL_SILENCE="1", PYTHONUNBUFFERED="1")
+    # the run's config may hold the comparison's own internal values (--quick: the workers answer from the first
+    # step); the user's config was checked without them (preflight_runs)
+    env = dict(os.environ, TRL_EXPERIMENTAL_SILENCE="1", PYTHONUNBUFFERED="1", MRL_ALLOW_INTERNAL_KEYS="1")
     env.pop("MRL_PLUGINS", None)
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # vLLM's CPU backend reserves no KV cache by default
     before = measure_before()
@@ -597,7 +601,7 @@ def cli(argv: list[str]) -> int:
     first_seed = load_config({"train": data.get("train") or {}}).train.seed
     for n in active:
         run_cfg = kind_config(data, RUNS[n], steps=ns.steps, model=ns.model, quick=ns.quick)
-        steps_of[n] = load_config(run_cfg).train.steps
+        steps_of[n] = load_config({"train": run_cfg["train"]}).train.steps
         for rnd in range(1, ns.repeats + 1):  # each round its own seed, the same for every kind of that round
             run_cfg["train"] = {**run_cfg["train"], "seed": first_seed + rnd - 1}
             configs[n, rnd] = out / "runs" / f"{n.replace('+', '_')}-{rnd}.yaml"

@@ -18,6 +18,8 @@ import typing
 from pathlib import Path
 from typing import Any
 
+from mrl_plugins.config_fields import user_fields
+
 #: where ``python -m mrl_plugins.cli.docs`` writes by default (relative to the working directory)
 DEFAULT_OUT = Path("docs") / "config.md"
 COMMAND = "python -m mrl_plugins.cli.docs"
@@ -30,12 +32,14 @@ PREAMBLE = f"""\
 A config is a YAML file, a bundled name (`colocate`, `disaggregated`, ...: `configs/*.yaml`), a dict or an
 `mrl_plugins.config.MrlConfig`; `mrl_plugins.enable(trainer, config)`, `MRL_PLUGINS=<config>` and every `mrl`
 command (`--config`) take the same. Every key below is optional (the defaults are shown). Unknown keys, wrong
-types and bad values are one `ConfigError` naming the key and the valid choices, raised before anything is built.
+types and bad values are one `ConfigError` naming the key and the valid choices, raised before anything is built;
+so is a key of an earlier release that is gone or now follows from these (it names what decides it instead).
 
 Besides the file: `MRL_PLUGINS` (a path, a bundled name, `rollout=mrl,comm=upstream` or `1` for the defaults),
-`MRL_DISABLED_PLUGINS=a,b` (added to `disable`), `MRL_DISABLE_PLUGIN_AUTOLOAD=1` (`autoload: false`); on the CLI
-`--plugins rollout=mrl,comm=upstream`, `--disable NAME`, `--no-autoload`. How the options work together (the
-async pipeline, old/ref logprobs, transports, double buffering): [architecture.md](architecture.md).
+`MRL_DISABLED_PLUGINS=a,b` (added to `disable`), `MRL_DISABLE_PLUGIN_AUTOLOAD=1` (no third-party plugins from
+entry points); on the CLI `--plugins rollout=mrl,comm=upstream`, `--disable NAME`, `--no-autoload`. How the
+options work together (the async pipeline, old/ref logprobs, transports, double buffering):
+[architecture.md](architecture.md).
 """
 
 
@@ -126,13 +130,13 @@ def _doc(cls: type) -> str:
 def _weight_sync_defaults() -> str:
     from mrl_plugins.weight_sync.config import DEFAULT_BUCKET_BYTES, DEFAULT_CHUNK_BYTES, KNOWN_TRANSPORTS
 
-    rows = ["| transport | `chunk_bytes: null` means | `bucket_bytes: null` means |", "|---|---|---|"]
+    rows = ["| transport | chunk (unit of checksum and retry) | bucket (one message or copy) |", "|---|---|---|"]
     for name in KNOWN_TRANSPORTS:
         if name not in DEFAULT_CHUNK_BYTES:  # 'vllm': vLLM's backend sizes its own transfer
             rows.append(f"| {name} | (unused: vLLM's weight-transfer backend) | (unused) |")
             continue
         rows.append(f"| {name} | {_value(DEFAULT_CHUNK_BYTES[name])} | {_value(DEFAULT_BUCKET_BYTES[name])} |")
-    head = "Per-transport defaults (`mrl_plugins.weight_sync.config`; measured in `python -m benchmarks weights`):"
+    head = "Per-transport sizes (`mrl_plugins.weight_sync.config`; measured in `python -m benchmarks weights`):"
     return head + "\n\n" + "\n".join(rows)
 
 
@@ -152,7 +156,7 @@ def render() -> str:
             if group:
                 out.append(f"### {group}\n\n{_doc(part)}\n")
             rows = ["| key | type | default | what it does |", "|---|---|---|---|"]
-            for f in dataclasses.fields(part):
+            for f in user_fields(part):
                 help_text = _md(f.metadata.get("help", ""))
                 if not key and f.name in nested:
                     rows.append(f"| `{f.name}` | section | | {help_text}: see below |")

@@ -13,7 +13,7 @@ check, ``ok|warn|fail  <check>: <detail>``, and exits 1 if any check failed (0 o
   assumed to take entry *i* of the current variable. Two processes on one card ("sudden OOM or slowdown") fail
   in disaggregated mode and warn in colocate/hybrid mode, where sharing is by design and needs memory
   reservations. On NPU the list must be ascending (torch_npu sees no device otherwise).
-* ``ports``: one table (``--ports name=port,...`` and the config's ``ports:`` mapping); a port used twice fails,
+* ``ports``: one table (``--ports name=port,...``); a port used twice fails,
   a port that cannot be bound on 127.0.0.1 now warns; no table warns only when the config uses a network
   transport (``comm.transport: torch_distributed``, ``weight_sync.transport: broadcast | per_param``).
 * ``memory``: fractions of one card (``--reserve name=fraction,...``, or ``--peak name=SIZE --device-memory SIZE``
@@ -23,7 +23,7 @@ check, ``ok|warn|fail  <check>: <detail>``, and exits 1 if any check failed (0 o
 * ``threads``: threads per process (``--threads``, else config, else ``OMP_NUM_THREADS``, else torch's default)
   summed over processes against the cores this process may use; oversubscription warns (measured here: a
   2-thread forward runs 15-200x slower when a core is busy elsewhere).
-* ``ray cluster`` / ``ray placement`` / ``ray free now`` (``rollout.launcher: ray`` only): the cluster at
+* ``ray cluster`` / ``ray placement`` / ``ray free now`` (with ``rollout.ray_address`` only): the cluster at
   ``rollout.ray_address`` and its nodes' resources, whether the config's worker bundles can be placed with its
   strategy, and whether they are free now (:mod:`mrl_plugins.cli.doctor_ray`).
 
@@ -84,7 +84,7 @@ from mrl_plugins.cli.triage import (  # noqa: F401 - re-exported for mrl doctor 
 )
 from mrl_plugins.config import MODES, load_yaml
 from mrl_plugins.device.placement import accelerator_indices, colocated_count
-from mrl_plugins.errors import ConfigError, choices
+from mrl_plugins.errors import ConfigError
 
 # ---------------------------------------------------------------------------------------------------------------------
 # config
@@ -96,61 +96,35 @@ def read_config(path: str | os.PathLike[str]) -> dict[str, Any]:
     return load_yaml(path)
 
 
-def _int_key(section: Mapping[str, Any], key: str, where: str, minimum: int) -> int | None:
-    value = section.get(key)
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ConfigError(f"{where}.{key}: must be an integer >= {minimum}, got {value!r}")
-    return value
-
-
-def inputs_from_config(cfg: Mapping[str, Any]) -> dict[str, Any]:
-    """What doctor uses from a config, following how the TRL adapter places processes.
+def inputs_from_config(data: Mapping[str, Any]) -> dict[str, Any]:
+    """What doctor uses from a config (loaded as a run loads it: removed and internal keys are the same errors),
+    following how the TRL adapter places processes.
 
     ``processes`` = 1 trainer + ``rollout.workers`` (0 workers: the engine runs inside the trainer). ``card_plan``:
-    the device index of each process -- the trainer on the configured index (``npu:2`` -> 2, else 0), the workers
+    the device index of each process -- the trainer on ``train.device``'s index (``npu:2`` -> 2, else 0), the workers
     where the adapter puts them (:func:`mrl_plugins.device.placement.accelerator_indices`, one training rank).
     ``threads_cfg``: (trainer threads or 0 for the default, its source, engine threads): with workers the
-    trainer keeps ``rollout.trainer_threads``, else ``train.threads``.
+    trainer keeps one thread per core of ``rollout.trainer_cores``, else ``train.threads``. ``network``: the
+    transports (``auto`` resolved) that cross hosts and need rendezvous ports.
     """
-    out: dict[str, Any] = {}
-    device = str(cfg.get("device", "auto"))
-    out["device"] = device
-    mode = cfg.get("mode", "colocate")
-    if mode not in MODES:
-        raise ConfigError(f"mode: {mode!r} is not a deployment mode; valid: {choices(MODES)}")
-    out["mode"] = mode
-    rollout = cfg.get("rollout") or {}
-    train = cfg.get("train") or {}
-    if not isinstance(rollout, Mapping) or not isinstance(train, Mapping):
-        raise ConfigError("config: 'rollout' and 'train' must be mappings")
-    workers = _int_key(rollout, "workers", "rollout", 0)
-    workers = 1 if workers is None else workers
-    colocated = colocated_count(mode, workers, _int_key(rollout, "colocated_workers", "rollout", 0) or 0)
-    if colocated > workers:
-        raise ConfigError(f"rollout.colocated_workers: {colocated} exceeds rollout.workers ({workers})")
-    out["processes"] = 1 + workers
-    base = _device().parse_device_spec(device)[1] or 0
-    out["card_plan"] = [base] + accelerator_indices(mode, workers, colocated, base)[:workers]  # the adapter's rule
-    engine = _int_key(rollout, "engine_threads", "rollout", 1) or 1
-    if workers:
-        out["threads_cfg"] = (
-            _int_key(rollout, "trainer_threads", "rollout", 1) or 1,
-            "rollout.trainer_threads",
-            engine,
-        )
+    from mrl_plugins.config import load_config
+
+    cfg = load_config(dict(data))
+    rc = cfg.rollout
+    out: dict[str, Any] = {"device": cfg.train.device, "mode": cfg.mode}
+    colocated = colocated_count(cfg.mode, rc.workers, rc.colocated_workers)
+    out["processes"] = 1 + rc.workers
+    base = _device().parse_device_spec(cfg.train.device)[1] or 0
+    out["card_plan"] = [base] + accelerator_indices(cfg.mode, rc.workers, colocated, base)[: rc.workers]
+    if rc.workers:
+        out["threads_cfg"] = (rc.trainer_threads, "rollout.trainer_cores", rc.engine_threads)
     else:
-        out["threads_cfg"] = (_int_key(train, "threads", "train", 0) or 0, "train.threads", engine)
-    ports = cfg.get("ports") or {}
-    if not isinstance(ports, Mapping):
-        raise ConfigError(f"config ports: expected a mapping name -> port, got {type(ports).__name__}")
-    out["ports"] = {str(k): check_port_number(str(k), v) for k, v in ports.items()}
-    out["network"] = []
-    for section, names in NETWORK_TRANSPORTS.items():
-        transport = (cfg.get(section) or {}).get("transport") if isinstance(cfg.get(section), Mapping) else None
-        if transport in names:
-            out["network"].append(f"{section}.transport={transport}")
+        out["threads_cfg"] = (cfg.train.threads, "train.threads", rc.engine_threads)
+    out["network"] = [
+        f"{section}.transport={getattr(cfg, section).transport}"
+        for section, names in NETWORK_TRANSPORTS.items()
+        if getattr(cfg, section).transport in names
+    ]
     return out
 
 
@@ -168,13 +142,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--config",
         help="an mrl YAML config, path or bundled name such as colocate (mode, device, rollout.workers/"
-        "engine_threads, ports:)",
+        "engine_threads)",
     )
     p.add_argument("--device", help="device spec: auto, cpu, cuda[:N], npu[:N] (default: config's, else auto)")
     p.add_argument("--mode", choices=MODES, help="deployment mode (default: config's)")
     p.add_argument("--processes", type=int, help="processes that will use devices (default: from config, else 1)")
     p.add_argument("--visible-devices", help="per-process card lists, ';' between processes: '0;1' or '0,1;2,3'")
-    p.add_argument("--ports", help="port table name=port,... (merged over the config's ports:)")
+    p.add_argument("--ports", help="port table name=port,...")
     p.add_argument("--reserve", help="memory fractions of one card: name=fraction,... e.g. trainer=0.5,rollout=0.3")
     p.add_argument("--peak", help="measured peaks name=SIZE,... (e.g. trainer=8GiB); needs --device-memory")
     p.add_argument("--device-memory", help="device memory size for --peak, e.g. 64GiB")
@@ -208,7 +182,7 @@ def _inputs_from_args(args: argparse.Namespace, env: Mapping[str, str]) -> Docto
     else:
         inputs.processes = cfg.get("processes", 1)
     inputs.visible = visible
-    inputs.ports = dict(cfg.get("ports", {}))
+    inputs.ports = {}
     inputs.network = list(cfg.get("network", []))
     if args.ports:
         inputs.ports |= {k: check_port_number(k, v) for k, v in parse_assignments(args.ports, "--ports").items()}

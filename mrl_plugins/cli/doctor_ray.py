@@ -29,14 +29,15 @@ def _free_nodes(nodes: list[dict]) -> list[dict]:
 
 
 def ray_checks(data: Mapping[str, Any]) -> list[Check]:
-    """The Ray lines for the config ``data`` (a mapping as read from YAML); none unless ``launcher: ray``."""
+    """The Ray lines for the config ``data`` (a mapping as read from YAML); none unless ``rollout.ray_address``
+    is set (Ray starts the remote workers)."""
     rollout = data.get("rollout") or {}
-    if not isinstance(rollout, Mapping) or rollout.get("launcher") != "ray":
+    if not isinstance(rollout, Mapping) or rollout.get("ray_address") is None:
         return []
     from mrl_plugins.rollout.config import ray_installed
 
     if not ray_installed():
-        return [Check("fail", "ray cluster", "rollout.launcher 'ray' but Ray is not installed: pip install "
+        return [Check("fail", "ray cluster", "rollout.ray_address is set but Ray is not installed: pip install "
                       "'mrl-plugins[ray]' (here and on every node)")]  # fmt: skip
     from mrl_plugins.config import load_config
     from mrl_plugins.device import get_device
@@ -45,7 +46,7 @@ def ray_checks(data: Mapping[str, Any]) -> list[Check]:
 
     cfg = load_config(dict(data))  # every other key validated first (a ConfigError is doctor's error)
     rc = cfg.rollout
-    bundles = [bundle(rc.engine_threads, get_device(cfg.device).type, rc.ray_resources)] * rc.remote_workers
+    bundles = [bundle(rc.engine_threads, get_device(cfg.train.device).type, rc.ray_resources)] * rc.remote_workers
     what = f"{len(bundles)} bundle(s) {_fmt(bundles[0])} with {rc.ray_strategy}"
     if rc.ray_address == "local":
         here = [{"NodeID": "local", "Alive": True, "NodeManagerAddress": "this host",
@@ -77,7 +78,7 @@ def ray_checks(data: Mapping[str, Any]) -> list[Check]:
                     "warn",
                     "ray free now",
                     f"{busy}; other jobs hold the rest: the run waits for them up to "
-                    f"rollout.start_timeout_s ({rc.start_timeout_s:.0f} s)",
+                    f"the start bound ({rc.start_timeout_s:.0f} s: 1.5 x timeout_s)",
                 )  # fmt: skip
                 if busy
                 else Check("ok", "ray free now", f"{what}: free now ({describe_nodes(free)})")

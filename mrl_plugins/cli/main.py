@@ -42,8 +42,6 @@ def _selection_config(ns: argparse.Namespace) -> dict:
     if ns.disable:
         check_disable(ns.disable)
         data["disable"] = [*(data.get("disable") or []), *ns.disable]
-    if ns.no_autoload:
-        data["autoload"] = False
     return data
 
 
@@ -51,7 +49,7 @@ def cmd_plugins(ns: argparse.Namespace) -> int:
     from mrl_plugins.manager import get_plugin_manager
 
     data = _selection_config(ns)
-    mgr = get_plugin_manager(data)
+    mgr = get_plugin_manager(data, autoload=False if ns.no_autoload else None)
     rows = mgr.plugin_infos()
     width = max(len(r.name) for r in rows) + 2
     print(f"{'plugin':<{width}}{'source':<12}{'stages':<30}active for")

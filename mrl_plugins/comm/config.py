@@ -6,6 +6,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from mrl_plugins.config_fields import internal
 from mrl_plugins.errors import ConfigError, choices
 
 CODECS: tuple[str, ...] = ("auto", "raw", "fp16", "bf16")
@@ -24,8 +25,11 @@ class CommConfig:
     """
 
     transport: str = field(
-        default="shm",
-        metadata={"help": "experience transport: 'shm' (one host), 'queue' (pickle baseline), 'torch_distributed'"},
+        default="auto",
+        metadata={
+            "help": "experience transport: 'auto' ('shm' for workers on this host, 'torch_distributed' with "
+            "rollout.remote_workers), 'shm' (one host), 'queue' (pickle baseline), 'torch_distributed'"
+        },
     )
     codec: str = field(
         default="auto",
@@ -36,35 +40,35 @@ class CommConfig:
             "as they are; see mrl_plugins.comm.codec for error bounds)"
         },
     )
-    lossless_fields: list[str] = field(
-        default_factory=list,
-        metadata={"help": "field names never sent in a lossy dtype (ints/bools stay lossless anyway)"},
+    lossless_fields: list[str] = internal(
+        "every frame carries the same fields; comm.codec: raw sends them all bit-exact", default_factory=list
     )
-    host: str = field(
-        default="127.0.0.1",
-        metadata={
-            "help": "torch_distributed: address the trainer's receiving end listens on and hands to producers "
-            "(this host's IP reachable from remote rollout workers)"
-        },
+    host: str | None = internal(
+        "experience listens on the host of rollout.rendezvous, the address remote workers reach (derived)",
+        default=None,
     )
-    ring_slots: int = field(default=4, metadata={"help": "frames in flight per producer in the shm ring (>= 1)"})
+    ring_slots: int = internal("a producer has 4 frames in flight (its 2 requests and their answers)", default=4)
     slot_bytes: int = field(
         default=8 << 20, metadata={"help": "bytes per ring slot = largest frame accepted (>= 4096)"}
     )
-    send_timeout_s: float = field(default=60.0, metadata={"help": "longest a send waits for ring space (s)"})
-    receive_timeout_s: float = field(default=60.0, metadata={"help": "longest a receive waits for a frame (s)"})
-    heartbeat_interval_s: float = field(default=0.25, metadata={"help": "how often each end stamps its heartbeat"})
-    heartbeat_timeout_s: float = field(
-        default=5.0, metadata={"help": "a peer whose heartbeat is older than this is reported dead (PeerDeadError)"}
+    send_timeout_s: float | None = internal("the top-level timeout_s bounds a send (derived)", default=None)
+    receive_timeout_s: float | None = internal("the top-level timeout_s bounds a receive (derived)", default=None)
+    heartbeat_interval_s: float = internal("each end stamps its heartbeat every 0.25 s", default=0.25)
+    heartbeat_timeout_s: float | None = internal(
+        "a peer is dead after min(timeout_s, 5 s) without a heartbeat on one host, timeout_s across hosts (derived)",
+        default=None,
     )
-    start_timeout_s: float = field(
-        default=60.0,
-        metadata={"help": "how long a peer that has not stamped its first heartbeat yet counts as starting, not dead"},
+    start_timeout_s: float = internal("a peer that never beat counts as starting for 60 s", default=60.0)
+    checksum: str | None = internal(
+        "the top-level checksums switches experience checksums (xxh3, the fastest; derived)", default=None
     )
-    checksum: str = field(
-        default="xxh3",
-        metadata={"help": "payload checksum: 'xxh3' (low 32 bits of xxh3-64, fastest), 'crc32c' or 'none'"},
-    )
+
+    def __post_init__(self) -> None:
+        """Standalone defaults of the derived fields (a loaded config derives them: mrl_plugins.config.derive)."""
+        for key, value in (("host", "127.0.0.1"), ("send_timeout_s", 120.0), ("receive_timeout_s", 120.0),
+                           ("heartbeat_timeout_s", 5.0), ("checksum", "xxh3")):  # fmt: skip
+            if getattr(self, key) is None:
+                setattr(self, key, value)
 
     def validate(self) -> CommConfig:
         """Check every field; raise :class:`ConfigError` naming the key and the valid values."""
@@ -83,7 +87,7 @@ class CommConfig:
             val = getattr(self, key)
             if isinstance(val, bool) or not isinstance(val, int) or val < lo:
                 raise ConfigError(f"comm.{key} must be an integer >= {lo}, got {val!r}")
-        if not isinstance(self.host, str) or not self.host:
+        if self.host is not None and (not isinstance(self.host, str) or not self.host):
             raise ConfigError(f"comm.host must be a host name or IP address, got {self.host!r}")
         for key in (
             "send_timeout_s",
@@ -93,14 +97,16 @@ class CommConfig:
             "start_timeout_s",
         ):
             val = getattr(self, key)
+            if val is None:  # derived from the top-level timeout_s when the whole config is loaded
+                continue
             if isinstance(val, bool) or not isinstance(val, (int, float)) or not val > 0:
                 raise ConfigError(f"comm.{key} must be a number > 0, got {val!r}")
-        if self.heartbeat_timeout_s <= 2 * self.heartbeat_interval_s:
+        if self.heartbeat_timeout_s is not None and self.heartbeat_timeout_s <= 2 * self.heartbeat_interval_s:
             raise ConfigError(
                 f"comm.heartbeat_timeout_s ({self.heartbeat_timeout_s}) must exceed twice "
                 f"comm.heartbeat_interval_s ({self.heartbeat_interval_s})"
             )
-        if self.checksum not in CHECKSUMS:
+        if self.checksum is not None and self.checksum not in CHECKSUMS:
             raise ConfigError(f"comm.checksum: unknown checksum {self.checksum!r}; valid: {choices(CHECKSUMS)}")
         return self
 

@@ -198,7 +198,7 @@ class DistConsumer:
                 self._stats["dead_peers"] += 1
                 raise PeerDeadError(
                     f"torch_distributed producer {i} is dead: heartbeat unchanged for {now - last[1]:.2f} s "
-                    f"(comm.heartbeat_timeout_s={self.config.heartbeat_timeout_s})"
+                    f"(heartbeat timeout {self.config.heartbeat_timeout_s:g} s: timeout_s across hosts)"
                 )
         if closed == self.n and self._inbox.empty() and self._err is None:
             raise ChannelClosedError(f"all {self.n} torch_distributed producers closed")

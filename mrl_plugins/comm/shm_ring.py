@@ -448,7 +448,8 @@ def _stale(pid: int, age: float, config: CommConfig) -> str | None:
     if not pid_alive(pid):
         return f"last heartbeat {age:.2f} s ago, its process is gone"
     if age > config.heartbeat_timeout_s:
-        return f"last heartbeat {age:.2f} s ago (comm.heartbeat_timeout_s={config.heartbeat_timeout_s})"
+        bound = config.heartbeat_timeout_s
+        return f"last heartbeat {age:.2f} s ago (heartbeat timeout {bound:g} s: min(timeout_s, 5 s) on one host)"
     return None
 
 
@@ -457,9 +458,8 @@ def _not_started(pid: int, waited: float, config: CommConfig) -> str | None:
     if not pid_alive(pid):
         return "its process is gone (it never started heartbeating)"
     if waited > config.start_timeout_s:
-        return (
-            f"no heartbeat yet, {waited:.2f} s after it was first seen (comm.start_timeout_s={config.start_timeout_s})"
-        )
+        grace = config.start_timeout_s
+        return f"no heartbeat yet, {waited:.2f} s after it was first seen (a peer counts as starting for {grace:g} s)"
     return None
 
 

@@ -50,13 +50,34 @@ class RolloutConfig(SchedulingSection, DeploymentSection, EngineSection):
 
     SECTIONS = SECTIONS
 
+    def __post_init__(self) -> None:
+        """Standalone defaults of the derived fields (a loaded config derives them from its settings:
+        :func:`mrl_plugins.config.derive`)."""
+        if self.timeout_s is None:
+            self.timeout_s = 120.0
+        if self.start_timeout_s is None:
+            self.start_timeout_s = max(180.0, 300.0 if self.engine == "vllm" else 0.0)
+        if self.trainer_threads is None:
+            self.trainer_threads = len(self.trainer_cores) if self.trainer_cores else 1
+        if self.lend_cores is None:
+            self.lend_cores = True
+        if self.pipeline is None:  # max_staleness 0: take turns; else one batch ahead
+            self.pipeline = "sync" if self.max_staleness == 0 else "async"
+        if self.stale_policy is None:  # max_staleness null: keep every sample, counted
+            self.stale_policy = "keep" if self.max_staleness is None else "drop"
+
     @property
     def launch(self) -> str:
-        """The launcher in effect: ``rollout.launcher``, or for None ``'manual'`` with remote workers, else
-        ``'local'``."""
-        if self.launcher is not None:
-            return self.launcher
+        """Who starts the workers: ``'ray'`` with ``rollout.ray_address`` set, ``'manual'`` (``mrl worker
+        --connect``) with remote workers, else ``'local'`` (the trainer's own processes only)."""
+        if self.ray_address is not None:
+            return "ray"
         return "manual" if self.remote_workers else "local"
+
+    @property
+    def staleness_bound(self) -> float:
+        """The versions a sample may lag before it is stale (``inf`` for ``max_staleness: null``)."""
+        return float("inf") if self.max_staleness is None else float(self.max_staleness)
 
     def validate(self) -> None:
         if not self.engine:
@@ -86,6 +107,11 @@ class RolloutConfig(SchedulingSection, DeploymentSection, EngineSection):
             raise ConfigError(f"rollout.pipeline: {self.pipeline!r} invalid; valid: {choices(PIPELINES)}")
         if self.stale_policy not in STALE_POLICIES:
             raise ConfigError(f"rollout.stale_policy: {self.stale_policy!r} invalid; valid: {choices(STALE_POLICIES)}")
+        if self.max_staleness is not None and (isinstance(self.max_staleness, bool) or self.max_staleness < 0):
+            raise ConfigError(
+                f"rollout.max_staleness: must be an int >= 0 (0: take turns) or null (keep every sample), got "
+                f"{self.max_staleness!r}"
+            )
         if self.old_logps not in OLD_LOGPS:
             raise ConfigError(f"rollout.old_logps: {self.old_logps!r} invalid; valid: {choices(OLD_LOGPS)}")
         if self.ref_logps not in REF_LOGPS:
@@ -121,12 +147,12 @@ class RolloutConfig(SchedulingSection, DeploymentSection, EngineSection):
                     "the key (None: split the process's cores)"
                 )
         for key in ("engine_threads", "trainer_threads"):
-            if getattr(self, key) < 1:
+            if getattr(self, key) is not None and getattr(self, key) < 1:
                 raise ConfigError(f"rollout.{key}: must be >= 1, got {getattr(self, key)}")
         if self.remote_workers:
             parse_address(self.rendezvous)
         self._validate_launcher()
-        for key in ("workers", "max_staleness", "restart_workers", "colocated_workers", "remote_workers"):
+        for key in ("workers", "restart_workers", "colocated_workers", "remote_workers"):
             if getattr(self, key) < 0:
                 raise ConfigError(f"rollout.{key}: must be >= 0, got {getattr(self, key)}")
         if self.colocated_workers > self.workers:
@@ -145,8 +171,8 @@ class RolloutConfig(SchedulingSection, DeploymentSection, EngineSection):
             raise ConfigError(f"rollout.memory_headroom: must be in [0, 4], got {self.memory_headroom}")
         if self.tool_timeout_s < 0:
             raise ConfigError(f"rollout.tool_timeout_s: must be >= 0 (0: no bound), got {self.tool_timeout_s}")
-        for key in ("timeout_s", "start_timeout_s"):
-            if getattr(self, key) <= 0:
+        for key in ("timeout_s", "start_timeout_s"):  # None: derived from the top-level timeout_s
+            if getattr(self, key) is not None and getattr(self, key) <= 0:
                 raise ConfigError(f"rollout.{key}: must be > 0, got {getattr(self, key)}")
         if self.rebalance_window < 1:
             raise ConfigError(f"rollout.rebalance_window: must be >= 1, got {self.rebalance_window}")
@@ -164,33 +190,25 @@ class RolloutConfig(SchedulingSection, DeploymentSection, EngineSection):
         return self.engine == "transformers" if self.local_warmup == "auto" else bool(self.local_warmup)
 
     def _validate_launcher(self) -> None:
-        """``rollout.launcher`` and its ``ray_*`` keys (Ray is looked for, never imported)."""
-        if self.launcher is not None and self.launcher not in LAUNCHERS:
-            raise ConfigError(f"rollout.launcher: {self.launcher!r} invalid; valid: {choices(LAUNCHERS)} (or null)")
+        """``rollout.ray_address`` (Ray starts the remote workers) and its ``ray_*`` keys (Ray is looked for, never
+        imported)."""
         launch = self.launch
-        if launch == "local" and self.remote_workers:
+        if launch == "ray" and not self.remote_workers:
             raise ConfigError(
-                f"rollout.launcher: 'local' starts only the trainer's own worker processes (rollout.workers), but "
-                f"rollout.remote_workers is {self.remote_workers}; use launcher 'manual' (`mrl worker --connect` on "
-                "each host) or 'ray' (Ray actors on a cluster), or remote_workers: 0"
-            )
-        if launch in ("manual", "ray") and not self.remote_workers:
-            raise ConfigError(
-                f"rollout.launcher: {launch!r} starts the rollout.remote_workers, which is 0; set "
-                "rollout.remote_workers >= 1 (rollout.workers stay the trainer's own processes), or launcher 'local'"
+                "rollout.ray_address: Ray starts the rollout.remote_workers, which is 0; set rollout.remote_workers "
+                ">= 1 (rollout.workers stay the trainer's own processes), or remove ray_address"
             )
         if launch != "ray":
             changed = [
-                k for k, default in (("ray_address", "auto"), ("ray_strategy", "PACK"), ("ray_resources", {}),
-                                   ("ray_worker_cores", None))
+                k for k, default in (("ray_strategy", "PACK"), ("ray_resources", {}), ("ray_worker_cores", None))
                 if getattr(self, k) != default
             ]  # fmt: skip
             if changed:
-                raise ConfigError(f"rollout.{changed[0]}: only used with rollout.launcher 'ray' (got {launch!r})")
+                raise ConfigError(f"rollout.{changed[0]}: only used with rollout.ray_address set (Ray's workers)")
             return
         if self.ray_strategy not in RAY_STRATEGIES:
             raise ConfigError(f"rollout.ray_strategy: {self.ray_strategy!r} invalid; valid: {choices(RAY_STRATEGIES)}")
-        if not isinstance(self.ray_address, str) or not self.ray_address.strip():
+        if not self.ray_address.strip():
             raise ConfigError("rollout.ray_address: 'auto', 'local' or the head's HOST:PORT")
         if self.ray_address.startswith("ray://"):
             raise ConfigError(
@@ -221,8 +239,8 @@ class RolloutConfig(SchedulingSection, DeploymentSection, EngineSection):
             )
         if not ray_installed():
             raise ConfigError(
-                "rollout.launcher: 'ray' needs Ray, which is not installed here: pip install 'mrl-plugins[ray]' "
-                "(on the trainer's node and every worker node)"
+                "rollout.ray_address: Ray starts the workers, and Ray is not installed here: pip install "
+                "'mrl-plugins[ray]' (on the trainer's node and every worker node)"
             )
 
     def check_placement_on(self, mode: str, device: Any) -> None:
@@ -270,8 +288,7 @@ class RolloutConfig(SchedulingSection, DeploymentSection, EngineSection):
             if dedicated > free:
                 raise ConfigError(
                     f"rollout.workers: {dedicated} rollout worker(s) but only {free} CPU core(s) free for them "
-                    f"({where}); lower rollout.workers to {free}, or set rollout.oversubscribe: true to let workers "
-                    "share cores (every step slows down)"
+                    f"({where}); lower rollout.workers to {free} (workers sharing cores slow every step down)"
                 )
             return
         if mode == "colocate" or dedicated <= 0:

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from mrl_plugins.config_fields import internal
+
 
 @dataclass
 class EngineSection:
@@ -25,8 +27,10 @@ class EngineSection:
         },
     )
     engine_threads: int = field(default=1, metadata={"help": "torch threads of each rollout engine"})
-    engine_cores: list[int] | None = field(
-        default=None, metadata={"help": "CPU cores for engines (None: split the process's cores)"}
+    engine_cores: list[int] | None = internal(
+        "the workers take the process's cores outside rollout.trainer_cores (restrict the process with taskset to "
+        "leave cores out)",
+        default=None,
     )
     engine_budget: dict = field(
         default_factory=dict,
@@ -58,50 +62,38 @@ class DeploymentSection:
         metadata={
             "help": "workers outside the trainer's process tree, on this or other hosts, joining through "
             "rollout.rendezvous (indices after the local ones); started by hand (launcher 'manual': `mrl worker "
-            "--connect <rendezvous> --index i`) or as Ray actors (launcher 'ray'); need comm.transport: "
-            "torch_distributed and weight_sync.transport: broadcast, per_param or directory (shared filesystem)"
+            "--connect <rendezvous> --index i`) or, with rollout.ray_address set, as Ray actors; the transports "
+            "'auto' then carry experience over torch_distributed and weights over broadcast (or directory, when "
+            "weight_sync.directory names a shared filesystem)"
         },
     )
     rendezvous: str = field(
         default="127.0.0.1:0",
         metadata={"help": "HOST:PORT the trainer listens on for remote workers (reachable from them; port 0 = any)"},
     )
-    launcher: str | None = field(
+    ray_address: str | None = field(
         default=None,
         metadata={
-            "help": "who starts the workers: 'local' (rollout.workers processes of the trainer's, no remote "
-            "workers), 'manual' (besides those, rollout.remote_workers you start with `mrl worker --connect`), "
-            "'ray' (besides those, rollout.remote_workers started, placed and restarted by Ray as actors on a "
-            "running cluster: rollout.ray_address; pip install 'mrl-plugins[ray]'; docs/ray.md); None: 'manual' "
-            "when remote_workers > 0, else 'local'"
+            "help": "set: Ray starts the rollout.remote_workers as actors (placed, restarted by Ray; pip install "
+            "'mrl-plugins[ray]'; docs/ray.md) on the cluster ray.init connects to: 'auto' (RAY_ADDRESS, else the "
+            "cluster started on this node with `ray start --head`), 'HOST:PORT' of its head, or 'local' (a one-node "
+            "cluster in the trainer for this run); null: remote workers are started by hand (`mrl worker --connect`)"
         },
     )
-    ray_address: str = field(
-        default="auto",
-        metadata={
-            "help": "launcher 'ray': the cluster ray.init connects to: 'auto' (RAY_ADDRESS, else the cluster "
-            "started on this node with `ray start --head`), 'HOST:PORT' of its head, or 'local' (start a "
-            "one-node cluster in the trainer for this run; no other way starts one)"
-        },
-    )
-    ray_strategy: str = field(
-        default="PACK",
-        metadata={
-            "help": "launcher 'ray': the placement group's strategy over its bundles (one per remote worker: CPU "
-            "= engine_threads, plus GPU 1 on CUDA or NPU 1 on Ascend): PACK, SPREAD, STRICT_PACK or STRICT_SPREAD"
-        },
+    ray_strategy: str = internal(
+        "Ray places the workers' bundles PACK; target nodes with rollout.ray_resources", default="PACK"
     )
     ray_resources: dict = field(
         default_factory=dict,
         metadata={
-            "help": "launcher 'ray': custom resources added to every worker's bundle, e.g. {rollout_host: 1} to "
+            "help": "Ray: custom resources added to every worker's bundle, e.g. {rollout_host: 1} to "
             "place workers only on nodes started with `ray start --resources '{\"rollout_host\": 4}'`"
         },
     )
     ray_worker_cores: list | None = field(
         default=None,
         metadata={
-            "help": "launcher 'ray': CPU core ids of its node each worker actor binds to, engine_threads of them per "
+            "help": "Ray: CPU core ids of its node each worker actor binds to, engine_threads of them per "
             "actor in order (the n-th actor Ray placed on a node takes the n-th slice); None: the cores the node's "
             "raylet runs on, which Ray's actors inherit. With `taskset -c <others> ray start` on a worker node, "
             "this keeps Ray's own processes off the workers' cores (docs/ray.md)"
@@ -115,52 +107,37 @@ class DeploymentSection:
         metadata={
             "help": "'fixed': the workers and the trainer keep the cores this section gives them; 'auto': the run "
             "measures its stage times and keeps the faster of that split and taking turns on all of the "
-            "trainer's cores (the trainer's own model generates, the workers idle), re-checked every "
-            "placement_interval steps (mrl_plugins.rollout.autoplace; mrl/rollout/placement 0 split, 1 turns); "
-            "one training process, local workers, mode colocate or disaggregated"
+            "trainer's cores (the trainer's own model generates, the workers idle), re-checked every 10 steps "
+            "(mrl_plugins.rollout.autoplace; mrl/rollout/placement 0 split, 1 turns); in the split the trainer "
+            "borrows the cores the workers leave idle; one training process, local workers, mode colocate or "
+            "disaggregated"
         },
     )
-    placement_start: str = field(
-        default="turns",
-        metadata={
-            "help": "placement auto: the arrangement of the first steps. 'turns': the trainer takes turns on all "
-            "cores while the workers start at the lowest CPU priority (they take what it leaves); 'split': the "
-            "workers start at full speed on their own cores while the trainer generates with its own model on "
-            "its cores (rollout.local_warmup), so the split is ready sooner; either way the other arrangement is "
-            "explored at the first decision"
-        },
+    placement_start: str = internal(
+        "placement auto starts by taking turns while the workers start (rollout.autoplace)", default="turns"
     )
-    placement_interval: int = field(
-        default=10, metadata={"help": "placement auto: optimizer steps between two decisions (the first after 3)"}
+    placement_interval: int = internal("placement auto decides every 10 steps (the first after 3)", default=10)
+    placement_margin: float = internal(
+        "placement auto switches when the other way is projected 10 % faster", default=0.1
     )
-    placement_margin: float = field(
-        default=0.1,
-        metadata={"help": "placement auto: switch only when the other arrangement is projected this much faster"},
+    lend_cores: bool | None = internal(
+        "placement auto lends the workers' idle cores to the trainer whenever the weight transport is not a "
+        "collective one (derived)",
+        default=None,
     )
-    lend_cores: bool = field(
-        default=True,
-        metadata={
-            "help": "placement auto: in the split, once the workers have answered every lookahead they hold the "
-            "trainer borrows what they leave idle until its next generation request, checked between its layers "
-            "(mrl/rollout/lends, mrl/rollout/lent_s). CPU: their cores (affinity, all threads). NPU, workers sharing "
-            "the trainer's NPU with engine_budget core limits: the training stream runs on the device's cube/vector "
-            "cores minus the workers' in the split and on all of them while lent (torch_npu set_stream_limit/"
-            "reset_stream_limit; unverified on hardware). CUDA: nothing to lend (torch has no per-stream SM share)"
-        },
-    )
-    trainer_threads: int = field(
-        default=1, metadata={"help": "torch threads left to the trainer when an engine shares its cores"}
+    trainer_threads: int | None = internal(
+        "the trainer runs one torch thread per core of rollout.trainer_cores (derived)", default=None
     )
     trainer_cores: list[int] | None = field(
-        default=None, metadata={"help": "CPU cores for the trainer (None: the rest)"}
-    )
-    oversubscribe: bool = field(
-        default=False,
+        default=None,
         metadata={
-            "help": "allow more dedicated rollout workers than the CPU cores free for them (workers then share "
-            "cores and every step slows down); off: such a config is refused before the model is built. "
-            "NPU/CUDA workers of mode disaggregated/hybrid need one device each either way"
+            "help": "CPU cores the trainer keeps (one torch thread each); the rollout workers split the process's "
+            "other cores. None: the first core"
         },
+    )
+    oversubscribe: bool = internal(
+        "more rollout workers than free cores are refused before the model is built (every step would slow down)",
+        default=False,
     )
     restart_workers: int = field(
         default=0,
@@ -170,27 +147,18 @@ class DeploymentSection:
             "actor's max_restarts), a 'manual' worker you start again rejoins"
         },
     )
-    start_timeout_s: float = field(
-        default=180.0, metadata={"help": "max seconds for a worker to start and load the model"}
+    start_timeout_s: float | None = internal(
+        "a worker may take max(1.5 x timeout_s, its engine's start: vllm 300 s) to start (derived)", default=None
     )
-    start_method: str = field(
+    start_method: str = internal(
+        "a local worker is forked where that is safe (a CPU worker of the transformers engine with one thread, no "
+        "device runtime in the trainer), else spawned (rollout.lifecycle)",
         default="auto",
-        metadata={
-            "help": "how a local worker process starts: 'auto' (fork where it is safe: a CPU worker of the "
-            "'transformers' engine with 1 thread and no device runtime or process group in the trainer, so it "
-            "inherits the imported torch and transformers and is ready in well under a second; else spawn), "
-            "'spawn' (a fresh interpreter that imports everything again: seconds of one core) or 'fork' (an error "
-            "where it is unsafe)"
-        },
     )
-    local_warmup: bool | str = field(
+    local_warmup: bool | str = internal(
+        "while the workers start, the trainer's own model generates with the transformers engine; with vllm the "
+        "first generation waits for the vLLM worker",
         default="auto",
-        metadata={
-            "help": "while the workers are still starting: true = the trainer's own model generates (on-policy, "
-            "said at enable()), false = the first generation waits for the workers (progress on stderr, at most "
-            "rollout.start_timeout_s), 'auto' = true for the 'transformers' engine (the trainer's own model is that "
-            "same engine), false for any other (rollout.engine: vllm generates with vLLM from the first step)"
-        },
     )
     rebalance: bool = field(
         default=False,
@@ -199,35 +167,33 @@ class DeploymentSection:
             "share (see mrl_plugins.rollout.hybrid); needs workers >= 2"
         },
     )
-    rebalance_window: int = field(
-        default=5, metadata={"help": "hybrid: generations averaged per decision (and waited after a move)"}
+    rebalance_window: int = internal("hybrid rebalancing averages 5 generations per decision", default=5)
+    rebalance_high: float = internal(
+        "a dedicated worker joins the trainer's device above a 0.25 wait share", default=0.25
     )
-    rebalance_high: float = field(
-        default=0.25, metadata={"help": "hybrid: mean wait share above which a dedicated worker becomes colocated"}
-    )
-    rebalance_low: float = field(
-        default=0.05, metadata={"help": "hybrid: mean wait share below which a colocated worker becomes dedicated"}
-    )
+    rebalance_low: float = internal("a colocated worker leaves below a 0.05 wait share", default=0.05)
 
 
 @dataclass
 class SchedulingSection:
-    """How generation and training interleave: the pipeline, staleness, which logprobs the loss takes, time
-    limits and queues."""
+    """How generation and training interleave: staleness, which logprobs the loss takes, tools."""
 
-    pipeline: str = field(
-        default="async", metadata={"help": "'async': generate step k+1 while training step k; 'sync': take turns"}
+    pipeline: str | None = internal(
+        "rollout.max_staleness: 0 takes turns (generate, then train), >= 1 generates one batch ahead (derived)",
+        default=None,
     )
-    max_staleness: int = field(
+    stale_policy: str | None = internal(
+        "samples older than rollout.max_staleness are regenerated; max_staleness: null keeps them all (derived)",
+        default=None,
+    )
+    max_staleness: int | None = field(
         default=1,
         metadata={
-            "help": "max weight versions a sample may lag the trainer "
-            "(with TRL num_iterations=k the lookahead is submitted one step before it is used)"
+            "help": "weight versions a sample may lag the trainer: 0 = take turns (generate, then train, on-policy); "
+            "N >= 1 = generate step k+1 while training step k and regenerate samples older than N versions; "
+            "null = generate ahead and keep every sample (counted in mrl/rollout/stale_samples). With TRL "
+            "num_iterations=k the lookahead is submitted one step before it is used"
         },
-    )
-    stale_policy: str = field(
-        default="drop",
-        metadata={"help": "samples older than max_staleness: 'drop' (regenerate) or 'keep' (count only)"},
     )
     old_logps: str = field(
         default="trainer",
@@ -245,7 +211,9 @@ class SchedulingSection:
             "scores the completions it generated; the trainer skips that pass; needs rollout workers)"
         },
     )
-    timeout_s: float = field(default=120.0, metadata={"help": "max seconds to wait for a worker's batch or reply"})
+    timeout_s: float | None = internal(
+        "the top-level timeout_s bounds every wait for a worker (derived)", default=None
+    )
     tool_rollouts_ahead: bool = field(
         default=True,
         metadata={
@@ -265,12 +233,12 @@ class SchedulingSection:
             "left running); 0: no bound, tools are called as TRL calls them"
         },
     )
-    model_priorities: dict = field(
+    model_priorities: dict = internal(
+        "a run schedules one model, the policy (WorkerPool serves more for its tests)",
         default_factory=lambda: {"policy": 0},
-        metadata={"help": "multi-model pool: model_id -> priority (lower runs first)"},
     )
-    switch_throttle: int = field(
-        default=64, metadata={"help": "max queued requests per model admitted while a weight switch is pending"}
+    switch_throttle: int = internal(
+        "at most 64 requests per model queue up while a weight switch is pending", default=64
     )
 
 

@@ -89,9 +89,7 @@ class MultiTurnMixin:
             if time.monotonic() > deadline:
                 with self._lock:
                     pool.discard(ticket)
-                raise StageTimeoutError(
-                    f"rollout ahead: no answer within {self.cfg.timeout_s:.0f} s (rollout.timeout_s)"
-                )
+                raise StageTimeoutError(f"rollout ahead: no answer within {self.cfg.timeout_s:.0f} s (timeout_s)")
             time.sleep(pause)
             pause = min(2 * pause, AHEAD_POLL_S[1])
         self.ctx.metrics.add("rollout/worker_batches", 1)

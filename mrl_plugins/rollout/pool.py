@@ -547,7 +547,7 @@ class WorkerPool(Restarts):
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise StageTimeoutError(
-                    f"rollout: no answer for request {req_id} within {timeout:.0f} s (rollout.timeout_s); "
+                    f"rollout: no answer for request {req_id} within {timeout:.0f} s (timeout_s); "
                     f"workers alive: {[p.is_alive() if p is not None else 'remote' for p in self._procs]}"
                 )
             self._pump(min(0.5, remaining))

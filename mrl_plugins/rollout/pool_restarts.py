@@ -1,7 +1,7 @@
 """Dead and restarted workers of the worker pool: whether a new process can take a worker's place (its ends are
 rejoinable), handing it its predecessor's unanswered chunks, and the remote workers (``rollout.remote_workers``),
 watched through the rendezvous store (:class:`~mrl_plugins.rollout.remote.RemoteSlots`) and, with
-``rollout.launcher: ray``, through Ray (:class:`~mrl_plugins.rollout.ray_launcher.RayLauncher`), whose restarted
+``rollout.ray_address``, through Ray (:class:`~mrl_plugins.rollout.ray_launcher.RayLauncher`), whose restarted
 processes join as new incarnations; and waiting for workers still starting (:meth:`Restarts.wait_ready`). A mixin
 of :class:`~mrl_plugins.rollout.pool.WorkerPool`, apart to keep that module small."""
 
@@ -41,8 +41,8 @@ class Restarts:
             if now >= deadline:
                 raise StageTimeoutError(
                     f"rollout: the workers were not ready {now - self.started_at:.0f} s after they started "
-                    f"(rollout.start_timeout_s = {self.cfg.rollout.start_timeout_s:g}); raise it or look at the "
-                    "worker log for what the start is waiting on"
+                    f"(the start bound {self.cfg.rollout.start_timeout_s:g} s = max(1.5 x timeout_s, the engine's "
+                    "start)); raise timeout_s or look at the worker log for what the start is waiting on"
                 )
             if progress is not None and now >= note:
                 progress(now - self.started_at)

@@ -1,4 +1,4 @@
-"""Remote rollout workers started, placed and restarted by Ray (``rollout.launcher: ray``).
+"""Remote rollout workers started, placed and restarted by Ray (``rollout.ray_address``).
 
 The pool's remote workers (``rollout.remote_workers``) are started here instead of by hand: the trainer connects to
 a running Ray cluster (``rollout.ray_address``; ``local`` starts a one-node cluster for the run, nothing else starts
@@ -169,7 +169,7 @@ def resolve_address(address: str) -> str | None:
 
 def _no_cluster(address: str, why: str) -> str:
     return (
-        f"rollout.launcher 'ray': no Ray cluster at rollout.ray_address {address!r} ({why}); start one with "
+        f"Ray (rollout.ray_address): no Ray cluster at rollout.ray_address {address!r} ({why}); start one with "
         "`ray start --head --port 6379` on the head node and `ray start --address HEAD_IP:6379` on every worker "
         "node, then set rollout.ray_address to HEAD_IP:6379 (or 'auto' on a node of it), or ray_address: local to "
         "start a one-node cluster for this run (docs/ray.md)"
@@ -307,8 +307,8 @@ class RayLauncher:
             why = placement_problem(self.bundles, rc.ray_strategy, nodes)
             if why is not None:
                 raise ConfigError(
-                    f"rollout.launcher 'ray': {len(self.bundles)} worker bundle(s) {_fmt(self.bundles[0])} cannot be "
-                    f"placed with ray_strategy {rc.ray_strategy!r}: {why}. Cluster: {describe_nodes(nodes)}. Add "
+                    f"Ray (rollout.ray_address): {len(self.bundles)} worker bundle(s) {_fmt(self.bundles[0])} "
+                    f"cannot be placed ({rc.ray_strategy}): {why}. Cluster: {describe_nodes(nodes)}. Add "
                     "nodes (`ray start --address HEAD:6379 --num-cpus N`), lower rollout.remote_workers or "
                     "engine_threads, or change ray_strategy"
                 )
@@ -318,9 +318,9 @@ class RayLauncher:
                 remove_placement_group(self.pg)
                 self.pg = None
                 raise StageTimeoutError(
-                    f"rollout.launcher 'ray': the cluster did not free {len(self.bundles)} bundle(s) "
-                    f"{_fmt(self.bundles[0])} ({rc.ray_strategy}) within rollout.start_timeout_s "
-                    f"({rc.start_timeout_s:.0f} s); other jobs hold them. Available now: "
+                    f"Ray (rollout.ray_address): the cluster did not free {len(self.bundles)} bundle(s) "
+                    f"{_fmt(self.bundles[0])} ({rc.ray_strategy}) within the start bound "
+                    f"({rc.start_timeout_s:.0f} s: 1.5 x timeout_s); other jobs hold them. Available now: "
                     f"{_fmt(ray.available_resources())}"
                 )
         except BaseException:
@@ -438,13 +438,13 @@ class RayLauncher:
         if kind == "unplaceable":
             return (
                 f"rollout worker {i} ({where}) lost its node and Ray cannot place it again: its placement group has "
-                f"waited {waiting:.0f} s (rollout.timeout_s {rc.timeout_s:.0f}) for a node with "
+                f"waited {waiting:.0f} s (timeout_s {rc.timeout_s:.0f}) for a node with "
                 f"{_fmt(self.bundles[0])} ({rc.ray_strategy})"
             )
         if kind == "late":
             failure = self._failure(i)
             return (
-                f"rollout worker {i} ({where}) did not join within rollout.start_timeout_s ({rc.start_timeout_s:.0f} "
+                f"rollout worker {i} ({where}) did not join within the start bound ({rc.start_timeout_s:.0f} "
                 f"s); Ray reports it {state}" + (f": {failure}" if failure else "")
             )
         if kind == "silent":

@@ -18,7 +18,7 @@ worker stamps a heartbeat in the store every second; a worker whose heartbeat st
 it; a link restored before that goes on (TCP resends what was in flight).
 
 Every process that connects as worker ``i`` is a new *incarnation* (``joins/<i>`` in the store) with request
-queue and ready flag of its own, so a restarted worker -- Ray restarting its actor (``rollout.launcher: ray``,
+queue and ready flag of its own, so a restarted worker -- Ray restarting its actor (``rollout.ray_address``,
 :mod:`.ray_launcher`), or ``mrl worker`` started again -- never reads requests meant for its predecessor; the pool
 sees the new incarnation, hands it the predecessor's unanswered requests and counts a restart, where the transports
 are rejoinable and ``rollout.restart_workers`` allows (else one WorkerDiedError saying why). With ``broadcast`` a

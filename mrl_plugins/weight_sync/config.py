@@ -34,9 +34,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from mrl_plugins.config_fields import internal
 from mrl_plugins.errors import ConfigError, choices
 
 KNOWN_TRANSPORTS = ("shm", "directory", "broadcast", "per_param", "vllm")
+#: transports whose publish is a collective every receiver joins (placement auto cannot lend their workers' cores)
+COLLECTIVE_TRANSPORTS = ("broadcast", "per_param", "vllm")
 STAGING_CHOICES = ("device", "host")
 
 #: per-transport defaults (see the module docstring)
@@ -49,22 +52,19 @@ class WeightSyncConfig:
     """How trainer weights reach the inference copy."""
 
     transport: str = field(
-        default="shm",
+        default="auto",
         metadata={
-            "help": "weight transport: 'shm', 'directory', 'broadcast', 'per_param', 'vllm' (into rollout.engine "
-            "'vllm' through vLLM's weight-transfer protocol) or a plugin's (the manager checks the name against "
-            "registered transports)"
+            "help": "weight transport: 'auto' ('shm' for workers on this host; with rollout.remote_workers "
+            "'directory' when weight_sync.directory is set, else 'broadcast'), 'shm', 'directory', 'broadcast', "
+            "'per_param', 'vllm' (into rollout.engine 'vllm' through vLLM's weight-transfer protocol) or a "
+            "plugin's (the manager checks the name against registered transports)"
         },
     )
-    chunk_bytes: int | None = field(
-        default=None,
-        metadata={"help": "bytes per shard/chunk: unit of checksum and retry (None = transport default)"},
+    chunk_bytes: int | None = internal(
+        "each transport's measured chunk (DEFAULT_CHUNK_BYTES) is the unit of checksum and retry", default=None
     )
-    bucket_bytes: int | None = field(
-        default=None,
-        metadata={
-            "help": "bytes per collective call or copy (broadcast: one send/recv message; None = transport default)"
-        },
+    bucket_bytes: int | None = internal(
+        "broadcast sends 16 MiB messages (DEFAULT_BUCKET_BYTES, measured)", default=None
     )
     staging: str = field(
         default="device",
@@ -73,41 +73,33 @@ class WeightSyncConfig:
             "switch) or 'host' (1x on device + 1x host, switch copies host->device)"
         },
     )
-    poll_interval_s: float | None = field(
+    poll_interval_s: float | None = internal(
+        "an idle worker polls at 3/8 of the measured interval between versions (every publish also sends a "
+        "notice, and every request names the version it needs)",
         default=None,
-        metadata={
-            "help": "seconds between version polls of an idle rollout worker; None = auto: 3/8 "
-            "of the measured interval between versions (0.5 s until two were seen). A request that needs a newer "
-            "version makes the worker fetch it at once"
-        },
     )
-    vllm_backend: str = field(
+    vllm_backend: str = internal(
+        "vLLM's weight-transfer backend follows from the device: nccl on CUDA, hccl on Ascend, mrl_gloo on CPU",
         default="auto",
-        metadata={
-            "help": "transport 'vllm' only: vLLM's weight-transfer backend: 'auto' (nccl on CUDA, hccl on Ascend "
-            "where vllm-ascend registers it, mrl_gloo on CPU) or a name registered in vLLM's weight-transfer "
-            "factories ('nccl', 'mrl_gloo', ...)"
-        },
     )
-    timeout_s: float = field(
-        default=120.0, metadata={"help": "seconds to wait on the other side (transfer, peer, drain) before failing"}
+    timeout_s: float | None = internal(
+        "the top-level timeout_s bounds every wait of a transfer (derived)", default=None
     )
     directory: str | None = field(
         default=None, metadata={"help": "root folder of the 'directory' transport (local disk or shared filesystem)"}
     )
-    max_retries: int = field(
-        default=2, metadata={"help": "re-reads of a version after a checksum/missing-shard error (shm, directory)"}
+    max_retries: int = internal("a version is read again twice after a checksum or missing-shard error", default=2)
+    verify_checksum: bool | None = internal(
+        "the top-level checksums switches weights' checksums (derived)", default=None
     )
-    verify_checksum: bool = field(
-        default=True,
-        metadata={
-            "help": "checksum every chunk on the sending side and verify it on receipt (crc32c for shm/directory "
-            "shards, xxh3 for broadcast); a mismatch means no switch"
-        },
-    )
-    keep_versions: int = field(
-        default=2, metadata={"help": "versions kept on disk by the 'directory' transport (older ones are deleted)"}
-    )
+    keep_versions: int = internal("the directory transport keeps the last 2 versions on disk", default=2)
+
+    def __post_init__(self) -> None:
+        """Standalone defaults of the derived fields (a loaded config derives them: mrl_plugins.config.derive)."""
+        if self.timeout_s is None:
+            self.timeout_s = 120.0
+        if self.verify_checksum is None:
+            self.verify_checksum = True
 
     def validate(self) -> WeightSyncConfig:
         """Check every value; raise :class:`ConfigError` naming the key and the allowed values."""
@@ -123,7 +115,7 @@ class WeightSyncConfig:
         if p is not None and (isinstance(p, bool) or not isinstance(p, (int, float)) or p <= 0):
             raise ConfigError(f"weight_sync.poll_interval_s must be a number > 0 or null (auto), got {p!r}")
         t = self.timeout_s
-        if isinstance(t, bool) or not isinstance(t, (int, float)) or t <= 0:
+        if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float)) or t <= 0):
             raise ConfigError(f"weight_sync.timeout_s must be a number > 0, got {t!r}")
         if not isinstance(self.vllm_backend, str) or not self.vllm_backend:
             raise ConfigError(
@@ -143,7 +135,7 @@ class WeightSyncConfig:
             v = getattr(self, key)
             if isinstance(v, bool) or not isinstance(v, int) or v < low:
                 raise ConfigError(f"weight_sync.{key} must be an integer >= {low}, got {v!r}")
-        if not isinstance(self.verify_checksum, bool):
+        if self.verify_checksum is not None and not isinstance(self.verify_checksum, bool):
             raise ConfigError(f"weight_sync.verify_checksum must be true or false, got {self.verify_checksum!r}")
         return self
 
@@ -168,4 +160,4 @@ class WeightSyncConfig:
         return self.bucket_bytes if self.bucket_bytes is not None else DEFAULT_BUCKET_BYTES.get(t, 64 << 20)
 
 
-__all__ = ["KNOWN_TRANSPORTS", "STAGING_CHOICES", "WeightSyncConfig"]
+__all__ = ["COLLECTIVE_TRANSPORTS", "KNOWN_TRANSPORTS", "STAGING_CHOICES", "WeightSyncConfig"]
