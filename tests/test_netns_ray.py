@@ -184,7 +184,7 @@ class Pool(two_hosts.ScriptDriver):
 def test_killed_actor_with_broadcast_weights_is_one_clear_error(cluster, tmp_path):
     config = _config(tmp_path, timeout_s=30)
     config["weight_sync"] = {"transport": "broadcast", "timeout_s": 30.0}
-    config["comm"]["codec"] = "raw"  # the logprobs exact (fp16 on the wire by default)
+    config["comm"] = {"codec": "raw"}  # the logprobs exact (fp16 on the wire by default across hosts)
     pool = Pool(cluster, config, tmp_path / "trainer.log")
     assert pool("publish", v=1)["ok"]
     got = pool("collect", v=1, timeout=180)
