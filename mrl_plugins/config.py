@@ -67,6 +67,13 @@ REMOVED_KEYS: dict[str, str] = {
         "was removed (2026-12-04): set rollout.ray_address (auto | local | HOST:PORT) to have Ray start the remote "
         "workers; without it they are started by hand (`mrl worker --connect`)"
     ),
+    "rollout.model_priorities": (
+        "was removed (2026-12-04): a run generates with one model, the policy, first in first out; delete the key"
+    ),
+    "rollout.switch_throttle": (
+        "was removed (2026-12-04): a weight switch no longer holds back requests (each names the version it "
+        "needs); delete the key"
+    ),
     "comm.full_policy": (
         "was removed (2026-12-04): a full ring always waits for space (comm.send_timeout_s); its 'drop_newest' "
         "dropped an answer the trainer then waited for until rollout.timeout_s failed the run; delete the key"

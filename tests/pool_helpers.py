@@ -26,10 +26,9 @@ def make_pool(
     *,
     factory: Any = None,
     placements: list[dict] | None = None,
-    extra_models: dict | None = None,
     score_models: dict | None = None,
 ) -> tuple:
-    """A real WorkerPool on the tiny model (plus ``extra_models``): returns ``(pool, model, tokenizer, sampling,
+    """A real WorkerPool on the tiny model (plus ``score_models``): returns ``(pool, model, tokenizer, sampling,
     pm, ctx)``."""
     from mrl_plugins.config import load_config
     from mrl_plugins.hookspecs import StageContext
@@ -53,7 +52,6 @@ def make_pool(
         placements=[{"cores": [1], "threads": 1}] if placements is None else placements,
         engine_factory=factory,
         seed=0,
-        extra_models=extra_models,
         score_models=score_models,
     )
     return pool, model, tok, sampling, pm, ctx

@@ -181,8 +181,6 @@ class RolloutConfig(SchedulingSection, DeploymentSection, EngineSection):
                 f"rollout.rebalance_low/rebalance_high: need 0 <= low < high <= 1, got "
                 f"{self.rebalance_low} and {self.rebalance_high}"
             )
-        if not self.model_priorities or not all(isinstance(v, int) for v in self.model_priorities.values()):
-            raise ConfigError("rollout.model_priorities: a mapping model_id -> int priority is required")
 
     @property
     def warmup(self) -> bool:

@@ -233,13 +233,6 @@ class SchedulingSection:
             "left running); 0: no bound, tools are called as TRL calls them"
         },
     )
-    model_priorities: dict = internal(
-        "a run schedules one model, the policy (WorkerPool serves more for its tests)",
-        default_factory=lambda: {"policy": 0},
-    )
-    switch_throttle: int = internal(
-        "at most 64 requests per model queue up while a weight switch is pending", default=64
-    )
 
 
 #: (title, group) in the order the reference shows them

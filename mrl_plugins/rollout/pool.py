@@ -6,21 +6,16 @@ answers as comm frames, detects dead workers (exit code, or no answer within ``r
 and restarts them when ``rollout.restart_workers`` allows. Worker side:
 :func:`~mrl_plugins.rollout.worker.worker_main`.
 
-Several models: a pool can serve the policy plus further models (a reference, candidate policies:
-``extra_models``), each with its own weight stream (``model_id``) and an inference copy in every
-worker. Requests pass through a :class:`~mrl_plugins.rollout.scheduler.ModelScheduler` (one queue
-and priority per model, ``rollout.model_priorities``) and are handed to a worker only when it has
-fewer than ``inflight_per_worker`` requests outstanding, so a backlog of one big model waits in the
-scheduler, not in the workers' queues, and a small model's request gets the next free slot by
-priority/round-robin. :meth:`WorkerPool.publish` starts a weight switch: intake for that model is
-throttled (``rollout.switch_throttle`` queued requests at most) until every worker reports the new
-version (or ``weight_sync.timeout_s`` passes). ``score_models`` (e.g. the frozen reference) are held
-by every worker too but never scheduled: each policy completion is scored with them right after it is
+Requests (one chunk of prompts per worker) wait in one first-in-first-out queue and are handed to a worker only
+when it has fewer than ``inflight_per_worker`` outstanding, so a backlog waits here, not in a worker's queue, and a
+restarted or moved worker's chunks go to the others. ``score_models`` (e.g. the frozen reference) are held by every
+worker besides the policy and never generate: each policy completion is scored with them right after it is
 generated (teacher-forced logprobs, ``RolloutResult.scores``), in the same frame.
 """
 
 from __future__ import annotations
 
+import collections
 import itertools
 import logging
 import multiprocessing as mp
@@ -48,12 +43,11 @@ log = logging.getLogger("mrl_plugins.rollout")
 class WorkerPool(Restarts):
     """Trainer-side handle on the rollout workers.
 
-    :param model: the policy (model_id ``"policy"``); ``extra_models``: further ``model_id -> model`` served by
-        every worker (each needs a priority in ``rollout.model_priorities``); ``score_models``: models every
-        worker holds to *score* each policy completion (its per-token logprobs under that model, e.g. the
-        reference model's, in ``RolloutResult.scores``), published once or whenever they change.
+    :param model: the policy (model_id ``"policy"``); ``score_models``: models every worker holds to *score* each
+        policy completion (its per-token logprobs under that model, e.g. the reference model's, in
+        ``RolloutResult.scores``), published once or whenever they change.
     :param inflight_per_worker: requests handed to one worker before it answers (>= 1); the rest wait in the
-        scheduler, ordered by model priority.
+        pool's queue, first in first out.
     """
 
     def __init__(
@@ -66,13 +60,10 @@ class WorkerPool(Restarts):
         placements: list[dict],
         engine_factory: Any,
         seed: int = 0,
-        extra_models: dict[str, Any] | None = None,
         score_models: dict[str, Any] | None = None,
         inflight_per_worker: int = 2,
     ) -> None:
-        from mrl_plugins.errors import ConfigError, choices
-
-        from .scheduler import ModelScheduler
+        from mrl_plugins.errors import ConfigError
 
         cfg = ctx.config
         self.pm, self.ctx, self.cfg = pm, ctx, cfg
@@ -80,21 +71,15 @@ class WorkerPool(Restarts):
         remote = cfg.rollout.remote_workers
         self.n = len(placements) + remote
         comm_caps, ws_caps = check_pool_config(pm, cfg, len(placements))
-        scheduled = {"policy": model, **(extra_models or {})}
         self.score_with = tuple(score_models or ())
-        clash = [m for m in self.score_with if m in scheduled]
-        if clash:
-            raise ConfigError(f"score_models: {clash} already served for generation")
-        self.models = {**scheduled, **(score_models or {})}
-        priorities = cfg.rollout.model_priorities
-        missing = [m for m in scheduled if m not in priorities]
-        if missing:
-            raise ConfigError(
-                f"rollout.model_priorities: no priority for served model(s) {missing}; have {choices(priorities)}"
-            )
+        if "policy" in self.score_with:
+            raise ConfigError("score_models: 'policy' is the model that generates")
+        self.models = {"policy": model, **(score_models or {})}
         if inflight_per_worker < 1:
             raise ConfigError(f"inflight_per_worker: must be >= 1, got {inflight_per_worker}")
-        self.scheduler = ModelScheduler({m: priorities[m] for m in scheduled}, cfg.rollout.switch_throttle)
+        self._waiting: collections.deque[tuple[int, int]] = collections.deque()  # (req_id, chunk), FIFO
+        self._queued_at: dict[tuple[int, int], float] = {}
+        self._waits: collections.deque[float] = collections.deque(maxlen=2048)  # seconds a chunk waited
         self.inflight_per_worker = inflight_per_worker
         self.run_id = f"mrl{os.getpid()}{uuid.uuid4().hex[:6]}"
         self._mp = mp.get_context("spawn")
@@ -103,10 +88,8 @@ class WorkerPool(Restarts):
         self._abandoned: set[int] = set()
         self._draining: set[int] = set()
         self._stash: dict[tuple[int, int], Any] = {}
-        self._futures: dict[tuple[int, int], Any] = {}  # (req_id, chunk) -> the scheduler's future
         self._assigned: list[set[tuple[int, int]]] = [set() for _ in range(self.n)]
         self._versions: dict[tuple[int, str], int] = {}  # (worker, model_id) -> version it switched to
-        self._switching: dict[str, tuple[int, float]] = {}  # model_id -> (version, deadline)
         self._moving: dict[int, tuple[float, float, dict]] = {}  # worker -> (deadline, timeout, placement)
         self._restarts = 0
         self.budgets: dict[int, dict] = {}  # worker -> {"budget": AppliedBudget.as_dict(), "memory": {...}}
@@ -360,16 +343,12 @@ class WorkerPool(Restarts):
 
     # ------------------------------------------------------------------ weights
     def publish(self, version: int, named_tensors: Any, model_id: str = "policy") -> Any:
-        """Publish ``version`` of ``model_id`` and start its switch: intake for it is throttled
-        (``rollout.switch_throttle``) until every worker reports the version or ``weight_sync.timeout_s`` passes."""
+        """Publish ``version`` of ``model_id`` (every worker fetches it and switches between two requests; a request
+        names the version it needs)."""
         if model_id not in self.models:
             from mrl_plugins.errors import ConfigError, choices
 
             raise ConfigError(f"publish: model_id {model_id!r} is not served; valid: {choices(self.models)}")
-        if model_id not in self.score_with:  # scoring only: no generation intake to throttle
-            if model_id not in self._switching:
-                self.scheduler.begin_switch(model_id)
-            self._switching[model_id] = (int(version), time.monotonic() + self.cfg.weight_sync.timeout_s)
         # every worker gets a notice: idle ones fetch at once instead of at their next poll. A collective transport
         # needs them to join while the publish runs (notice first); the others read a finished version (after)
         collective = self.senders[model_id].capabilities.collective
@@ -404,23 +383,17 @@ class WorkerPool(Restarts):
                     self._versions[(w, mid)] = max(ev.value, self._versions.get((w, mid), -1))
                 else:  # BUDGET / MEMORY: what the worker applied at start / reserved at its first batch
                     self.budgets.setdefault(w, {})[ev.kind] = ev.value
-        now = time.monotonic()
-        for mid, (version, deadline) in list(self._switching.items()):
-            active = [w for w in range(self.n) if w not in self._draining]
-            if all(self._versions.get((w, mid), -1) >= version for w in active) or now > deadline:
-                if now > deadline and self.ctx.metrics is not None:
-                    self.ctx.metrics.add("rollout/switch_timeouts", 1)
-                del self._switching[mid]
-                self.scheduler.end_switch(mid)
 
     # ------------------------------------------------------------------ requests
     def submit(
         self, prompts: list[list[int]], num_generations: int, *, model_id: str = "policy", min_version: int = -1
     ) -> int:
-        """Split ``prompts`` into one chunk per active worker and queue them in the scheduler; returns a ticket
-        id for :meth:`collect`. While a switch of ``model_id`` is pending and its queue is at
-        ``rollout.switch_throttle``, waits (serving answers meanwhile) up to ``rollout.timeout_s``, then raises
-        :class:`~mrl_plugins.rollout.scheduler.BackpressureError`."""
+        """Split ``prompts`` into one chunk per active worker and queue them; returns a ticket id for
+        :meth:`collect`. The chunks go to workers as they have a free slot (:meth:`_dispatch`)."""
+        from mrl_plugins.errors import ConfigError
+
+        if model_id != "policy":
+            raise ConfigError(f"submit: only the policy generates (model_id 'policy'), got {model_id!r}")
         self._drain_events()
         req_id = next(self._ids)
         active = [w for w in range(self.n) if w not in self._draining]
@@ -430,49 +403,32 @@ class WorkerPool(Restarts):
             req_id, prompts, num_generations, model_id, min_version,
             {c: (-1, part) for c, part in enumerate(parts) if part}, time.monotonic(),
         )  # fmt: skip
-        deadline = time.monotonic() + self.cfg.rollout.timeout_s
         self._tickets[req_id] = ticket
-
-        def serve_while_throttled() -> None:
-            self._check_workers()
-            self._pump(0.05)
-
-        try:
-            for c in ticket.chunks:
-                self._futures[(req_id, c)] = self.scheduler.submit(
-                    model_id,
-                    (req_id, c),
-                    timeout=max(0.0, deadline - time.monotonic()),
-                    wait_hook=serve_while_throttled,
-                )
-        except BaseException:
-            self.discard(req_id)
-            raise
+        now = time.monotonic()
+        for c in ticket.chunks:
+            self._waiting.append((req_id, c))
+            self._queued_at[(req_id, c)] = now
         self._dispatch()
         return req_id
 
     def _dispatch(self) -> None:
-        """Hand queued requests, in the scheduler's order, to workers with a free slot (least loaded first)."""
-        while True:
+        """Hand queued chunks, first in first out, to workers with a free slot (least loaded first)."""
+        while self._waiting:
             active = [w for w in range(self.n) if w not in self._draining]
             w = min(active, key=lambda k: len(self._assigned[k]))
             if len(self._assigned[w]) >= self.inflight_per_worker:
                 return
-            st = self.scheduler.next_request(timeout=0)
-            if st is None:
-                return
-            req_id, chunk = st.request
-            t = self._tickets.get(req_id)
-            if t is None:  # discarded after it was queued
-                self._finish((req_id, chunk))
+            key = self._waiting.popleft()
+            queued = self._queued_at.pop(key, None)
+            t = self._tickets.get(key[0])
+            if queued is None or t is None:  # discarded after it was queued
                 continue
-            self._send(w, t, chunk, t.chunks[chunk][1])
+            self._waits.append(time.monotonic() - queued)
+            self._send(w, t, key[1], t.chunks[key[1]][1])
 
     def _finish(self, key: tuple[int, int]) -> None:
-        fut = self._futures.pop(key, None)
-        if fut is not None and not fut.done():
-            if not fut.cancel():
-                fut.set_result(None)
+        """Forget a chunk that still waits in the queue (its ticket was discarded)."""
+        self._queued_at.pop(key, None)
 
     def discard(self, req_id: int) -> None:
         """Forget ticket ``req_id``: its answers are dropped when they arrive (no waiting)."""
@@ -561,9 +517,11 @@ class WorkerPool(Restarts):
             st = getattr(obj, "stats", None)
             if st is not None:
                 out.update({f"{name}/{k}": v for k, v in st().items() if isinstance(v, int | float)})
-        for mid, st in self.scheduler.stats().items():
-            for key in ("queue_depth", "wait_p50_ms", "wait_p99_ms", "throttled"):
-                out[f"rollout/sched/{mid}/{key}"] = float(st[key])
+        waits = sorted(self._waits)
+        out["rollout/sched/policy/queue_depth"] = float(len(self._queued_at))
+        for q in (50, 99):
+            value = waits[min(len(waits) - 1, len(waits) * q // 100)] * 1e3 if waits else 0.0
+            out[f"rollout/sched/policy/wait_p{q}_ms"] = value
         out.update(budget_metrics(self.budgets))
         return out
 
@@ -576,5 +534,4 @@ class WorkerPool(Restarts):
         self._closed = True
         if timeout is not None:
             self._lifetime["grace"] = float(timeout)
-        self.scheduler.close()
         release(self._finalizer)
