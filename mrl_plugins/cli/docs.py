@@ -34,6 +34,9 @@ A config is a YAML file, a bundled name (`colocate`, `disaggregated`, ...: `conf
 command (`--config`) take the same. Every key below is optional (the defaults are shown). Unknown keys, wrong
 types and bad values are one `ConfigError` naming the key and the valid choices, raised before anything is built;
 so is a key of an earlier release that is gone or now follows from these (it names what decides it instead).
+Those derived values stay attributes of their sections for the code and plugins (`mrl_plugins.config.derive`,
+`mrl_plugins.config_fields`); the repository's tests and benchmarks set them with `MRL_ALLOW_INTERNAL_KEYS=1`,
+which is no user setting.
 
 Besides the file: `MRL_PLUGINS` (a path, a bundled name, `rollout=mrl,comm=upstream` or `1` for the defaults),
 `MRL_DISABLED_PLUGINS=a,b` (added to `disable`), `MRL_DISABLE_PLUGIN_AUTOLOAD=1` (no third-party plugins from
