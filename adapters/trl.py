@@ -184,9 +184,8 @@ def _install_rollout(trainer: Any, state: State, device: Any, plan: tuple | None
     """Open the selected rollout plugin's runtime (``mrl_rollout_open_runtime``) and put it where TRL generates.
 
     A runtime with ``replaces_host = False`` (``rollout: upstream``) leaves TRL's generation in place (timed only)."""
+    from mrl_plugins.adapters.trl_generation import LookaheadLoader, MrlGeneration, sampling_params
     from mrl_plugins.hookspecs import RolloutSetup
-    from mrl_plugins.rollout.engine import SamplingParams
-    from mrl_plugins.rollout.runtime import LookaheadLoader, MrlGeneration
 
     pm, ctx, cfg = state.pm, state.ctx, state.ctx.config
     gen = MrlGeneration(pm, ctx, trainer)
@@ -196,7 +195,7 @@ def _install_rollout(trainer: Any, state: State, device: Any, plan: tuple | None
     setup = RolloutSetup(
         host=trainer,
         model=trainer.accelerator.unwrap_model(trainer.model),
-        sampling=SamplingParams.from_trainer(trainer),
+        sampling=sampling_params(trainer),
         seed=int(trainer.args.seed),
         device=device,
         placements=plan,
@@ -227,7 +226,7 @@ def _install_rollout(trainer: Any, state: State, device: Any, plan: tuple | None
         state.patch(trainer, "get_train_dataloader", get_train_dataloader)
     state.generation = gen
     if getattr(trainer, "use_vllm", False):  # built with use_vllm=True: TRL's own engine is replaced, free it
-        from mrl_plugins.rollout.vllm_engine import release_trl_vllm
+        from mrl_plugins.adapters.trl_generation import release_trl_vllm
 
         release_trl_vllm(trainer)
     state.patch(trainer, "vllm_generation", gen)
@@ -286,14 +285,15 @@ def _add_step_end_callback(trainer: Any, state: State, fn: Any) -> None:
 
 def _check_engine_logps(trainer: Any, kind: str) -> None:
     """``rollout.old_logps: engine`` is sound only where the engine's logprobs are the trainer's definition."""
-    from mrl_plugins.rollout.engine import SamplingParams
 
     if kind != "grpo":
         raise ConfigError(
             f"rollout.old_logps: 'engine' is supported for GRPO only ({kind} computes its old logprobs itself); "
             f"valid here: 'trainer'"
         )
-    sp = SamplingParams.from_trainer(trainer)
+    from mrl_plugins.adapters.trl_generation import sampling_params
+
+    sp = sampling_params(trainer)
     shaping = {
         "top_p": sp.top_p != 1.0,
         "top_k": bool(sp.top_k),

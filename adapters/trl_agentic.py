@@ -4,7 +4,7 @@ TRL runs a multi-turn rollout in ``_generate``: the batch's first turn through `
 tools and environments, its tool loop (``_tool_call_loop``) calls the tools, appends their results and asks
 ``_generate_single_turn`` for each follow-up turn; a ``rollout_func`` replaces all of that with the user's function.
 With the plugin every one of those generations goes to ``trainer.vllm_generation``, the plugin's rollout
-(:class:`~mrl_plugins.rollout.runtime.MrlGeneration`):
+(:class:`~mrl_plugins.adapters.trl_generation.MrlGeneration`):
 
 * the **first turn** of a batch is the one the async lookahead prepares (generated while the trainer trains on the
   previous batch); with ``environment_factory`` a batch's prompts depend on its environments' ``reset()``, which

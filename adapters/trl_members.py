@@ -54,7 +54,7 @@ MEMBERS: tuple[Member, ...] = (
     Member("_env_tools", "read", "each environment's tools (rendered as JSON schemas ahead)", optional=True),
     Member("_multi_environment", "read", "a dict of environment factories (rows name theirs)", optional=True),
     Member("_metrics", "read", "TRL's rollout metrics of a batch rolled out ahead are added to these"),
-    Member("_tokenize_prompts", "read", "prompt token ids for the trainer's own generation (placement auto)"),
+    Member("_tokenize_prompts", "read", "the next batch's prompt ids, tokenised as TRL does (lookahead)"),
     Member("add_callback", "read", "the step-end callback of the rollout runtime"),
     Member("remove_callback", "read", "removing that callback at the end"),
     Member("train", "wrap", "start/stop of the worker pool and process state around TRL's train()"),

@@ -505,9 +505,9 @@ def cli(argv: list[str]) -> int:
     if bad or not launchers:
         raise ConfigError(f"--launchers: {bad or ns.launchers!r} invalid; valid: {', '.join(LAUNCHERS)}")
     if {"ray", "ray_apart"} & set(launchers):
-        from mrl_plugins.rollout.config import ray_installed
+        from mrl_plugins.optional import is_ray_available
 
-        if not ray_installed():
+        if not is_ray_available():
             raise ConfigError("python -m benchmarks ray: the 'ray' launcher needs Ray: pip install 'mrl-plugins[ray]'")
     if ns.quick:
         ns.reps, ns.steps, ns.model, ns.idle_s = 1, 6, "tiny", 3.0

@@ -182,6 +182,31 @@ class RolloutRuntime(Protocol):
     def close(self) -> None: ...
 
 
+@runtime_checkable
+class RolloutHost(Protocol):
+    """What the rollout stage may ask of its host (the trainer side of the adapter; for TRL
+    :class:`mrl_plugins.adapters.trl_generation.MrlGeneration`). The stage never reads the trainer itself.
+
+    ``version`` is the weight version the host last published; :meth:`sync_weights` publishes the trainer's
+    current weights (through the runtime's ``publish``) when the stage needs a newer version before it can
+    generate ahead; ``model`` is the policy being trained (unwrapped); :meth:`generation_interval` is how many
+    optimizer steps pass between two of the host's generations; :meth:`next_prompts` returns the prompt ids of
+    the batch after ``current`` (or None when the host cannot tell) and is asked only while ``lookahead`` holds.
+    """
+
+    version: int
+    lookahead: bool
+
+    @property
+    def model(self) -> Any: ...
+
+    def sync_weights(self) -> None: ...
+
+    def generation_interval(self) -> int: ...
+
+    def next_prompts(self, current: list[list[int]]) -> list[list[int]] | None: ...
+
+
 @dataclass
 class RolloutSetup:
     """What the host hands the rollout stage (``mrl_rollout_open_runtime``).
@@ -193,7 +218,7 @@ class RolloutSetup:
     :param device: the device the trainer runs on (:mod:`mrl_plugins.device`).
     :param placements: ``(worker placements, trainer cores, shared placement)`` from the adapter's
         placement plan, or ``None`` for no worker processes (``rollout.workers: 0``).
-    :param generation: the host-side generation object (reads the lookahead loader, holds the version).
+    :param generation: the host as the stage may ask it (:class:`RolloutHost`).
     :param score_models: further models every worker holds to score completions (``{"ref": ref_model}``).
     """
 
@@ -237,6 +262,7 @@ __all__ = [
     "Experience",
     "ExperienceConsumer",
     "ExperienceProducer",
+    "RolloutHost",
     "RolloutRuntime",
     "RolloutSetup",
     "WeightReceiver",

@@ -73,6 +73,8 @@ class MrlPluginManager:
         self._callers: dict[str, Any] = {}
         self._registry: dict[str, dict[str, Any]] = {}
         self.config: Any = None
+        #: how another process (a rollout worker) builds the same manager: ``factory(config)``
+        self.factory: Callable[[Any], MrlPluginManager] = get_plugin_manager
 
     # ------------------------------------------------------------------ loading
     def block(self, names: Iterable[str]) -> None:

@@ -150,7 +150,7 @@ def preflight(cfg: MrlConfig | Any, *, enable_plugins: bool = True) -> MrlConfig
     if not pm.is_upstream("rollout"):
         cfg.rollout.check_placement_on(cfg.mode, device)
         if cfg.rollout.engine == "vllm":
-            from mrl_plugins.rollout.vllm_engine import check_vllm_installed
+            from mrl_plugins.optional import check_vllm_installed
 
             check_vllm_installed()
     return cfg

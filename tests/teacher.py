@@ -1,9 +1,10 @@
 """Teacher forcing per weight version, for GRPO runs through real TRL trainers.
 
 :class:`VersionRecorder` hooks an enabled trainer's rollout (``trainer.vllm_generation``, the plugin's
-``MrlGeneration``): every version it publishes is snapshotted (the presets are a few MB), every batch it returns is
-recorded with the version it is tagged with. :meth:`VersionRecorder.max_error` then scores each recorded completion
-by teacher forcing under its version's weights and returns the largest difference to the engine's logprobs.
+``adapters.trl_generation.MrlGeneration``): every version it publishes is snapshotted (the presets are a few MB),
+every batch it returns is recorded with the version it is tagged with. :meth:`VersionRecorder.max_error` then
+scores each recorded completion by teacher forcing under its version's weights and returns the largest difference
+to the engine's logprobs.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
-"""No import circles among the package's modules (function-level imports count too: a lazy import still ties
-two modules together; imports under ``if TYPE_CHECKING:`` do not, they never run -- the hook specs' parameter
-types), and no package module imports the CLI."""
+"""No import circles among the package's modules nor between its folders (function-level imports count too: a
+lazy import still ties two modules together; imports under ``if TYPE_CHECKING:`` do not, they never run -- the hook
+specs' parameter types), and no package module imports the CLI."""
 
 from __future__ import annotations
 
@@ -100,6 +100,25 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 def test_no_import_circle_among_the_package_modules():
     assert _cycles(_graph()) == []
+
+
+#: the package's folders; a module directly in mrl_plugins/ (config, manager, upstream, run, ...) is a node of its own
+FOLDERS = ("rollout", "weight_sync", "comm", "device", "cli", "hookspecs", "adapters", "configs")
+
+
+def _folder(module: str) -> str:
+    parts = module.split(".")
+    return ".".join(parts[:2]) if len(parts) > 1 and parts[1] in FOLDERS else module
+
+
+def test_no_import_circle_between_folders():
+    """Folders stack (a stage never imports a module that imports the stage back, by any path): the rollout stage
+    opens the other stages' ends in its workers through the plugin manager's ``factory``, never by importing the
+    manager, which imports the config, which imports each stage's config."""
+    folders: dict[str, set[str]] = {}
+    for module, deps in _graph().items():
+        folders.setdefault(_folder(module), set()).update(_folder(d) for d in deps if _folder(d) != _folder(module))
+    assert _cycles(folders) == []
 
 
 def test_the_checker_finds_a_circle():

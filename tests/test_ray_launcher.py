@@ -37,7 +37,7 @@ def _closed_port() -> int:
 def test_who_starts_the_workers_follows_from_the_config(monkeypatch):
     from mrl_plugins.rollout import config as rollout_config
 
-    monkeypatch.setattr(rollout_config, "ray_installed", lambda: True)  # ray_address is checked as with Ray there
+    monkeypatch.setattr(rollout_config, "is_ray_available", lambda: True)  # ray_address is checked as with Ray there
     assert load_config({}).rollout.launch == "local"
     assert load_config({"rollout": {"workers": 2}}).rollout.launch == "local"
     assert load_config({"rollout": {"remote_workers": 2}}).rollout.launch == "manual"  # started by hand

@@ -108,7 +108,7 @@ def test_yaml_blocks_load_and_configs_validate(monkeypatch, user_config):
 
     from mrl_plugins.rollout import config as rollout_config
 
-    monkeypatch.setattr(rollout_config, "ray_installed", lambda: True)
+    monkeypatch.setattr(rollout_config, "is_ray_available", lambda: True)
 
     from mrl_plugins.adapters.trl import config_from_env
     from mrl_plugins.config import MrlConfig, load_config

@@ -7,6 +7,7 @@ import types
 import pytest
 import torch
 
+from mrl_plugins.adapters.trl_generation import sampling_params
 from mrl_plugins.errors import ConfigError
 from mrl_plugins.models import build_model
 from mrl_plugins.rollout.engine import (
@@ -265,7 +266,7 @@ def test_bad_prompts_rejected(tiny):
         eng.generate([[3]], 0)
 
 
-def test_from_trainer_reads_trl_attributes():
+def test_sampling_params_read_trl_attributes():
     """A stand-in object with the attributes GRPOTrainer sets in __init__ (a real trainer is built in the
     adapter tests; building one here would cost seconds)."""
     tok = types.SimpleNamespace(eos_token_id=1, pad_token_id=0)
@@ -280,25 +281,25 @@ def test_from_trainer_reads_trl_attributes():
         processing_class=tok,
         args=types.SimpleNamespace(max_completion_length=99),
     )
-    p = SamplingParams.from_trainer(trainer)
+    p = sampling_params(trainer)
     assert (p.temperature, p.top_p, p.top_k, p.min_p, p.repetition_penalty) == (0.9, 0.95, 20, None, 1.1)
     assert p.max_new_tokens == 32 and p.eos_token_ids == [1, 5] and p.pad_token_id == 0
     del trainer.eos_token_ids
-    assert SamplingParams.from_trainer(trainer).eos_token_ids == [1]
+    assert sampling_params(trainer).eos_token_ids == [1]
     trainer.args.generation_kwargs = {"top_k": 7, "eos_token_id": [1, 2], "do_sample": True}
-    p = SamplingParams.from_trainer(trainer)
+    p = sampling_params(trainer)
     assert p.top_k == 7 and p.eos_token_ids == [1, 2]
     trainer.args.generation_kwargs = {"num_beams": 4}
     with pytest.raises(ConfigError, match="generation_kwargs.num_beams: not supported"):
-        SamplingParams.from_trainer(trainer)
+        sampling_params(trainer)
     trainer.args.generation_kwargs = {"do_sample": False}
     with pytest.raises(ConfigError, match="greedy"):
-        SamplingParams.from_trainer(trainer)
+        sampling_params(trainer)
 
 
 @pytest.mark.slow
 @require_trl
-def test_from_trainer_on_real_grpo_trainer(tmp_path, tiny):
+def test_sampling_params_on_real_grpo_trainer(tmp_path, tiny):
     from trl import GRPOConfig, GRPOTrainer
 
     from mrl_plugins.models import build_dataset, count_reward
@@ -318,7 +319,7 @@ def test_from_trainer_on_real_grpo_trainer(tmp_path, tiny):
     trainer = GRPOTrainer(
         model=model, reward_funcs=count_reward, args=args, train_dataset=build_dataset(8), processing_class=tok
     )
-    p = SamplingParams.from_trainer(trainer)
+    p = sampling_params(trainer)
     assert (p.max_new_tokens, p.temperature, p.top_k) == (7, 0.8, 3)
     assert p.eos_token_ids == trainer.eos_token_ids and p.pad_token_id == tok.pad_token_id
 

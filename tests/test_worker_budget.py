@@ -22,7 +22,7 @@ from tests.marks import require_trl
 def _spec(config: dict, device: str, cores=None, threads=1) -> WorkerSpec:
     return WorkerSpec(
         index=0, config=load_config(config), models={}, sampling=None, engine_factory=None, comm_handle=None,
-        cores=cores, threads=threads, device=device,
+        cores=cores, threads=threads, plugin_factory=None, device=device,
     )  # fmt: skip
 
 

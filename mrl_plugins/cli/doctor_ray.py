@@ -34,9 +34,9 @@ def ray_checks(data: Mapping[str, Any]) -> list[Check]:
     rollout = data.get("rollout") or {}
     if not isinstance(rollout, Mapping) or rollout.get("ray_address") is None:
         return []
-    from mrl_plugins.rollout.config import ray_installed
+    from mrl_plugins.optional import is_ray_available
 
-    if not ray_installed():
+    if not is_ray_available():
         return [Check("fail", "ray cluster", "rollout.ray_address is set but Ray is not installed: pip install "
                       "'mrl-plugins[ray]' (here and on every node)")]  # fmt: skip
     from mrl_plugins.config import load_config

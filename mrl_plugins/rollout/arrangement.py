@@ -107,7 +107,7 @@ class ArrangementMixin:
         self._device_lend_open = True
         if getattr(self, "placement", None) is None or not self.ctx.config.rollout.lend_cores:
             return None
-        device = trainer_device(self.gen.trainer.model)
+        device = trainer_device(self.gen.model)
         if device.type == "cpu":
             return None
         from mrl_plugins.device.lending import open_lender
@@ -186,7 +186,7 @@ class ArrangementMixin:
         """Forward and backward pre-hooks on the trainer model's layers (or the model) calling :meth:`lend_check`."""
         if self._lend_hooks or not self._lending():
             return
-        model = getattr(self.gen.trainer.model, "module", self.gen.trainer.model)
+        model = self.gen.model
         layers = [m for m in model.modules() if type(m).__name__.endswith(("DecoderLayer", "Block"))] or [model]
         for m in layers:
             self._lend_hooks.append(m.register_forward_pre_hook(self.lend_check))

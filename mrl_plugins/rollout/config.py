@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mrl_plugins.errors import ConfigError, choices
+from mrl_plugins.optional import is_ray_available
 
 from .config_sections import SECTIONS, DeploymentSection, EngineSection, SchedulingSection
 
@@ -20,16 +21,6 @@ LAUNCHERS = ("local", "manual", "ray")
 RAY_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 #: bundle resources the ray launcher sets itself (rollout.ray_resources may not name them)
 RAY_OWN_RESOURCES = ("CPU", "GPU", "NPU", "memory", "object_store_memory")
-
-
-def ray_installed() -> bool:
-    """Whether Ray can be imported here (probed with ``find_spec``: nothing is imported)."""
-    import importlib.util
-
-    try:
-        return importlib.util.find_spec("ray") is not None
-    except (ImportError, ValueError):  # a broken or blocked install
-        return False
 
 
 def parse_address(value: str, what: str = "rollout.rendezvous") -> tuple[str, int]:
@@ -235,7 +226,7 @@ class RolloutConfig(SchedulingSection, DeploymentSection, EngineSection):
                 f"engine_threads ({self.engine_threads}) of them (each actor on a node binds engine_threads of them "
                 "in order), or null (the cores Ray's raylet gives its actors)"
             )
-        if not ray_installed():
+        if not is_ray_available():
             raise ConfigError(
                 "rollout.ray_address: Ray starts the workers, and Ray is not installed here: pip install "
                 "'mrl-plugins[ray]' (on the trainer's node and every worker node)"

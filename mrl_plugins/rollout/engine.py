@@ -39,7 +39,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-from mrl_plugins.errors import ConfigError, choices
+from mrl_plugins.errors import ConfigError
 
 __all__ = [
     "EngineOutput",
@@ -50,8 +50,8 @@ __all__ = [
     "teacher_forced_logps",
 ]
 
-#: keys of TRL's ``generation_kwargs`` that map onto :class:`SamplingParams` fields
-_GEN_KWARGS = {
+#: keys of a host's ``generation_kwargs`` that map onto :class:`SamplingParams` fields (the TRL adapter reads them)
+GEN_KWARGS = {
     "max_new_tokens": "max_new_tokens",
     "temperature": "temperature",
     "top_p": "top_p",
@@ -62,7 +62,7 @@ _GEN_KWARGS = {
     "pad_token_id": "pad_token_id",
 }
 #: keys accepted and without effect on sampling here
-_GEN_KWARGS_IGNORED = ("do_sample", "bos_token_id", "cache_implementation", "disable_compile", "use_cache")
+GEN_KWARGS_IGNORED = ("do_sample", "bos_token_id", "cache_implementation", "disable_compile", "use_cache")
 
 
 @dataclass
@@ -114,53 +114,6 @@ class SamplingParams:
             raise ConfigError(f"sampling.repetition_penalty: must be > 0, got {self.repetition_penalty!r}")
         if not all(isinstance(t, int) and t >= 0 for t in self.eos_token_ids):
             raise ConfigError(f"sampling.eos_token_ids: must be non-negative ints, got {self.eos_token_ids!r}")
-
-    @classmethod
-    def from_trainer(cls, trainer: Any) -> SamplingParams:
-        """Read a TRL ``GRPOTrainer``/``RLOOTrainer``'s sampling settings (the ones its generate path uses)."""
-        args = getattr(trainer, "args", None)
-
-        def pick(name: str, default: Any) -> Any:
-            if hasattr(trainer, name):
-                return getattr(trainer, name)
-            return getattr(args, name, default)
-
-        tok = getattr(trainer, "processing_class", None)
-        tok = getattr(tok, "tokenizer", tok)  # processors wrap a tokenizer
-        eos = getattr(trainer, "eos_token_ids", None)
-        if eos is None:
-            eos = [] if getattr(tok, "eos_token_id", None) is None else [tok.eos_token_id]
-        pad = getattr(tok, "pad_token_id", None)
-        max_new = pick("max_completion_length", None)
-        if max_new is None:
-            raise ConfigError("sampling: the trainer has no max_completion_length (trainer or trainer.args)")
-        values: dict[str, Any] = {
-            "max_new_tokens": int(max_new),
-            "temperature": float(pick("temperature", 1.0)),
-            "top_p": float(pick("top_p", 1.0)),
-            "top_k": pick("top_k", 0),
-            "min_p": pick("min_p", None),
-            "repetition_penalty": float(pick("repetition_penalty", 1.0)),
-            "eos_token_ids": [int(t) for t in eos],
-            "pad_token_id": None if pad is None else int(pad),
-        }
-        # TRL lets ``args.generation_kwargs`` override its generation config; honour what we implement
-        for key, value in dict(getattr(args, "generation_kwargs", None) or {}).items():
-            if key in _GEN_KWARGS:
-                target = _GEN_KWARGS[key]
-                if target == "eos_token_ids":
-                    value = [int(value)] if isinstance(value, int) else [int(v) for v in value]
-                values[target] = value
-            elif key == "do_sample" and not value:
-                raise ConfigError("generation_kwargs.do_sample=False: greedy decoding is not supported by the engine")
-            elif key not in _GEN_KWARGS_IGNORED:
-                raise ConfigError(
-                    f"generation_kwargs.{key}: not supported by the mrl rollout engine; "
-                    f"supported: {choices([*_GEN_KWARGS, *_GEN_KWARGS_IGNORED])}"
-                )
-        params = cls(**values)
-        params.validate()
-        return params
 
     def fill_from_tokenizer(self, tokenizer: Any) -> None:
         """EOS and pad ids from ``tokenizer`` where unset, then :meth:`validate` (engines call it when built)."""

@@ -159,6 +159,7 @@ class WorkerPool(Restarts):
                 comm_handle=self.consumer.producer_handle(i),
                 cores=place.get("cores"),
                 threads=place.get("threads", cfg.rollout.engine_threads),
+                plugin_factory=pm.factory,
                 env=place.get("env", {}),
                 device=place.get("device", "cpu"),
                 seed=seed,

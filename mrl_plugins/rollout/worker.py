@@ -77,6 +77,9 @@ class WorkerSpec:
     comm_handle: Any
     cores: list[int] | None
     threads: int
+    #: builds the worker's plugin manager from ``config`` (the trainer's manager's ``factory``, a module-level
+    #: function: picklable by name), so every stage end opens in the worker as it would in the trainer
+    plugin_factory: Any
     env: dict = field(default_factory=dict)
     device: str = "cpu"
     seed: int = 0
@@ -116,12 +119,10 @@ def worker_main(
     try:
         import torch
 
-        from mrl_plugins.manager import get_plugin_manager
-
         device, applied = apply_worker_budget(spec)
         if events is not None:
             events.put(WorkerEvent(BUDGET, spec.index, applied.as_dict() | {"pid": os.getpid()}))
-        pm = get_plugin_manager(spec.config)
+        pm = spec.plugin_factory(spec.config)
         ctx = StageContext(config=spec.config, plugins=pm)
         timeline_dir = os.environ.get("MRL_TIMELINE_DIR")
         timeline = (

@@ -75,7 +75,7 @@ def resolve_backend(name: str, device_type: str | None = None) -> str:
 
 def check_backend(backend: str) -> None:
     """ConfigError naming the registered backends when vLLM has no trainer-side engine called ``backend``."""
-    from mrl_plugins.rollout.vllm_engine import check_vllm_installed
+    from mrl_plugins.optional import check_vllm_installed
 
     check_vllm_installed()
     from .vllm_backends import register, registered
