@@ -126,6 +126,12 @@ class MrlGeneration:
                 return [list(p) for p in ids]
         return None
 
+    def steps_left(self) -> int | None:
+        """Optimizer steps TRL has left in this ``train()`` (``state.max_steps - global_step``; None before)."""
+        state = getattr(self.trainer, "state", None)
+        total = int(getattr(state, "max_steps", 0) or 0)
+        return max(0, total - int(state.global_step)) if total > 0 else None
+
     def begin_rollout(self) -> None:
         """TRL begins generating a batch (its ``_generate``): the next call is that batch's first turn."""
         self.calls = 0

@@ -38,7 +38,7 @@ MEMBERS: tuple[Member, ...] = (
     Member("model", "read", "the policy the engine copies and the weight-sync stage publishes"),
     Member("model_wrapped", "read", "the wrapped policy (DeepSpeed / FSDP) whose parameters are gathered"),
     Member("ref_model", "read", "the frozen reference model (ref_logps: engine scores with a copy of it)"),
-    Member("state", "read", "global_step and log_history (metrics, staleness)"),
+    Member("state", "read", "global_step, max_steps and log_history (metrics, staleness, steps left)"),
     Member("processing_class", "read", "the tokenizer (EOS / pad ids of the engine's sampling)", optional=True),
     Member("eos_token_ids", "read", "EOS ids TRL stops on", optional=True),
     Member("num_iterations", "read", "GRPO's iterations per generation (lookahead timing)", optional=True),

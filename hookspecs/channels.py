@@ -191,7 +191,8 @@ class RolloutHost(Protocol):
     current weights (through the runtime's ``publish``) when the stage needs a newer version before it can
     generate ahead; ``model`` is the policy being trained (unwrapped); :meth:`generation_interval` is how many
     optimizer steps pass between two of the host's generations; :meth:`next_prompts` returns the prompt ids of
-    the batch after ``current`` (or None when the host cannot tell) and is asked only while ``lookahead`` holds.
+    the batch after ``current`` (or None when the host cannot tell) and is asked only while ``lookahead`` holds;
+    :meth:`steps_left` is how many optimizer steps the run has left (None when unbounded or unknown).
     """
 
     version: int
@@ -205,6 +206,8 @@ class RolloutHost(Protocol):
     def generation_interval(self) -> int: ...
 
     def next_prompts(self, current: list[list[int]]) -> list[list[int]] | None: ...
+
+    def steps_left(self) -> int | None: ...
 
 
 @dataclass

@@ -142,6 +142,39 @@ def test_first_decision_explores_and_keeps_the_faster_measurement(split_step, ke
     assert len(c.decisions) == 3 and c.decisions[-1].reason == "projected"
 
 
+@pytest.mark.parametrize(("left", "chosen"), [(None, SPLIT), (16, SPLIT), (15, TURNS), (4, TURNS)])
+def test_exploring_needs_a_run_long_enough_to_repay_it(left, chosen):
+    """The same first decision as above (split projected a little slower: explored) with the run's remaining
+    generations known: under EXPLORE_PAYBACK x (probe + 1) = 16 left, the run keeps what it measured."""
+    c = PlacementController(TWO, initial=TURNS, interval=10, probe=3, margin=0.1)
+    for _ in range(4):
+        c.observe(Sample(TURNS, 0.5, 0.3, 0.2))
+    assert c.check(generations_left=left) == chosen
+    assert c.decisions[-1].reason == ("explore" if chosen == SPLIT else "projected")
+
+
+@pytest.mark.parametrize(("left", "switches"), [(5, 1), (4, 0), (1, 0)])
+def test_no_switch_in_the_last_generations(left, switches):
+    """Projected faster by far (generation-bound in turns), the switch still needs more than probe + 1 generations
+    left: its transition is never repaid in fewer."""
+    c = PlacementController(TWO, initial=TURNS, interval=3, probe=3, margin=0.1)
+    for _ in range(4):
+        c.observe(Sample(TURNS, 0.65, 0.15, 0.5))
+    c.check(generations_left=left)
+    assert c.switches == switches and c.current == (SPLIT if switches else TURNS)
+
+
+def test_the_horizon_decision_says_why_it_keeps():
+    c = PlacementController(TWO, initial=TURNS, interval=3, probe=3, margin=0.1)
+    for _ in range(4):
+        c.observe(Sample(TURNS, 0.65, 0.15, 0.5))
+    c.check(generations_left=3)
+    d = c.decisions[-1]
+    assert (d.reason, d.chosen, d.left) == ("horizon", TURNS, 3)
+    assert d.line().startswith("placement: keep turns (3 generations left: a switch would not be repaid)")
+    assert [c.split_possible(n) for n in (8, 9)] == [False, True]
+
+
 def test_a_hopeless_projection_is_not_explored():
     # generation 10 % of the step: a one-core trainer would take 1.7 x 0.9 s; more than 30 % slower
     d = decide(TURNS, _samples(TURNS, 1.0, 0.9, 0.1), TWO, margin=0.1, explore_band=0.3)
@@ -227,6 +260,30 @@ def placement_run(tmp_path, steps: int, rollout: dict, *, slow_reward: bool = Fa
         trainer.reward_funcs = [_slow_reward]
     mrl_plugins.enable(trainer, {"mode": "colocate", "rollout": rollout})
     return trainer
+
+
+@pytest.mark.slow
+@require_trl
+@pytest.mark.parametrize(("steps", "starts"), [(8, False), (12, True)])
+def test_a_run_too_short_for_the_split_never_starts_its_workers(tmp_path, caplog, keep_arrangement, steps, starts):
+    """Taking turns from the start, the workers start at the first generation only when the run has enough
+    generations left for the controller ever to choose the split (more than 2 x probe + 2 = 8): an 8-step run
+    generates every batch with the trainer's own model and never spawns them; a 12-step one starts them."""
+    import logging
+
+    trainer = placement_run(tmp_path, steps, {"workers": 1, "placement": "auto"})
+    runtime = trainer._mrl_state.runtime
+    started: list[int] = []
+    real_start = runtime._start_pool
+    runtime._start_pool = lambda: (started.append(runtime.served["turns"]), real_start())[1]
+    with caplog.at_level(logging.INFO, logger="mrl_plugins.rollout"):
+        trainer.train()
+    assert runtime.served["turns"] == steps  # kept (keep_arrangement): every batch from the trainer's own model
+    assert started == ([0] if starts else [])  # at the first generation, before it is generated
+    said = [r.getMessage() for r in caplog.records if "too few for the split" in r.getMessage()]
+    assert said == ([] if starts else [f"mrl-plugins placement: {steps} generations left: too few for the split to "
+                                       "be chosen; the rollout workers are not started (the trainer's own model "
+                                       "generates, on all cores)"])  # fmt: skip
 
 
 @pytest.mark.slow

@@ -430,13 +430,16 @@ def _rng(st: dict[str, float], fmt: str) -> str:
 def table(report: dict[str, Any], names: list[str]) -> str:
     head = (
         "| run | n | steps/s | x upstream | tokens/s | wall s | generate s | weight sync s | transfer+wait s |"
-        " train s | weight MB | comm MB | peak RSS MB (trainer / worker) | final reward | others' CPU |"
+        " train s | weight MB | comm MB | peak RSS MB (trainer / worker) | memory x upstream | final reward |"
+        " others' CPU |"
     )
-    lines = [head, "|" + "---|" * 15]
+    lines = [head, "|" + "---|" * 16]
+    base = report["runs"].get("upstream")
+    base_rss = base["peak_rss_bytes"] + base.get("peak_child_rss_bytes", 0) if base else 0
     for name in names:
         if name in report["skipped"] or name in report["failed"]:
             why = report["skipped"].get(name) or "FAILED: " + report["failed"][name]
-            lines.append(f"| {name} | 0 | {why} |" + " |" * 12)
+            lines.append(f"| {name} | 0 | {why} |" + " |" * 13)
             continue
         if name not in report["medians"]:
             continue
@@ -445,13 +448,15 @@ def table(report: dict[str, Any], names: list[str]) -> str:
         rng = report["speedup_range"].get(name) if m["steps_per_s"]["n"] > 1 else None
         x = f"{report['speedup_per_run'].get(name, 0):.2f}" + (f" [{rng[0]:.2f}..{rng[1]:.2f}]" if rng else "")
         rss = f"{r['peak_rss_bytes'] / 2**20:.0f} / {r.get('peak_child_rss_bytes', 0) / 2**20:.0f}"
+        total = r["peak_rss_bytes"] + r.get("peak_child_rss_bytes", 0)
+        mem = f"{total / base_rss:.2f}" if base_rss else "-"
         others = max(x["during"]["others_cpu_share_mean"] for x in report["load"] if x["kind"] == name)
         lines.append(
             f"| {name} | {m['steps_per_s']['n']} | {_rng(m['steps_per_s'], '.3f')} | {x} | "
             f"{m['tokens_per_s']['median']:.0f} | {_rng(m['wall_s'], '.1f')} | {ts.get('generate', 0):.1f} | "
             f"{ts.get('weight_sync', 0):.2f} | {ts.get('transfer_wait', 0):.1f} | {ts.get('train', 0):.1f} | "
             f"{mm.get('mrl/weights/bytes', 0.0) / 1e6:.1f} | {mm.get('mrl/comm/bytes', 0.0) / 1e6:.2f} | {rss} | "
-            f"{_rng(m['final_reward'], '.3f')} | {others:.0%} |"
+            f"{mem} | {_rng(m['final_reward'], '.3f')} | {others:.0%} |"
         )
     return "\n".join(lines)
 
@@ -679,8 +684,9 @@ def cli(argv: list[str]) -> int:
         tab,
         "",
         "n: repeats that ran; steps/s, wall s and final reward: median [min..max] over them; the other columns are "
-        "the median-speed repeat's; others' CPU: the highest mean share of the host's CPUs that other processes "
-        "used during one of this kind's runs (sampled every second).",
+        "the median-speed repeat's; memory x upstream: its peak RSS, trainer plus workers, over vanilla TRL's; "
+        "others' CPU: the highest mean share of the host's CPUs that other processes used during one of this "
+        "kind's runs (sampled every second).",
         "",
         *speed,
         "",

@@ -29,6 +29,10 @@ The policy (pure functions below, :class:`PlacementController` applies them to a
   *explores* it for ``probe`` steps and then keeps whichever of the two *measured* faster, as an autotuner does;
 * once an arrangement has been measured after a switch, the projection that led to it is calibrated by the
   measurement (``calibration[arr] = measured / projected``), so a wrong scaling guess is corrected from then on;
+* exploring is for runs long enough to repay it: with fewer than ``EXPLORE_PAYBACK x (probe + 1)`` generations
+  left (the host says how many steps remain) the run keeps its arrangement unless the projection says the other is
+  faster by more than ``margin``, and with ``probe + 1`` or fewer left it switches no more (a switch's transition
+  would not be repaid);
 * later decisions come every ``interval`` steps (completion lengths change as the policy learns) and switch only
   when the other arrangement is projected faster by more than ``margin`` (hysteresis); every switch starts the
   measurement over, skipping the first sample after it (the transition), so the policy cannot flap on one
@@ -45,7 +49,7 @@ import logging
 import math
 import statistics
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 log = logging.getLogger("mrl_plugins.rollout")
@@ -62,6 +66,9 @@ SPLIT_OVERHEAD = 0.05
 CALIBRATION_RANGE = (0.5, 2.0)
 #: the other arrangement is explored at the first decision unless projected slower than this share of the measured
 EXPLORE_BAND = 0.3
+#: exploring costs up to ``probe + 1`` generations in a possibly slower arrangement: it is tried only while at least
+#: this many times as many generations are left (a short run keeps what it measured and projected)
+EXPLORE_PAYBACK = 4
 
 
 @dataclass(frozen=True)
@@ -125,7 +132,10 @@ class Decision:
     projected_steps_per_s: dict[str, float]  # per arrangement: the measured one for `current`
     raw_projection_s: float  # the uncalibrated projection of the other arrangement (seconds per step)
     steps: int  # samples the measurement is the median of
-    reason: str = "projected"  # "projected", "measured" (both arrangements measured just now) or "explore"
+    #: "projected", "measured" (both arrangements measured just now), "explore", or "horizon" (a switch was due but
+    #: too few generations are left to repay it)
+    reason: str = "projected"
+    left: int | None = None  # generations left in the run, when the host knows
 
     @property
     def switch(self) -> bool:
@@ -136,6 +146,8 @@ class Decision:
         verb = f"switch {self.current} -> {self.chosen}" if self.switch else f"keep {self.current}"
         if self.reason == "explore":
             verb = f"explore {self.chosen}"
+        elif self.reason == "horizon":
+            verb = f"keep {self.current} ({self.left} generations left: a switch would not be repaid)"
         kind = "measured" if self.reason == "measured" else "projected"
         proj = ", ".join(f"{a} {self.projected_steps_per_s[a]:.2f}" for a in ARRANGEMENTS)
         return (
@@ -215,6 +227,12 @@ class PlacementController:
         self._ever: set[str] = set()  # arrangements measured at least once
         self._explored_from: tuple[str, float] | None = None  # (arrangement, its steps/s) left to explore
 
+    def split_possible(self, generations: int) -> bool:
+        """Whether a run of ``generations`` more generations, starting now in turns, can ever choose the split: its
+        first decision comes after the transition and ``probe`` samples, and a switch needs more than ``probe + 1``
+        generations left then."""
+        return generations - (1 + self.probe) > self.probe + 1
+
     def force(self, arrangement: str) -> None:
         if arrangement not in ARRANGEMENTS:
             from mrl_plugins.errors import ConfigError, choices
@@ -236,8 +254,9 @@ class PlacementController:
         need = self.probe if exploring or not self._checked else self.interval
         return len(self._samples) >= need
 
-    def check(self) -> str:
-        """The arrangement for the next generation (a decision is taken, logged and reported when one is due)."""
+    def check(self, generations_left: int | None = None) -> str:
+        """The arrangement for the next generation (a decision is taken, logged and reported when one is due).
+        ``generations_left``: how many generations the run has left, when the host knows (None: unbounded)."""
         if self._forced is not None:
             forced, self._forced = self._forced, None
             if forced != self.current:
@@ -256,10 +275,15 @@ class PlacementController:
         calibration = self.calibration[target]
         measured_other = self._explored_from[1] if fresh and self._explored_from is not None else None
         explore = self.explore and target not in self._ever and measured_other is None
+        if generations_left is not None and generations_left < EXPLORE_PAYBACK * (self.probe + 1):
+            explore = False  # too few generations left to repay trying a possibly slower arrangement
         decision = decide(
             self.current, samples, self.scaling, margin=self.margin, calibration=calibration,
             other_measured=measured_other, explore_band=self.explore_band if explore else None,
         )  # fmt: skip
+        if decision.switch and generations_left is not None and generations_left <= self.probe + 1:
+            decision = replace(decision, chosen=self.current, reason="horizon")
+        decision = replace(decision, left=generations_left)
         self._ever.add(self.current)
         if measured_other is not None and measured_other > 0 and decision.raw_projection_s > 0:
             # both measured just now: the projection of the other one from this one's stage times is calibrated

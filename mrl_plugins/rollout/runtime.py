@@ -151,6 +151,7 @@ class PoolRuntime(ArrangementMixin, MultiTurnMixin):
         self._budget_now: str | None = None
         self._unpublished = False  # a version was skipped while taking turns: publish before the workers serve
         self._background = False  # the workers were started at the lowest CPU priority (taking turns meanwhile)
+        self._start_in_background = False  # taking turns: the workers start at the first generation (or never)
         self._last_gen: tuple[float, float, float, str | None] | None = None  # (start, blocked s, engine s, tag)
         self.served = {"split": 0, "turns": 0, "warmup": 0}  # batches per arrangement (tests, reports)
         self.last_source = ""
@@ -184,13 +185,28 @@ class PoolRuntime(ArrangementMixin, MultiTurnMixin):
         if self._pool is not None:
             return
         if self.placement is not None and self.arrangement == "turns":
-            # taking turns on all cores; the workers start meanwhile at the lowest CPU priority (they take only
-            # what the trainer leaves), so that trying the split later does not wait for their start-up
-            self._start_pool()
-            self._background = self._renice(self.BACKGROUND_NICE)
+            # taking turns on all cores; the workers start at the first generation (when the host knows how many
+            # are left), at the lowest CPU priority (they take only what the trainer leaves), so that trying the
+            # split later does not wait for their start-up -- or never, when the run is too short to choose it
             self._apply_budget("turns")
+            self._start_in_background = True
             return
         self._start_pool()
+
+    def _background_start(self, generations_left: int | None) -> None:
+        """Taking turns: start the workers now at the lowest priority, unless the run ends before the split could
+        ever be chosen (then they would only take memory and CPU)."""
+        self._start_in_background = False
+        if generations_left is not None and not self.placement.split_possible(generations_left):
+            log.info(
+                "mrl-plugins placement: %d generations left: too few for the split to be chosen; the rollout workers "
+                "are not started (the trainer's own model generates, on all cores)",
+                generations_left,
+            )
+            return
+        self._start_pool()
+        self._background = self._renice(self.BACKGROUND_NICE)
+        self._apply_budget("turns")
 
     def _start_pool(self) -> None:
         import os
@@ -214,6 +230,7 @@ class PoolRuntime(ArrangementMixin, MultiTurnMixin):
         Warns once when the pool ran but delivered no batch (every batch came from the trainer's own model)."""
         with self._lock:
             pool, self._pool, self.balancer = self._pool, None, None
+        self._start_in_background = False
         self._budget_now = None  # train() ends: its process state (affinity, threads) is restored by the adapter
         while self._lend_hooks:
             self._lend_hooks.pop().remove()
@@ -286,7 +303,11 @@ class PoolRuntime(ArrangementMixin, MultiTurnMixin):
         """``placement: auto``: the interval since the previous batch as a sample; switch where it decides."""
         if self.placement is not None:
             self._observe(t0)
-            target = self.placement.check()
+            left = self.gen.steps_left()
+            left = None if left is None else -(-left // self.generation_interval())  # generations left
+            if self._start_in_background and self._pool is None:
+                self._background_start(left)
+            target = self.placement.check(left)
             if target != self.arrangement:
                 self.arrangement = target
                 self.ctx.metrics.add("rollout/placement_switch_batches", 1)
