@@ -92,9 +92,10 @@ RUNS: dict[str, RunKind] = {
 }
 QUICK_RUNS = ("upstream", "all")
 QUICK = {"model": "tiny", "steps": 8}
-#: --quick: a few-second run is shorter than a rollout worker's start-up; without this the trainer's own model would
-#: answer every batch and the smoke comparison would never exercise the workers
-QUICK_OVERRIDES = {"rollout": {"local_warmup": False}}
+#: --quick: a few-second run is shorter than a rollout worker's start-up, and too short for placement auto ever to
+#: choose the split; without these the trainer's own model would answer every batch and the smoke comparison would
+#: never exercise the workers
+QUICK_OVERRIDES = {"rollout": {"local_warmup": False, "placement": "fixed"}}
 MEDIAN_KEYS = ("steps_per_s", "wall_s", "train_s", "tokens_per_s", "final_reward")
 #: a run collapsed when its final reward (mean of the last 10 logged) is under this share of its first 10's mean
 COLLAPSE_SHARE = 0.5
@@ -550,7 +551,7 @@ def cli(argv: list[str]) -> int:
         "--quick",
         action="store_true",
         help=f"fast smoke comparison: model {QUICK['model']} (a tool task keeps its own), {QUICK['steps']} steps, "
-        "runs upstream,all, rollout.local_warmup off so the workers serve even this short run "
+        "runs upstream,all, rollout.local_warmup off and placement fixed so the workers serve even this short run "
         "(--model/--steps/--runs still win)",
     )
     p.add_argument(
