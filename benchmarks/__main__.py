@@ -19,6 +19,7 @@ TOOLS: dict[str, tuple[str, str]] = {
     ),
     "ray": ("benchmarks.launchers", "the same GRPO job with rollout.launcher local, manual and ray"),
     "plan": ("benchmarks.plan", "bandwidth budget per path; --config C: placement plan (auto) from a short run"),
+    "config_docs": ("benchmarks.config_docs", "writes docs/config.md from the config dataclasses (--check: compare)"),
     "checkpoint": ("benchmarks.checkpoint", "a ~135M-parameter Qwen2 checkpoint built in code (training-bound jobs)"),
 }
 

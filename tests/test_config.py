@@ -311,7 +311,7 @@ USER_KEYS = 35
 
 
 def test_a_user_sets_about_thirty_keys_and_docs_list_exactly_those():
-    from mrl_plugins.cli.docs import _sections
+    from benchmarks.config_docs import _sections
     from mrl_plugins.config_fields import user_fields
 
     keys = []

@@ -34,10 +34,10 @@ def _clean_env() -> dict[str, str]:
 
 def test_config_reference_is_current():
     """docs/config.md is exactly what the generator writes from the dataclasses today."""
-    from mrl_plugins.cli import docs
+    from benchmarks import config_docs as docs
 
     committed = (REPO_ROOT / "docs" / "config.md").read_text(encoding="utf-8")
-    assert committed == docs.render(), "docs/config.md is out of date: run `python -m mrl_plugins.cli.docs`"
+    assert committed == docs.render(), "docs/config.md is out of date: run `python -m benchmarks.config_docs`"
 
 
 def test_config_reference_names_every_key_with_its_help():
@@ -45,7 +45,7 @@ def test_config_reference_names_every_key_with_its_help():
     internal field (no setting: mrl_plugins.config_fields) has no row."""
     import typing
 
-    from mrl_plugins.cli import docs
+    from benchmarks import config_docs as docs
     from mrl_plugins.config_fields import is_internal
 
     text = docs.render()
@@ -66,9 +66,9 @@ def test_config_reference_names_every_key_with_its_help():
 
 
 def test_generator_cli_writes_and_checks(tmp_path):
-    """``python -m mrl_plugins.cli.docs`` writes the file; ``--check`` passes on it and fails on a stale one."""
+    """``python -m benchmarks.config_docs`` writes the file; ``--check`` passes on it and fails on a stale one."""
     out = tmp_path / "docs" / "config.md"
-    cmd = [sys.executable, "-m", "mrl_plugins.cli.docs", "--out", str(out)]
+    cmd = [sys.executable, "-m", "benchmarks.config_docs", "--out", str(out)]
     run = subprocess.run(cmd, capture_output=True, text=True, env=_clean_env(), timeout=120)
     assert run.returncode == 0, run.stderr
     assert out.read_text(encoding="utf-8").startswith("# Configuration reference")

@@ -1,6 +1,7 @@
-"""Generate ``docs/config.md``, the configuration reference, from the config dataclasses' field help text.
+"""Generate ``docs/config.md``, the configuration reference, from the config dataclasses' field help text (a tool
+of the repository, beside the benchmarks: not installed with the package).
 
-``python -m mrl_plugins.cli.docs`` writes ``docs/config.md`` (``--out PATH`` elsewhere); ``--check`` only
+``python -m benchmarks.config_docs`` writes ``docs/config.md`` (``--out PATH`` elsewhere); ``--check`` only
 compares and exits 1 when the file differs from what the dataclasses say (``tests/test_docs.py`` does the
 same). Every key, type, default and help line comes from ``metadata["help"]`` of the fields in
 :mod:`mrl_plugins.config` and each stage's ``config.py``; nothing here is written by hand except the preamble.
@@ -20,9 +21,9 @@ from typing import Any
 
 from mrl_plugins.config_fields import user_fields
 
-#: where ``python -m mrl_plugins.cli.docs`` writes by default (relative to the working directory)
+#: where ``python -m benchmarks.config_docs`` writes by default (relative to the working directory)
 DEFAULT_OUT = Path("docs") / "config.md"
-COMMAND = "python -m mrl_plugins.cli.docs"
+COMMAND = "python -m benchmarks.config_docs"
 
 PREAMBLE = f"""\
 # Configuration reference
