@@ -18,7 +18,7 @@ def build(out: str, *, layers: int = 38, hidden: int = 576, intermediate: int = 
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from mrl_plugins.models import build_tokenizer
+    from mrl_plugins.demo.models import build_tokenizer
 
     tokenizer = build_tokenizer()
     config = Qwen2Config(

@@ -112,7 +112,7 @@ def _trainer_main(opts: dict, conn: Any) -> None:
         import torch
 
         torch.set_num_threads(1)
-        from mrl_plugins.models import build_model
+        from mrl_plugins.demo.models import build_model
 
         model, _tok = build_model(opts["model"], seed=0)
         model.train()
@@ -178,7 +178,7 @@ def _engine_main(name: str, opts: dict, conn: Any) -> None:
         import torch
 
         torch.set_num_threads(opts["threads"])
-        from mrl_plugins.models import build_model
+        from mrl_plugins.demo.models import build_model
         from mrl_plugins.rollout.engine import SamplingParams, TransformersEngine
 
         model, _tok = build_model(opts["model"], seed=0)
@@ -267,8 +267,8 @@ def _stats(xs: list[float]) -> dict[str, float]:
 
 def run_bench(args: argparse.Namespace) -> dict:
     """Run the benchmark; returns the results dict (see the module docstring)."""
+    from mrl_plugins.demo.models import PRESETS, build_model
     from mrl_plugins.errors import ConfigError
-    from mrl_plugins.models import PRESETS, build_model
     from mrl_plugins.rollout.vllm_engine import check_vllm_servable
 
     if args.quick:

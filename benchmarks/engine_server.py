@@ -189,7 +189,7 @@ def _serve(conn: Any, spec: _ServerSpec) -> None:
         applied = apply_compute_budget(budget, device)
         import torch
 
-        from mrl_plugins.models import build_model
+        from mrl_plugins.demo.models import build_model
         from mrl_plugins.rollout.engine import TransformersEngine
 
         model, tokenizer = (

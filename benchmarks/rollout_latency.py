@@ -53,7 +53,7 @@ def _trainer_main(
         binding = _apply_budget(cores, threads)
         import torch
 
-        from mrl_plugins.models import build_model
+        from mrl_plugins.demo.models import build_model
 
         model, tok = build_model("small", seed=0)
         model.train()

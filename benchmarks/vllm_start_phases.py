@@ -14,7 +14,7 @@ if __name__ == "__main__":
     import torch
     import transformers.models.llama.modeling_llama  # noqa: F401 - what the worker's model build imports
 
-    from mrl_plugins.models import build_model
+    from mrl_plugins.demo.models import build_model
 
     marks.append(("import torch + transformers + mrl_plugins", mark()))
     import vllm  # noqa: F401

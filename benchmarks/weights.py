@@ -1,7 +1,7 @@
 """``python -m benchmarks weights``: weight-sync bandwidth against the per-parameter baseline and memcpy.
 
 Cases, each on a Qwen2.5-0.5B-like shape list (290 bf16 tensors, 988 MB; ``--quick``: a ~120 MB
-list) and on the ``small`` preset model (``mrl_plugins.models.build_model("small")``, ~11 MB fp32; without
+list) and on the ``small`` preset model (``mrl_plugins.demo.models.build_model("small")``, ~11 MB fp32; without
 transformers installed a Qwen2-like shape list stands in: hidden 256, 4 layers, vocab 16000, fp32, ~28 MB):
 
 (a) ``per_param``: one synchronous gloo broadcast per parameter between two processes (baseline);
@@ -62,13 +62,13 @@ def small_shapes() -> tuple[Shapes, str]:
         import transformers  # noqa: F401
     except ImportError:
         return qwen_shapes(16000, 256, 704, 4, 64, torch.float32), "qwen2-like hidden 256, 4 layers, vocab 16000, fp32"
-    from mrl_plugins.models import PRESETS, build_model
+    from mrl_plugins.demo.models import PRESETS, build_model
 
     model, tok = build_model("small")
     p = PRESETS["small"]
     label = (
-        f"mrl_plugins.models small: qwen2 hidden {p.hidden_size}, {p.num_hidden_layers} layers, vocab {len(tok)}, "
-        f"{next(model.parameters()).dtype}"
+        f"mrl_plugins.demo.models small: qwen2 hidden {p.hidden_size}, {p.num_hidden_layers} layers, "
+        f"vocab {len(tok)}, {next(model.parameters()).dtype}"
     )
     return [(n, tuple(t.shape), t.dtype) for n, t in model.named_parameters()], label
 

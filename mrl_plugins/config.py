@@ -16,8 +16,8 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from mrl_plugins import tool_task
 from mrl_plugins.config_fields import internal, internal_allowed, internal_keys_in
+from mrl_plugins.demo import tool_task
 from mrl_plugins.errors import ConfigError, choices
 
 MODES = ("colocate", "disaggregated", "hybrid")
@@ -26,7 +26,7 @@ DEVICES = ("auto", "cpu", "cuda", "npu")
 TOP = "config"
 TRAINERS = ("grpo", "rloo")
 #: the embedded job's tasks (``train.task``): the count task of the ``tiny``/``small`` presets, and the tool task
-#: (:mod:`mrl_plugins.tool_task`, preset ``tiny-tools``) with ``tools=``, one environment factory or a dict of two
+#: (:mod:`mrl_plugins.demo.tool_task`, preset ``tiny-tools``) with ``tools=``, one environment factory or a dict of two
 TASKS = ("count", *tool_task.TASKS)
 
 

@@ -68,7 +68,7 @@ class RunResult:
 
 
 def _trl_args(cfg: MrlConfig, output_dir: str) -> dict[str, Any]:
-    from mrl_plugins.models import PRESETS, preset
+    from mrl_plugins.demo.models import PRESETS, preset
 
     p = preset(cfg.train.model)
     args = {
@@ -124,9 +124,9 @@ def preflight(cfg: MrlConfig | Any, *, enable_plugins: bool = True) -> MrlConfig
     :class:`~mrl_plugins.errors.MrlError` naming the problem and the valid choices.
     """
     from mrl_plugins.adapters.trl import _check_combination, check_trl_version
+    from mrl_plugins.demo.models import PRESETS, _is_local_checkpoint
     from mrl_plugins.device import get_device
     from mrl_plugins.errors import ConfigError, choices
-    from mrl_plugins.models import PRESETS, _is_local_checkpoint
 
     cfg = load_config(cfg)
     check_trl_version()
@@ -158,8 +158,8 @@ def preflight(cfg: MrlConfig | Any, *, enable_plugins: bool = True) -> MrlConfig
 
 def _check_task_model(task: str, model: str) -> None:
     """The count task runs on the count presets, the tool tasks on ``tiny-tools`` or a folder with a chat template."""
+    from mrl_plugins.demo.models import PRESETS, TOOL_PRESETS
     from mrl_plugins.errors import ConfigError, choices
-    from mrl_plugins.models import PRESETS, TOOL_PRESETS
 
     if task == "count" and model in TOOL_PRESETS:
         count = [p for p in PRESETS if p not in TOOL_PRESETS]
@@ -193,7 +193,7 @@ def _has_chat_template(folder: str) -> bool:
 
 def _task_inputs(cfg: MrlConfig) -> dict[str, Any]:
     """The trainer's ``train_dataset``, ``reward_funcs`` and (tool tasks) ``tools`` / ``environment_factory``."""
-    from mrl_plugins import models, tool_task
+    from mrl_plugins.demo import models, tool_task
 
     n, seed = cfg.train.num_prompts, cfg.train.seed
     if cfg.train.task != "count":
@@ -205,7 +205,7 @@ def _task_inputs(cfg: MrlConfig) -> dict[str, Any]:
 def build_trainer(cfg: MrlConfig, *, enable_plugins: bool = True, output_dir: str | None = None) -> Any:
     """The configured TRL trainer on the embedded model/task, enabled with ``cfg`` unless told otherwise."""
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
-    from mrl_plugins.models import PRESETS, build_model, save_preset
+    from mrl_plugins.demo.models import PRESETS, build_model, save_preset
 
     _check_task_model(cfg.train.task, cfg.train.model)
     model, tokenizer = build_model(cfg.train.model, seed=cfg.train.seed)

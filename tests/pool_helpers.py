@@ -31,10 +31,10 @@ def make_pool(
     """A real WorkerPool on the tiny model (plus ``score_models``): returns ``(pool, model, tokenizer, sampling,
     pm, ctx)``."""
     from mrl_plugins.config import load_config
+    from mrl_plugins.demo.models import build_model
     from mrl_plugins.hookspecs import StageContext
     from mrl_plugins.manager import get_plugin_manager
     from mrl_plugins.metrics import StageMetrics
-    from mrl_plugins.models import build_model
     from mrl_plugins.rollout.engine import SamplingParams
     from mrl_plugins.rollout.pool import WorkerPool
 

@@ -134,7 +134,7 @@ def test_engine_on_cuda_logprobs_equal_teacher_forcing(dtype):
     bf16 teacher-forced recomputation is, within 2x + 0.01 (KV-cache decoding rounds other partial sums)."""
     import torch
 
-    from mrl_plugins.models import build_model
+    from mrl_plugins.demo.models import build_model
     from mrl_plugins.rollout.engine import SamplingParams, TransformersEngine, teacher_forced_logps
 
     model, tok = build_model("qwen2-tiny")
@@ -182,7 +182,7 @@ def test_worker_on_cuda_stream_memory_cap_and_versions(tmp_path, monkeypatch, st
     and switches versions between requests with device or host staging (the answers follow the weights)."""
     import torch
 
-    from mrl_plugins.models import build_model
+    from mrl_plugins.demo.models import build_model
     from mrl_plugins.rollout.engine import SamplingParams
     from tests.pool_helpers import DeviceRecordingEngine
 

@@ -103,7 +103,7 @@ def test_no_import_circle_among_the_package_modules():
 
 
 #: the package's folders; a module directly in mrl_plugins/ (config, manager, upstream, run, ...) is a node of its own
-FOLDERS = ("rollout", "weight_sync", "comm", "device", "cli", "hookspecs", "adapters", "configs")
+FOLDERS = ("rollout", "weight_sync", "comm", "device", "cli", "demo", "hookspecs", "adapters", "configs")
 
 
 def _folder(module: str) -> str:

@@ -6,7 +6,7 @@ import types
 
 import torch
 
-from mrl_plugins.models import build_model
+from mrl_plugins.demo.models import build_model
 from mrl_plugins.weight_sync.sources import inference_copy
 
 

@@ -25,7 +25,7 @@ def _reload(folder):
 def test_saved_preset_reloads_with_auto_classes_and_scores_the_same(tmp_path, name):
     import torch
 
-    from mrl_plugins.models import WORDS, build_model, count_reward
+    from mrl_plugins.demo.models import WORDS, build_model, count_reward
 
     model, tok = build_model(name, seed=3)
     model.save_pretrained(tmp_path)  # the plain transformers way, as a user would
@@ -58,7 +58,7 @@ def test_saved_preset_reloads_with_auto_classes_and_scores_the_same(tmp_path, na
 def test_save_preset_names_the_model_after_its_folder_and_reuses_only_the_same_model(tmp_path):
     import torch
 
-    from mrl_plugins.models import FINGERPRINT_FILE, build_model, save_preset
+    from mrl_plugins.demo.models import FINGERPRINT_FILE, build_model, save_preset
 
     folder = tmp_path / "preset-tiny"
     model, tok = build_model("tiny", seed=0)
@@ -84,7 +84,7 @@ def test_save_preset_names_the_model_after_its_folder_and_reuses_only_the_same_m
 def test_trainer_of_a_preset_carries_the_folder_name_and_the_folder_trains(tmp_path):
     """``mrl run``'s trainer: ``model.name_or_path`` (what TRL reads) is the saved preset folder, and that folder
     given back as ``train.model`` builds a trainer whose tokenizer decodes like the preset's."""
-    from mrl_plugins.models import count_reward
+    from mrl_plugins.demo.models import count_reward
     from mrl_plugins.run import build_trainer
 
     cfg = {"train": {"model": "tiny", "steps": 1, "output_dir": str(tmp_path / "out")}}

@@ -16,7 +16,7 @@ pytestmark = [require_trl, pytest.mark.slow]
 
 
 def _slow_reward(completions, **kwargs):
-    from mrl_plugins.models import count_reward
+    from mrl_plugins.demo.models import count_reward
 
     time.sleep(0.2)
     return count_reward(completions)

@@ -229,7 +229,7 @@ def metrics_sink() -> _Sink:
 
 
 def _slow_reward(completions, **kwargs):
-    from mrl_plugins.models import count_reward
+    from mrl_plugins.demo.models import count_reward
 
     time.sleep(0.15)
     return count_reward(completions)

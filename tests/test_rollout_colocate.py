@@ -24,9 +24,9 @@ from benchmarks.engine_server import (
     profile_engine_memory,
     reserve_memory,
 )
+from mrl_plugins.demo.models import build_model
 from mrl_plugins.device import CpuDevice
 from mrl_plugins.errors import ConfigError, StageTimeoutError
-from mrl_plugins.models import build_model
 from mrl_plugins.rollout.engine import SamplingParams, TransformersEngine
 
 PARAMS = SamplingParams(max_new_tokens=6)

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from mrl_plugins.adapters.trl_generation import sampling_params
+from mrl_plugins.demo.models import build_model
 from mrl_plugins.errors import ConfigError
-from mrl_plugins.models import build_model
 from mrl_plugins.rollout.engine import (
     EngineOutput,
     SamplingParams,
@@ -302,7 +302,7 @@ def test_sampling_params_read_trl_attributes():
 def test_sampling_params_on_real_grpo_trainer(tmp_path, tiny):
     from trl import GRPOConfig, GRPOTrainer
 
-    from mrl_plugins.models import build_dataset, count_reward
+    from mrl_plugins.demo.models import build_dataset, count_reward
 
     model, tok = build_model("tiny", seed=0)
     args = GRPOConfig(

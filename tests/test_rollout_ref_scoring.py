@@ -18,7 +18,7 @@ def _perturbed_tiny(seed: int):
     """The tiny model with its weights moved away from the policy's (a stand-in for a trained reference)."""
     import torch
 
-    from mrl_plugins.models import build_model
+    from mrl_plugins.demo.models import build_model
 
     model, tok = build_model("tiny")
     g = torch.Generator().manual_seed(seed)

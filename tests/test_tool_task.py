@@ -1,4 +1,4 @@
-"""The tool task (:mod:`mrl_plugins.tool_task`) on real TRL: its chat template renders tools and TRL's own helpers
+"""The tool task (:mod:`mrl_plugins.demo.tool_task`) on real TRL: its chat template renders tools and TRL's own helpers
 parse the calls and append the results; the ``tiny-tools`` preset (SFT in code, cached) calls the tool at a measured
 rate; vanilla TRL ``GRPOTrainer`` with ``tools=`` and with ``environment_factory=`` (single and dict, ``get_reward``)
 raises the reward. One torch thread throughout.
@@ -38,8 +38,8 @@ def _one_thread():
 
 
 def _random_model(seed=0):
-    from mrl_plugins.models import PRESETS, _llama
-    from mrl_plugins.tool_task import build_tool_tokenizer
+    from mrl_plugins.demo.models import PRESETS, _llama
+    from mrl_plugins.demo.tool_task import build_tool_tokenizer
 
     tok = build_tool_tokenizer()
     return _llama(PRESETS["tiny-tools"], tok, seed), tok
@@ -72,7 +72,7 @@ def test_template_renders_tools_and_trl_parses_calls_and_appends_results(tmp_pat
     from transformers import AutoTokenizer
     from trl.chat_template_utils import is_chat_template_prefix_preserving, parse_response, supports_tool_calling
 
-    from mrl_plugins.tool_task import calculator_tools, sft_example
+    from mrl_plugins.demo.tool_task import calculator_tools, sft_example
 
     model, tok = _random_model()
     tools = calculator_tools()
@@ -146,7 +146,7 @@ def test_reward_scores_answers_and_calls_and_an_untrained_policy_scores_about_ze
     import torch
     from trl.chat_template_utils import parse_response
 
-    from mrl_plugins.tool_task import arithmetic_reward, build_tool_dataset, calculator_tools, tool_call_rate
+    from mrl_plugins.demo.tool_task import arithmetic_reward, build_tool_dataset, calculator_tools, tool_call_rate
 
     def call(name, a, b):
         return {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {
@@ -189,8 +189,7 @@ def test_reward_scores_answers_and_calls_and_an_untrained_policy_scores_about_ze
 
 
 def test_calculator_variants_and_environments():
-    from mrl_plugins.errors import ConfigError
-    from mrl_plugins.tool_task import (
+    from mrl_plugins.demo.tool_task import (
         AddEnv,
         CalculatorEnv,
         SubtractEnv,
@@ -199,6 +198,7 @@ def test_calculator_variants_and_environments():
         environment_factories,
         trainer_inputs,
     )
+    from mrl_plugins.errors import ConfigError
 
     for variant in ("sync", "async", "raises", "hangs", "hangs_async"):
         tools = calculator_tools(variant, hang_s=0.05)
@@ -276,8 +276,8 @@ def test_task_selection_is_validated_with_the_valid_choices(tmp_path):
 
 
 def test_preset_cache_trains_once_deterministically_and_is_keyed_by_the_recipe(tmp_path):
+    from mrl_plugins.demo.models import FINGERPRINT_FILE, tool_preset_folder
     from mrl_plugins.errors import ConfigError
-    from mrl_plugins.models import FINGERPRINT_FILE, tool_preset_folder
 
     short = {"steps": 3, "batch": 4}
     first = tool_preset_folder(seed=1, cache=str(tmp_path / "a"), recipe=short)
@@ -306,8 +306,8 @@ def test_sft_preset_calls_the_tool_most_of_the_time_and_leaves_room_to_learn():
     import torch
     from trl.chat_template_utils import parse_response
 
-    from mrl_plugins.models import build_model, cache_dir
-    from mrl_plugins.tool_task import OPS, build_tool_dataset, calculator_tools, tool_call_rate
+    from mrl_plugins.demo.models import build_model, cache_dir
+    from mrl_plugins.demo.tool_task import OPS, build_tool_dataset, calculator_tools, tool_call_rate
 
     model, tok = build_model("tiny-tools")
     assert os.path.dirname(model.name_or_path) == os.path.join(cache_dir(), "presets")
@@ -341,7 +341,7 @@ def test_vanilla_grpo_learns_the_tool_task(tmp_path, task):
     """TRL's GRPOTrainer with tools=[add, subtract] (reward: the answer) or environment_factory=CalculatorEnv (reward:
     its get_reward) raises the reward and the tool-call frequency: 60 steps (about 15 s on a quiet core) against the
     same trainer with learning rate 0 (the preset's own reward, 8 steps of 32 rollouts)."""
-    from mrl_plugins.models import build_model
+    from mrl_plugins.demo.models import build_model
 
     model, tok = build_model("tiny-tools")
     control = _grpo(tmp_path / "control", model, tok, steps=8, task=task, learning_rate=0.0)
@@ -369,8 +369,8 @@ def test_dict_of_environments_async_and_raising_tools_run_in_trl(tmp_path):
     """A dict of two environment factories routes each row to its own (both reward columns logged, each prompt shows
     only its environment's tool); async tools answer; a raising tool's error lands in the conversation and the run
     goes on."""
-    from mrl_plugins.models import build_model
-    from mrl_plugins.tool_task import arithmetic_reward
+    from mrl_plugins.demo.models import build_model
+    from mrl_plugins.demo.tool_task import arithmetic_reward
 
     model, tok = build_model("tiny-tools")
     trainer = _grpo(tmp_path / "dict", model, tok, steps=3, task="environments")
@@ -426,10 +426,10 @@ def test_vllm_serves_the_preset_and_its_two_turns_parse():
     import torch
     from trl.chat_template_utils import parse_response
 
-    from mrl_plugins.models import build_model
+    from mrl_plugins.demo.models import build_model
+    from mrl_plugins.demo.tool_task import OPS, build_tool_dataset, calculator_tools, tool_call_rate
     from mrl_plugins.rollout.engine import SamplingParams
     from mrl_plugins.rollout.vllm_engine import VLLMEngine, check_vllm_servable
-    from mrl_plugins.tool_task import OPS, build_tool_dataset, calculator_tools, tool_call_rate
 
     model, tok = build_model("tiny-tools")
     check_vllm_servable(model.config)

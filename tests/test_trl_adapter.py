@@ -143,7 +143,7 @@ def test_peft_policy_generates_with_the_merged_trained_weights(tmp_path, workers
     import trl
 
     import mrl_plugins
-    from mrl_plugins.models import build_dataset, build_model, count_reward, preset
+    from mrl_plugins.demo.models import build_dataset, build_model, count_reward, preset
     from mrl_plugins.run import _trl_args
     from mrl_plugins.weight_sync import sources
 
@@ -307,7 +307,7 @@ SCRIPT = textwrap.dedent(
     import os, sys
     os.environ["TRL_EXPERIMENTAL_SILENCE"] = "1"
     from trl import GRPOConfig, GRPOTrainer
-    from mrl_plugins.models import build_model, build_dataset, count_reward
+    from mrl_plugins.demo.models import build_model, build_dataset, count_reward
     m, t = build_model("tiny")
     args = GRPOConfig(output_dir=sys.argv[1], max_steps=1, per_device_train_batch_size=4, num_generations=4,
                       max_completion_length=4, report_to=[], use_cpu=True, save_strategy="no")

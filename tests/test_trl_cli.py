@@ -19,7 +19,7 @@ PROBE = "mrl_plugins_probe"
 
 
 def _workspace(tmp_path: Path, mrl_value: str | None) -> Path:
-    from mrl_plugins.models import build_dataset, build_model
+    from mrl_plugins.demo.models import build_dataset, build_model
 
     model, tok = build_model("tiny")
     model.save_pretrained(tmp_path / "model")
@@ -32,7 +32,7 @@ def _workspace(tmp_path: Path, mrl_value: str | None) -> Path:
     # a reward function module that also reports whether the plugins were switched on in this process
     (tmp_path / f"{PROBE}.py").write_text(
         "import gc, json, os\n"
-        "from mrl_plugins.models import count_reward as _count\n"
+        "from mrl_plugins.demo.models import count_reward as _count\n"
         "def reward(completions, **kw):\n"
         "    from trl import GRPOTrainer\n"
         "    trainers = [o for o in gc.get_objects() if isinstance(o, GRPOTrainer)]\n"

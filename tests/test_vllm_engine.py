@@ -12,8 +12,8 @@ import os
 import pytest
 import torch
 
+from mrl_plugins.demo.models import build_model
 from mrl_plugins.errors import ConfigError
-from mrl_plugins.models import build_model
 from mrl_plugins.rollout.engine import SamplingParams
 from tests.conftest import benchmarks_command, benchmarks_env
 from tests.marks import require_vllm
@@ -359,7 +359,7 @@ def test_a_trainer_built_with_use_vllm_trains_with_the_plugin(tmp_path, workers,
     from trl import GRPOConfig, GRPOTrainer
 
     import mrl_plugins
-    from mrl_plugins.models import build_dataset, build_model, count_reward, save_preset
+    from mrl_plugins.demo.models import build_dataset, build_model, count_reward, save_preset
 
     torch.set_num_threads(1)
     model, tok = build_model("tiny", seed=0)
@@ -622,7 +622,7 @@ def test_mrl_run_with_a_local_checkpoint_folder_and_the_vllm_engine(tmp_path):
     import subprocess
     import sys
 
-    from mrl_plugins.models import save_preset
+    from mrl_plugins.demo.models import save_preset
 
     model, tok = build_model("tiny", seed=3)
     save_preset(model, tok, str(tmp_path / "ckpt"))

@@ -29,7 +29,7 @@ def test_a_40_step_use_vllm_trainer_generates_every_batch_with_vllm_and_learns(t
     from trl import GRPOConfig, GRPOTrainer
 
     import mrl_plugins
-    from mrl_plugins.models import build_dataset, build_model, count_reward, save_preset
+    from mrl_plugins.demo.models import build_dataset, build_model, count_reward, save_preset
 
     torch.set_num_threads(1)
     model, tok = build_model("tiny", seed=0)

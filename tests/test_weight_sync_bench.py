@@ -25,11 +25,11 @@ def test_qwen_shape_list_matches_the_0_5b_model():
 
 @require_trl
 def test_small_case_is_the_small_preset_model():
-    from mrl_plugins.models import build_model
+    from mrl_plugins.demo.models import build_model
 
     model, _ = build_model("small")
     shapes, label = small_shapes()
-    assert label.startswith("mrl_plugins.models small")
+    assert label.startswith("mrl_plugins.demo.models small")
     assert shapes == [(n, tuple(p.shape), p.dtype) for n, p in model.named_parameters()]
 
 

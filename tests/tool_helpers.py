@@ -1,4 +1,4 @@
-"""GRPO trainers on the tool task (:mod:`mrl_plugins.tool_task`) for the tests: vanilla TRL, with or without the
+"""GRPO trainers on the tool task (:mod:`mrl_plugins.demo.tool_task`) for the tests: vanilla TRL, with or without the
 plugin enabled afterwards."""
 
 from __future__ import annotations
@@ -18,14 +18,14 @@ def tool_trainer(
     **args: Any,
 ) -> Any:
     """A vanilla TRL ``GRPOTrainer`` on the tool task with the ``tiny-tools`` preset's settings (``model``: a
-    ``(model, tokenizer)`` pair, default the preset; ``inputs``: replaces :func:`~mrl_plugins.tool_task.
+    ``(model, tokenizer)`` pair, default the preset; ``inputs``: replaces :func:`~mrl_plugins.demo.tool_task.
     trainer_inputs`' dataset / rewards / tools / environment_factory keys it names)."""
     import torch
     from trl import GRPOConfig, GRPOTrainer
 
-    from mrl_plugins.models import PRESETS, build_model
+    from mrl_plugins.demo.models import PRESETS, build_model
+    from mrl_plugins.demo.tool_task import GRPO_SETTINGS, trainer_inputs
     from mrl_plugins.run import checkpointing_arg
-    from mrl_plugins.tool_task import GRPO_SETTINGS, trainer_inputs
 
     torch.set_num_threads(1)
     policy, tok = model if model is not None else build_model("tiny-tools", seed=seed)

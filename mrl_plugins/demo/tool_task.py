@@ -12,7 +12,7 @@ chat template with tool support (``apply_chat_template(..., tools=[...])`` rende
 Its ``response_template`` (transformers >= 5.13) lets ``tokenizer.parse_response`` -- and so TRL's tool loop -- read
 the policy's tool calls; the rendering keeps every earlier message's tokens as they were when later messages are
 added (TRL's prefix check and ``_get_tool_suffix_ids``). Everything here imports only the standard library at module
-level; :mod:`mrl_plugins.models` builds the ``tiny-tools`` preset from it (briefly trained with :func:`sft`).
+level; :mod:`mrl_plugins.demo.models` builds the ``tiny-tools`` preset from it (briefly trained with :func:`sft`).
 
 Tools for tests: :func:`calculator_tools` (sync, async, one that raises, ones that hang) and the environments
 :class:`CalculatorEnv` (both tools), :class:`AddEnv` and :class:`SubtractEnv` (one each, for a dict of factories),

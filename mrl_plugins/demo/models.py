@@ -1,7 +1,7 @@
 """Tiny models, tokenizer, prompt dataset and a learnable reward, built in code (no hub access).
 
 Presets: ``tiny`` (unit tests, a GRPO step well under 0.1 s), ``small`` (comparison runs,
-about 0.5-2 s per GRPO step on 2 CPU cores), ``tiny-tools`` (the tool task of :mod:`mrl_plugins.tool_task`:
+about 0.5-2 s per GRPO step on 2 CPU cores), ``tiny-tools`` (the tool task of :mod:`mrl_plugins.demo.tool_task`:
 arithmetic a calculator tool answers; briefly trained by SFT in code on first use and cached,
 :func:`tool_preset_folder`), and the GPU job's two (``qwen2-360m``, ``qwen2-tiny``, below).
 ``build_model(path)`` loads a local Hugging Face checkpoint folder instead; :func:`save_preset` writes a preset
@@ -34,7 +34,7 @@ import random
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from mrl_plugins.tool_task import (
+from mrl_plugins.demo.tool_task import (
     AddEnv,
     CalculatorEnv,
     SubtractEnv,
@@ -111,7 +111,7 @@ PRESETS: dict[str, Preset] = {
         eos_sampled=False,
     ),
 }
-#: presets of the tool task (:mod:`mrl_plugins.tool_task`): built by :func:`tool_preset_folder`, not at random
+#: presets of the tool task (:mod:`mrl_plugins.demo.tool_task`): built by :func:`tool_preset_folder`, not at random
 TOOL_PRESETS = ("tiny-tools",)
 
 
@@ -337,7 +337,7 @@ def _tool_preset_key(name: str, seed: int, recipe: dict[str, Any]) -> str:
     import torch
     import transformers
 
-    from mrl_plugins import tool_task
+    from mrl_plugins.demo import tool_task
 
     spec = {
         "preset": asdict(PRESETS[name]),
@@ -392,14 +392,15 @@ def tool_preset_folder(
     name: str = "tiny-tools", *, seed: int = 0, cache: str | None = None, recipe: dict[str, Any] | None = None
 ) -> str:
     """The checkpoint folder of a tool-task preset: the Llama of ``PRESETS[name]`` initialised with ``seed`` and
-    trained with :func:`mrl_plugins.tool_task.sft` (``recipe`` overrides :data:`~mrl_plugins.tool_task.SFT_RECIPE`).
+    trained with :func:`mrl_plugins.demo.tool_task.sft` (``recipe`` overrides
+    :data:`~mrl_plugins.demo.tool_task.SFT_RECIPE`).
 
     Trained once, then read from ``<cache>/presets/<name>-seed<seed>-<key>`` (``cache`` defaults to
     :func:`cache_dir`; ``key`` hashes everything the result depends on, so a changed recipe, template or library
     version trains anew). The folder is written by :func:`save_preset` (a temporary folder renamed into place) under
     an exclusive lock, so concurrent processes train it once and never see half a folder.
     """
-    from mrl_plugins import tool_task
+    from mrl_plugins.demo import tool_task
     from mrl_plugins.errors import ConfigError, choices
 
     if name not in TOOL_PRESETS:
