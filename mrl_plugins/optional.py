@@ -9,7 +9,8 @@ import importlib.util
 from mrl_plugins.errors import ConfigError
 
 
-def _installed(name: str) -> bool:
+def installed(name: str) -> bool:
+    """Whether the top-level package ``name`` can be imported here (found, not imported)."""
     try:
         return importlib.util.find_spec(name) is not None
     except (ImportError, ValueError):  # a broken or blocked install
@@ -18,12 +19,12 @@ def _installed(name: str) -> bool:
 
 def is_vllm_available() -> bool:
     """Whether the ``vllm`` package is installed (without importing it)."""
-    return _installed("vllm")
+    return installed("vllm")
 
 
 def is_ray_available() -> bool:
     """Whether Ray is installed (without importing it)."""
-    return _installed("ray")
+    return installed("ray")
 
 
 def check_vllm_installed() -> None:

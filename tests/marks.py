@@ -1,37 +1,21 @@
-"""Skip marks for optional host libraries, probed with ``find_spec`` (nothing is imported)."""
+"""Skip marks for optional host libraries, probed with ``find_spec`` (nothing is imported; vLLM's and Ray's probes
+are the package's own, :mod:`mrl_plugins.optional`)."""
 
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 
-
-def _installed(module: str) -> bool:
-    try:
-        return importlib.util.find_spec(module) is not None
-    except (ImportError, ValueError):
-        return False
+from mrl_plugins.optional import installed, is_ray_available, is_vllm_available
 
 
 def is_trl_available() -> bool:
     """Whether TRL is installed (without importing it)."""
-    return _installed("trl")
+    return installed("trl")
 
 
 def is_deepspeed_available() -> bool:
     """Whether DeepSpeed is installed (without importing it)."""
-    return _installed("deepspeed")
-
-
-def is_ray_available() -> bool:
-    """Whether Ray is installed (without importing it)."""
-    return _installed("ray")
-
-
-def is_vllm_available() -> bool:
-    """Whether vLLM is installed (without importing it)."""
-    return _installed("vllm")
+    return installed("deepspeed")
 
 
 def is_cuda_available() -> bool:
