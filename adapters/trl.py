@@ -188,7 +188,7 @@ def _install_rollout(trainer: Any, state: State, device: Any, plan: tuple | None
     from mrl_plugins.hookspecs import RolloutSetup
 
     pm, ctx, cfg = state.pm, state.ctx, state.ctx.config
-    gen = MrlGeneration(pm, ctx, trainer)
+    gen = MrlGeneration(ctx, trainer)
     score_models = {}
     if cfg.rollout.ref_logps == "engine" and plan is not None:  # every worker scores its completions with the ref
         score_models["ref"] = trainer.accelerator.unwrap_model(trainer.ref_model)

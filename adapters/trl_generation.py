@@ -75,13 +75,10 @@ class MrlGeneration:
     """Stands in for ``trainer.vllm_generation``; calls the rollout stage's runtime (``runtime``, set by the adapter
     from ``mrl_rollout_open_runtime``)."""
 
-    def __init__(self, pm: Any, ctx: StageContext, trainer: Any) -> None:
-        self.pm = pm
+    def __init__(self, ctx: StageContext, trainer: Any) -> None:
         self.ctx = ctx
         self.trainer = trainer
-        self.cfg = ctx.config
         self.loader: LookaheadLoader | None = None
-        self._pending: dict[tuple, tuple[int, int]] = {}
         self.version = -1
         self.metrics = ctx.metrics
         self.last_result: RolloutResult | None = None  # the latest generation (its ``scores`` feed ref_logps)
@@ -109,18 +106,23 @@ class MrlGeneration:
         micro *= max(1, getattr(self.trainer, "num_iterations", 1))
         return max(1, micro // max(1, args.gradient_accumulation_steps))
 
+    def upcoming(self) -> list[Any]:
+        """The dataloader's batches TRL has not taken yet, as far as the next generation's (peeked, not consumed;
+        empty when the loader is not wrapped or not iterated yet)."""
+        it = self.loader.current if self.loader is not None else None
+        if it is None:
+            return []
+        args = self.trainer.args
+        return it.peek(
+            args.gradient_accumulation_steps
+            + getattr(args, "steps_per_generation", 1) * max(1, getattr(self.trainer, "num_iterations", 1))
+        )
+
     def next_prompts(self, current: list[list[int]]) -> list[list[int]] | None:
         """The prompt ids of the next batch TRL will generate for after ``current`` (its dataloader read ahead and
         tokenised as TRL tokenises), or None when the loader cannot tell."""
-        it = self.loader.current if self.loader is not None else None
-        if it is None:
-            return None
-        args = self.trainer.args
-        horizon = args.gradient_accumulation_steps + getattr(args, "steps_per_generation", 1) * max(
-            1, getattr(self.trainer, "num_iterations", 1)
-        )
         key = prompt_key(current)
-        for batch in it.peek(horizon):
+        for batch in self.upcoming():
             ids = self.trainer._tokenize_prompts([x["prompt"] for x in batch])[0]
             if prompt_key(ids) != key:
                 return [list(p) for p in ids]

@@ -103,15 +103,9 @@ class ShadowLookahead:
 
     def next_inputs(self) -> list[dict[str, Any]] | None:
         """The next generation batch, read ahead in the trainer's dataloader (None where there is none)."""
-        loader = self.gen.loader
-        it = loader.current if loader is not None else None
-        if it is None or self.current_key is None:
+        if self.current_key is None:
             return None
-        args = self.trainer.args
-        horizon = args.gradient_accumulation_steps + getattr(args, "steps_per_generation", 1) * max(
-            1, getattr(self.trainer, "num_iterations", 1)
-        )
-        for batch in it.peek(horizon):
+        for batch in self.gen.upcoming():
             if batch_key(batch) != self.current_key:
                 return list(batch)
         return None
@@ -130,10 +124,10 @@ class ShadowLookahead:
         if inputs is None or not self.usable():
             return
         every = self.gen.runtime.generation_interval()
-        step = int(self.trainer.state.global_step)
-        last = int(getattr(self.trainer.state, "max_steps", 0) or 0)
-        if last and step + every >= last:
+        left = self.gen.steps_left()
+        if left is not None and every >= left:
             return  # the run ends before that batch would be trained on
+        step = int(self.trainer.state.global_step)
         if every <= 1:
             self._start(inputs)
         else:
