@@ -141,11 +141,10 @@ def _check_rollout(trainer: Any, cfg: Any, pm: Any, kind: str, device: Any) -> N
             _check_engine_logps(trainer, kind)
         if cfg.rollout.ref_logps == "engine":
             _check_engine_ref_logps(trainer, cfg)
-        if cfg.rollout.engine == "vllm":  # installed, and a model vLLM serves on this device (head_dim, arch)
-            from mrl_plugins.rollout.vllm_engine import check_vllm_servable
-
+        engine = pm.backend("mrl_rollout_register_engines", cfg.rollout.engine)
+        if engine.check is not None:  # e.g. vLLM: installed, and a model it serves on this device (head_dim, arch)
             model = trainer.accelerator.unwrap_model(trainer.model)
-            check_vllm_servable(getattr(model, "config", None), trainer.accelerator.device.type, type(model).__name__)
+            engine.check(getattr(model, "config", None), trainer.accelerator.device.type, type(model).__name__)
         if cfg.rollout.remote_workers and trainer.accelerator.num_processes > 1:
             raise ConfigError(
                 f"rollout.remote_workers: remote workers serve a single training process; got "
@@ -345,8 +344,7 @@ def _check_engine_ref_logps(trainer: Any, cfg: Any) -> None:
         problem = "sync_ref_model changes the reference model during training; only a frozen one is served"
     elif cfg.rollout.workers == 0 and cfg.rollout.remote_workers == 0:
         problem = "it needs rollout workers (rollout.workers or rollout.remote_workers > 0) to score on"
-    elif cfg.rollout.engine != "transformers":
-        problem = f"engine {cfg.rollout.engine!r} cannot score completions (only 'transformers' can)"
+    # an engine that cannot score is refused with the config (RolloutEngine.scores: RolloutConfig.check_backend)
     if problem:
         raise ConfigError(f"rollout.ref_logps: 'engine': {problem}; valid here: 'trainer'")
 

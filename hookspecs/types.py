@@ -62,7 +62,32 @@ class RolloutEngine(_Registration):
 
     ``factory(model, tokenizer, *, params: SamplingParams, device="cpu", seed=None)`` returns an object with
     ``generate(prompts, num_generations) -> EngineOutput`` (completion ids and per-token sampling logprobs).
+
+    What the engine can do is declared here and read by the stage, never inferred from its name; the defaults are
+    the conservative answer.
+
+    :param options: it takes ``rollout.engine_options`` (keyword arguments for the engine it builds).
+    :param scores: its workers can also score completions with a second model (``rollout.ref_logps: engine``).
+    :param fork_safe: a one-thread CPU worker of it may be forked from the trainer (inheriting its imports) where
+        nothing in the trainer process forbids it; otherwise workers are spawned.
+    :param warmup: the trainer's own model (the ``transformers`` loop) may answer while its workers start
+        (``rollout.local_warmup: auto``): only where that stands in for the engine without a long build of its own.
+    :param start_s: seconds a worker with this engine may need to start (its build), when longer than
+        1.5 x ``timeout_s``.
+    :param requires: ``requires()`` raises a ConfigError saying how to install what the engine imports; cheap
+        (nothing imported), called before a run builds anything.
+    :param check: ``check(model_config, device_type, architecture)`` raises a ConfigError when the engine cannot
+        serve that model on that device; may import the engine's package, called by ``enable()`` before anything
+        is changed.
     """
+
+    options: bool = False
+    scores: bool = False
+    fork_safe: bool = False
+    warmup: bool = False
+    start_s: float = 0.0
+    requires: Callable[[], None] | None = None
+    check: Callable[[Any, str, str | None], None] | None = None
 
 
 @dataclass(frozen=True)

@@ -244,8 +244,6 @@ def check_device_spec(value: Any, key: str) -> None:
         raise ConfigError(f"{key}: {value!r} is not a device; valid: {choices(DEVICES)} (cuda/npu optionally ':N')")
 
 
-#: how long an engine may take to start, beyond 1.5 x timeout_s (vLLM builds and profiles its engine)
-ENGINE_START_S = {"vllm": 300.0}
 #: experience transports between processes of one host (a heartbeat older than 5 s there means a hung process)
 LOCAL_COMM_TRANSPORTS = ("shm", "queue")
 
@@ -255,11 +253,12 @@ def derive(top: Any, rollout: Any, weight_sync: Any, comm: Any) -> dict[str, dic
 
     ``timeout_s`` (T) bounds every wait for another process: a worker's answer, each wait of a weight transfer, a
     send or receive of experience, a remote worker's or a network peer's silence; a peer on the same host is dead
-    after ``min(T, 5 s)`` without a heartbeat; a start may take ``max(1.5 T, the engine's start)``. ``checksums``
-    switches weights' and experience's checksums together. With remote workers the transports left at ``auto``
-    cross hosts (experience over ``torch_distributed`` on the rendezvous host, weights over ``broadcast``, or
-    ``directory`` when ``weight_sync.directory`` is set); otherwise shared memory. Placement auto lends idle worker
-    cores unless the weight transport is a collective one.
+    after ``min(T, 5 s)`` without a heartbeat; a start may take ``1.5 T`` (at least the engine's declared start,
+    set once the engine's registration is known: :meth:`~mrl_plugins.rollout.config.RolloutConfig.check_backend`).
+    ``checksums`` switches weights' and experience's checksums together. With remote workers the transports left
+    at ``auto`` cross hosts (experience over ``torch_distributed`` on the rendezvous host, weights over
+    ``broadcast``, or ``directory`` when ``weight_sync.directory`` is set); otherwise shared memory. Placement auto
+    lends idle worker cores unless the weight transport is a collective one.
     """
     from mrl_plugins.rollout.config import parse_address
     from mrl_plugins.weight_sync.config import COLLECTIVE_TRANSPORTS
@@ -276,7 +275,7 @@ def derive(top: Any, rollout: Any, weight_sync: Any, comm: Any) -> dict[str, dic
         "top": {"device": top.train.device},
         "rollout": {
             "timeout_s": t,
-            "start_timeout_s": max(1.5 * t, ENGINE_START_S.get(rollout.engine, 0.0)),
+            "start_timeout_s": 1.5 * t,  # at least the engine's own start: RolloutConfig.check_backend
             "lend_cores": w_transport not in COLLECTIVE_TRANSPORTS,
         },
         "weight_sync": {"transport": w_transport, "timeout_s": t, "verify_checksum": bool(top.checksums)},

@@ -295,14 +295,20 @@ class MrlPluginManager:
         return table[name]
 
     def validate_backends(self, config: Any) -> None:
-        """Check every backend name in ``config`` against the registrations.
+        """Check every backend name in ``config`` against the registrations; a section that reads what its backend
+        declares (``check_backend(key, registration, registrations)``, e.g. the engine's capabilities) checks it
+        and sets what follows from it here, before anything is built.
 
         Stages run by ``upstream`` are skipped: TRL's own path ignores those keys.
         """
         for hook, (section, key) in _BACKEND_KEYS.items():
             if self._selected and self.is_upstream(section):
                 continue
-            self.backend(hook, getattr(getattr(config, section), key))
+            part = getattr(config, section)
+            registration = self.backend(hook, getattr(part, key))
+            check = getattr(part, "check_backend", None)
+            if callable(check):
+                check(key, registration, self.registry(hook))
 
     # ------------------------------------------------------------------ lifecycle facade
     def configure(self, config: Any) -> None:

@@ -149,10 +149,9 @@ def preflight(cfg: MrlConfig | Any, *, enable_plugins: bool = True) -> MrlConfig
     _check_combination(pm, cfg)
     if not pm.is_upstream("rollout"):
         cfg.rollout.check_placement_on(cfg.mode, device)
-        if cfg.rollout.engine == "vllm":
-            from mrl_plugins.optional import check_vllm_installed
-
-            check_vllm_installed()
+        engine = pm.backend("mrl_rollout_register_engines", cfg.rollout.engine)
+        if engine.requires is not None:  # e.g. vLLM installed (found, not imported)
+            engine.requires()
     return cfg
 
 

@@ -374,7 +374,10 @@ def test_one_timeout_and_the_transports_follow_from_the_deployment(user_config):
     assert (cfg.weight_sync.transport, cfg.comm.transport, cfg.comm.host) == ("shm", "shm", "127.0.0.1")
     assert cfg.rollout.lend_cores is True and cfg.rollout.trainer_threads == 1 and cfg.device == "auto"
     assert cfg.rollout.start_timeout_s == 60 and load_config({}).rollout.start_timeout_s == 180
-    assert load_config({"rollout": {"engine": "vllm"}}).rollout.start_timeout_s == 300  # vLLM's own start
+    from mrl_plugins.manager import get_plugin_manager
+
+    # vLLM's own start (declared on its registration, applied when the plugin manager looks the engine up)
+    assert get_plugin_manager({"rollout": {"engine": "vllm"}}).config.rollout.start_timeout_s == 300
     remote = load_config({"timeout_s": 40, "rollout": {"remote_workers": 1, "rendezvous": "10.0.0.7:29500"}})
     assert (remote.weight_sync.transport, remote.comm.transport) == ("broadcast", "torch_distributed")
     assert remote.comm.host == "10.0.0.7" and remote.comm.heartbeat_timeout_s == 40  # across hosts: T

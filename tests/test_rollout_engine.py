@@ -351,3 +351,39 @@ def test_generate_uses_eval_mode_and_restores_train_mode():
     model.eval()
     for p, c, lp in zip(out.prompt_ids, out.completion_ids, out.logprobs):
         assert (teacher_forced(model, p, c, 1.0) - torch.tensor(lp)).abs().max().item() < 1e-4
+
+
+def test_what_an_engine_can_do_is_declared_on_its_registration_not_read_from_its_name():
+    """The stage reads RolloutEngine's declared capabilities: a third-party engine that declares options, scoring,
+    a long start and a warm-up gets them; the built-ins declare theirs."""
+    from mrl_plugins.hookspecs import RolloutEngine, hookimpl
+    from mrl_plugins.manager import get_plugin_manager
+    from mrl_plugins.rollout.lifecycle import start_method
+
+    regs = {r.name: r for r in engine_registrations()}
+    assert (regs["transformers"].scores, regs["transformers"].warmup, regs["transformers"].options) == (1, 1, 0)
+    assert (regs["vllm"].options, regs["vllm"].scores, regs["vllm"].warmup, regs["vllm"].start_s) == (1, 0, 0, 300)
+    assert regs["vllm"].check is not None and regs["transformers"].check is None
+
+    class Plugin:
+        @hookimpl
+        def mrl_rollout_register_engines(self):
+            return [
+                RolloutEngine(name="mine", factory=dict, options=True, scores=True, warmup=True, start_s=900.0),
+                RolloutEngine(name="plain", factory=dict),
+            ]
+
+    cfg = {"rollout": {"engine": "mine", "engine_options": {"x": 1}, "ref_logps": "engine"}}
+    rc = get_plugin_manager(cfg, plugins=[("mine", Plugin())]).config.rollout
+    assert rc.start_timeout_s == 900 and rc.local_warmup is True and rc.warmup
+    rc = get_plugin_manager({"rollout": {"engine": "plain"}}, plugins=[("mine", Plugin())]).config.rollout
+    assert rc.start_timeout_s == 180 and rc.local_warmup is False  # 1.5 x timeout_s; no warm-up declared
+    with pytest.raises(ConfigError, match="engine 'plain' takes no options.*engines that do: 'mine' or 'vllm'"):
+        get_plugin_manager({"rollout": {"engine": "plain", "engine_options": {"x": 1}}}, plugins=[("mine", Plugin())])
+    with pytest.raises(ConfigError, match="engine 'plain' cannot score.*can: 'mine' or 'transformers'"):
+        get_plugin_manager({"rollout": {"engine": "plain", "ref_logps": "engine"}}, plugins=[("mine", Plugin())])
+    set_by_user = get_plugin_manager({"rollout": {"local_warmup": False}}).config.rollout
+    assert set_by_user.local_warmup is False  # 'auto' only is resolved from the engine
+    plain = RolloutEngine(name="plain", factory=dict)
+    method, why = start_method("auto", device="cpu", threads=1, engine=plain)
+    assert method == "spawn" and "'plain' is not registered as safe in a forked worker" in why

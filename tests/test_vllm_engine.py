@@ -65,14 +65,17 @@ def test_not_installed_is_one_clear_error(monkeypatch):
 
 
 def test_engine_options_are_checked_with_the_config():
+    """What the engines declare (RolloutEngine.options / scores) is checked when the plugin manager looks the engine
+    up, before anything is built; the keys the engine sets itself are refused by the config alone."""
     from mrl_plugins.config import load_config
+    from mrl_plugins.manager import get_plugin_manager
 
-    with pytest.raises(ConfigError, match="only engine 'vllm' takes options"):
-        load_config({"rollout": {"engine_options": {"max_model_len": 64}}})
+    with pytest.raises(ConfigError, match="engine 'transformers' takes no options.*engines that do: 'vllm'"):
+        get_plugin_manager({"rollout": {"engine_options": {"max_model_len": 64}}})
     with pytest.raises(ConfigError, match=r"\['load_format'\] are set by the engine"):
         load_config({"rollout": {"engine": "vllm", "engine_options": {"load_format": "auto"}}})
-    with pytest.raises(ConfigError, match="ref_logps 'engine'.*use ref_logps: trainer"):
-        load_config({"rollout": {"engine": "vllm", "ref_logps": "engine"}})
+    with pytest.raises(ConfigError, match="ref_logps 'engine'.*can: 'transformers'.*use ref_logps: trainer"):
+        get_plugin_manager({"rollout": {"engine": "vllm", "ref_logps": "engine"}})
 
 
 @require_vllm

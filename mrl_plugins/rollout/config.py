@@ -47,7 +47,7 @@ class RolloutConfig(SchedulingSection, DeploymentSection, EngineSection):
         if self.timeout_s is None:
             self.timeout_s = 120.0
         if self.start_timeout_s is None:
-            self.start_timeout_s = max(180.0, 300.0 if self.engine == "vllm" else 0.0)
+            self.start_timeout_s = 180.0
         if self.trainer_threads is None:
             self.trainer_threads = len(self.trainer_cores) if self.trainer_cores else 1
         if self.lend_cores is None:
@@ -75,11 +75,6 @@ class RolloutConfig(SchedulingSection, DeploymentSection, EngineSection):
             raise ConfigError("rollout.engine: must name an engine")
         if not isinstance(self.engine_options, dict):
             raise ConfigError(f"rollout.engine_options: must be a mapping, got {type(self.engine_options).__name__}")
-        if self.engine_options and self.engine != "vllm":
-            raise ConfigError(
-                f"rollout.engine_options: only engine 'vllm' takes options, got engine {self.engine!r} with "
-                f"{sorted(self.engine_options)}"
-            )
         fixed = sorted(
             {"model", "load_format", "logprobs_mode", "tensor_parallel_size", "weight_transfer_config"}
             & set(self.engine_options)
@@ -88,11 +83,6 @@ class RolloutConfig(SchedulingSection, DeploymentSection, EngineSection):
             raise ConfigError(
                 f"rollout.engine_options: {fixed} are set by the engine itself (weight_transfer_config: by "
                 f"weight_sync.transport 'vllm' and weight_sync.vllm_backend); remove them"
-            )
-        if self.engine == "vllm" and self.ref_logps == "engine":
-            raise ConfigError(
-                "rollout.ref_logps 'engine' scores with the 'transformers' engine in the workers; with "
-                "rollout.engine 'vllm' use ref_logps: trainer"
             )
         if self.pipeline not in PIPELINES:
             raise ConfigError(f"rollout.pipeline: {self.pipeline!r} invalid; valid: {choices(PIPELINES)}")
@@ -173,10 +163,31 @@ class RolloutConfig(SchedulingSection, DeploymentSection, EngineSection):
                 f"{self.rebalance_low} and {self.rebalance_high}"
             )
 
+    def check_backend(self, key: str, engine: Any, engines: dict[str, Any]) -> None:
+        """What follows from the engine's registration (a :class:`~mrl_plugins.hookspecs.RolloutEngine`, looked up
+        by the plugin manager, which calls this with every registered engine): its options and scoring checked,
+        the start bound raised to its declared start, ``local_warmup: auto`` resolved to its ``warmup``."""
+        if key != "engine":
+            return
+        if self.engine_options and not engine.options:
+            raise ConfigError(
+                f"rollout.engine_options: engine {self.engine!r} takes no options, got {sorted(self.engine_options)}; "
+                f"engines that do: {choices(n for n, e in engines.items() if e.options)}"
+            )
+        if self.ref_logps == "engine" and not engine.scores:
+            raise ConfigError(
+                f"rollout.ref_logps 'engine': engine {self.engine!r} cannot score completions (engines that can: "
+                f"{choices(n for n, e in engines.items() if e.scores)}); use ref_logps: trainer"
+            )
+        self.start_timeout_s = max(float(self.start_timeout_s), float(engine.start_s))
+        if self.local_warmup == "auto":
+            self.local_warmup = bool(engine.warmup)
+
     @property
     def warmup(self) -> bool:
-        """Whether the trainer's own model generates while the workers start (``local_warmup``, 'auto' resolved)."""
-        return self.engine == "transformers" if self.local_warmup == "auto" else bool(self.local_warmup)
+        """Whether the trainer's own model generates while the workers start (``local_warmup``; 'auto' is resolved
+        from the engine's registration by :meth:`check_backend`, and stays off until then)."""
+        return self.local_warmup is True
 
     def _validate_launcher(self) -> None:
         """``rollout.ray_address`` (Ray starts the remote workers) and its ``ray_*`` keys (Ray is looked for, never

@@ -148,16 +148,17 @@ class DeploymentSection:
         },
     )
     start_timeout_s: float | None = internal(
-        "a worker may take max(1.5 x timeout_s, its engine's start: vllm 300 s) to start (derived)", default=None
+        "a worker may take max(1.5 x timeout_s, its engine's declared start: vllm 300 s) to start (derived)",
+        default=None,
     )
     start_method: str = internal(
-        "a local worker is forked where that is safe (a CPU worker of the transformers engine with one thread, no "
-        "device runtime in the trainer), else spawned (rollout.lifecycle)",
+        "a local worker is forked where that is safe (a CPU worker with one thread of an engine registered "
+        "fork_safe, no device runtime in the trainer), else spawned (rollout.lifecycle)",
         default="auto",
     )
     local_warmup: bool | str = internal(
-        "while the workers start, the trainer's own model generates with the transformers engine; with vllm the "
-        "first generation waits for the vLLM worker",
+        "while the workers start, the trainer's own model generates with the transformers engine where the "
+        "engine's registration declares warmup (transformers); with vllm the first generation waits for it",
         default="auto",
     )
     rebalance: bool = field(

@@ -3,10 +3,10 @@ trainer behind it) alive.
 
 - :func:`spawn_quiet` starts a process with SIGINT ignored (and SIGTERM at its default): Ctrl-C reaches the
   whole foreground process group, and the trainer, not each worker, decides what happens (it stops them).
-- :func:`start_method` picks how a worker process starts: ``fork`` where it is safe (a CPU worker of the
-  ``transformers`` or ``vllm`` engine with one thread, nothing device- or collective-related initialised in the
-  trainer), so the worker inherits the imported torch, transformers (and vLLM) instead of importing them again
-  (seconds of one core on a small host), else ``spawn``.
+- :func:`start_method` picks how a worker process starts: ``fork`` where it is safe (a CPU worker with one thread
+  of an engine registered ``fork_safe``, nothing device- or collective-related initialised in the trainer), so the
+  worker inherits the imported torch, transformers (and vLLM) instead of importing them again (seconds of one core
+  on a small host), else ``spawn``.
 - :class:`ReadyClock` records when every worker of a pool was first ready (``mrl/rollout/worker_ready_s``).
 - :func:`teardown` releases a pool's processes, queues and shared memory. It is the pool's ``weakref.finalize``
   callback, so it runs on ``close()``, when the pool is garbage-collected, or at interpreter exit, whichever comes
@@ -30,12 +30,11 @@ from typing import Any
 
 log = logging.getLogger("mrl_plugins.rollout")
 
-#: engines whose CPU worker may be forked from the trainer (1 thread, no device runtime, no process group there):
-#: 'transformers', and 'vllm', which forks its own workers by default and whose in-process engine core starts only
-#: in the worker (measured here on 2 cores: a forked vLLM worker ready in 4.3 s, a spawned one in 14.0 s; spawned,
-#: most of the difference is importing torch, transformers and vLLM again). Not after a vLLM engine ran in the
-#: trainer (TRL's use_vllm=True colocate): a worker forked from there hung at its first request (measured)
-FORK_SAFE_ENGINES = ("transformers", "vllm")
+# Engines declare whether their CPU worker may be forked (RolloutEngine.fork_safe): 'transformers', and 'vllm',
+# which forks its own workers by default and whose in-process engine core starts only in the worker (measured here
+# on 2 cores: a forked vLLM worker ready in 4.3 s, a spawned one in 14.0 s; spawned, most of the difference is
+# importing torch, transformers and vLLM again). No worker is forked after a vLLM engine ran in the trainer (TRL's
+# use_vllm=True colocate): a vLLM worker forked from there hung at its first request (measured).
 
 #: seconds a ready worker gets to take its stop request and exit before it is terminated
 STOP_GRACE_S = 1.0
@@ -101,7 +100,7 @@ def spawn_quiet(proc: Any) -> None:
         proc.start()
 
 
-def _fork_unsafe(device: str, threads: int | None, engine: str) -> str | None:
+def _fork_unsafe(device: str, threads: int | None, engine: Any) -> str | None:
     """Why a worker of this kind must not be forked from this process (None: it may)."""
     import sys
 
@@ -114,12 +113,9 @@ def _fork_unsafe(device: str, threads: int | None, engine: str) -> str | None:
             f"worker threads {threads}: a forked child hangs in its first OpenMP region with more than one thread "
             f"once the trainer has used OpenMP (GNU libgomp, measured)"
         )
-    if engine not in FORK_SAFE_ENGINES:
-        return (
-            f"rollout.engine {engine!r}: only the {' and '.join(map(repr, FORK_SAFE_ENGINES))} engines are known to "
-            "be safe in a forked worker"
-        )
-    if engine == "vllm" and any(m.startswith("vllm.v1.worker.") and m.endswith("_model_runner") for m in sys.modules):
+    if not engine.fork_safe:
+        return f"rollout.engine {engine.name!r} is not registered as safe in a forked worker (fork_safe)"
+    if any(m.startswith("vllm.v1.worker.") and m.endswith("_model_runner") for m in sys.modules):
         return "a vLLM engine ran in the trainer process (e.g. TRL's use_vllm=True): a vLLM worker forked from it hung"
     import torch
 
@@ -130,9 +126,10 @@ def _fork_unsafe(device: str, threads: int | None, engine: str) -> str | None:
     return None
 
 
-def start_method(asked: str, *, device: str, threads: int | None, engine: str) -> tuple[str, str]:
-    """``(method, why)`` for a local worker: ``rollout.start_method`` ``spawn`` / ``fork`` as asked (a fork that is
-    unsafe here is a ConfigError naming the reason), ``auto``: fork where :func:`_fork_unsafe` finds nothing."""
+def start_method(asked: str, *, device: str, threads: int | None, engine: Any) -> tuple[str, str]:
+    """``(method, why)`` for a local worker of ``engine`` (its :class:`~mrl_plugins.hookspecs.RolloutEngine`):
+    ``rollout.start_method`` ``spawn`` / ``fork`` as asked (a fork that is unsafe here is a ConfigError naming the
+    reason), ``auto``: fork where :func:`_fork_unsafe` finds nothing."""
     from mrl_plugins.errors import ConfigError
 
     if asked == "spawn":  # the value itself is validated with the config (RolloutConfig.validate)

@@ -13,18 +13,28 @@ def engine_registrations() -> Iterator[Any]:
 
     Factories take ``factory(model, tokenizer, *, params: SamplingParams, device="cpu", seed=None)``.
     """
+    from mrl_plugins.optional import check_vllm_installed
+
     from .engine import _transformers_factory
-    from .vllm_engine import vllm_factory
+    from .vllm_engine import VLLM_START_S, check_vllm_servable, vllm_factory
 
     yield RolloutEngine(
         name="transformers",
         factory=_transformers_factory,
         description="Hugging Face model, KV-cache sampling loop with the trainer's per-token logprobs",
+        scores=True,
+        fork_safe=True,
+        warmup=True,
     )
     yield RolloutEngine(
         name="vllm",
         factory=vllm_factory,
         description="vLLM in the worker process (vllm.LLM, in-process engine core), weights synced by reload",
+        options=True,
+        fork_safe=True,
+        start_s=VLLM_START_S,
+        requires=check_vllm_installed,
+        check=check_vllm_servable,
     )
 
 

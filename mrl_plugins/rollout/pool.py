@@ -96,10 +96,11 @@ class WorkerPool(Restarts):
         self._closed = False
         self._comm_caps, self._ws_caps = comm_caps, ws_caps
         self._names = stage_names(pm, cfg)
+        self._engine = pm.backend("mrl_rollout_register_engines", cfg.rollout.engine)  # what it declares it can do
         for place in placements:  # an unsafe rollout.start_method 'fork' is refused before anything opens
             threads = place.get("threads", cfg.rollout.engine_threads)
             start_method(cfg.rollout.start_method, device=place.get("device", "cpu"), threads=threads,
-                         engine=cfg.rollout.engine)  # fmt: skip
+                         engine=self._engine)  # fmt: skip
         self.launcher: Any = None  # rollout.launcher 'ray': the cluster's actors that run the remote workers
         if remote and cfg.rollout.launch == "ray":  # the cluster and its reservation first: nothing else is open yet
             from .ray_launcher import RayLauncher
@@ -191,7 +192,7 @@ class WorkerPool(Restarts):
     def _start(self, i: int) -> None:
         spec = self._specs[i]
         method, why = start_method(
-            self.cfg.rollout.start_method, device=spec.device, threads=spec.threads, engine=self.cfg.rollout.engine
+            self.cfg.rollout.start_method, device=spec.device, threads=spec.threads, engine=self._engine
         )
         proc = mp.get_context(method).Process(
             target=worker_main,

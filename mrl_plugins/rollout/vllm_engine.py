@@ -52,6 +52,7 @@ from .engine import EngineOutput, SamplingParams, _check_prompts, cut_after_eos,
 log = logging.getLogger("mrl_plugins.rollout")
 
 __all__ = [
+    "VLLM_START_S",
     "VLLMEngine",
     "check_vllm_servable",
     "vllm_factory",
@@ -59,6 +60,8 @@ __all__ = [
 
 #: head sizes vLLM 0.32's CPU attention backend accepts (read from vLLM itself when it is importable)
 _CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+#: seconds a vLLM worker may take to start (it builds and profiles its engine): its registration's ``start_s``
+VLLM_START_S = 300.0
 #: KV-cache GiB given to vLLM's CPU backend when ``VLLM_CPU_KVCACHE_SPACE`` is unset (its default reserves none)
 DEFAULT_CPU_KVCACHE_GIB = 1
 
