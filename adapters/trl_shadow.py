@@ -281,7 +281,7 @@ class ShadowLookahead:
                 "turn is still running"
             )
         if rollout.error is not None:
-            from mrl_plugins.rollout.multiturn import AheadUnavailable
+            from mrl_plugins.rollout.runtime import AheadUnavailable
 
             if isinstance(rollout.error, AheadUnavailable):  # e.g. an eval batch switched the run to taking turns
                 self.state.ctx.metrics.add("rollout/ahead_abandoned", 1)

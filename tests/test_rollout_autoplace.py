@@ -275,10 +275,11 @@ def test_a_run_too_short_for_the_split_never_starts_its_workers(tmp_path, caplog
     runtime = trainer._mrl_state.runtime
     started: list[int] = []
     real_start = runtime._start_pool
-    runtime._start_pool = lambda: (started.append(runtime.served["turns"]), real_start())[1]
+    runtime._start_pool = lambda: (started.append(runtime.where.served_count["turns"]), real_start())[1]
     with caplog.at_level(logging.INFO, logger="mrl_plugins.rollout"):
         trainer.train()
-    assert runtime.served["turns"] == steps  # kept (keep_arrangement): every batch from the trainer's own model
+    # kept (keep_arrangement): every batch from the trainer's own model
+    assert runtime.where.served_count["turns"] == steps
     assert started == ([0] if starts else [])  # at the first generation, before it is generated
     said = [r.getMessage() for r in caplog.records if "too few for the split" in r.getMessage()]
     assert said == ([] if starts else [f"mrl-plugins placement: {steps} generations left: too few for the split to "
@@ -301,7 +302,7 @@ def test_grpo_run_switches_arrangement_without_losing_samples(tmp_path, monkeypa
     state = trainer._mrl_state
     runtime = state.runtime
     # this run switches by force only (keep_arrangement: its decisions are taken, logged and reported)
-    runtime._lend = False  # the split keeps the trainer on its own core here (lending: the next test)
+    runtime.where.share.lend_cpu = False  # the split keeps the trainer on its own core here (lending: the next test)
     gen = state.generation
     calls: list[dict] = []
     orig_generate = runtime.generate
@@ -310,7 +311,7 @@ def test_grpo_run_switches_arrangement_without_losing_samples(tmp_path, monkeypa
         result = orig_generate(prompts, num_generations, model_id)
         calls.append(
             {
-                "arr": runtime.last_source,
+                "arr": runtime.where.last_source,
                 "asked": [list(p) for p in prompts],
                 "got": [list(p) for p in result.prompt_ids],
                 "n": len(result.completion_ids),
@@ -328,7 +329,7 @@ def test_grpo_run_switches_arrangement_without_losing_samples(tmp_path, monkeypa
             step = int(st.global_step)
             pid = runtime.pool.pids[0]
             seen[step] = {
-                "arr": runtime.arrangement,
+                "arr": runtime.where.arrangement,
                 "cores": sorted(os.sched_getaffinity(0)),
                 "threads": torch.get_num_threads(),
                 "nice": psutil.Process(pid).nice(),
@@ -336,13 +337,13 @@ def test_grpo_run_switches_arrangement_without_losing_samples(tmp_path, monkeypa
                 "worker_cores": psutil.Process(pid).cpu_affinity(),
             }
             if step == 2:
-                runtime.placement.force("split")
+                runtime.where.controller.force("split")
             if step == 4:  # let the workers finish starting so the split phase is served by them
                 deadline = time.monotonic() + 120
                 while not runtime.pool.ready and time.monotonic() < deadline:
                     time.sleep(0.05)
             if step == 8:
-                runtime.placement.force("turns")
+                runtime.where.controller.force("turns")
             if step == 10:  # the lookahead held at the switch is used by now: the worker has nothing to do
                 seen["worker_cpu_0"] = _cpu_s(runtime.pool.pids[0])
                 time.sleep(1.0)
@@ -369,7 +370,7 @@ def test_grpo_run_switches_arrangement_without_losing_samples(tmp_path, monkeypa
         assert c["got"] == c["asked"] and c["n"] == len(c["asked"])
     assert len({tuple(map(tuple, c["asked"])) for c in calls}) == steps  # no batch served twice
     split = [c for c in calls if c["arr"] == "split"]
-    assert runtime.served["split"] >= 3 and runtime.served["turns"] >= 2 + (steps - 9)
+    assert runtime.where.served_count["split"] >= 3 and runtime.where.served_count["turns"] >= 2 + (steps - 9)
     assert all(0 <= c["current"] - c["version"] <= 1 for c in split)
     assert all(c["version"] == c["current"] for c in calls if c["arr"] == "turns")
     totals = state.ctx.metrics.totals
@@ -382,7 +383,8 @@ def test_grpo_run_switches_arrangement_without_losing_samples(tmp_path, monkeypa
     assert codes[0] == 1 and 0 in codes and codes[-1] == 1
     assert any("mrl/rollout/placement_projected_split_steps_per_s" in h for h in hist)
     assert any("mrl/rollout/placement_measured_steps_per_s" in h for h in hist)
-    assert runtime.placement.decisions and all(d.chosen == d.current for d in runtime.placement.decisions)
+    decisions = runtime.where.controller.decisions
+    assert decisions and all(d.chosen == d.current for d in decisions)
 
 
 @pytest.mark.slow
@@ -399,29 +401,30 @@ def test_split_lends_the_idle_workers_core_to_the_trainer(tmp_path, monkeypatch,
     state = trainer._mrl_state
     runtime = state.runtime
     lent: list[dict] = []  # per lend: trainer cores while lent, worker CPU seconds and wall seconds while lent
-    orig_check, orig_apply = runtime.lend_check, runtime._apply_budget
+    share = runtime.where.share
+    orig_check, orig_apply = share.check, share.apply
 
     def lend_check(*a):
-        was = runtime._budget_now
+        was = share.now
         orig_check(*a)
-        if was == "split" and runtime._budget_now == "lent":
+        if was == "split" and share.now == "lent":
             pid = runtime.pool.pids[0]
             lent.append({"cores": sorted(os.sched_getaffinity(0)), "threads": torch.get_num_threads(), "pid": pid})
             lent[-1]["cpu0"], lent[-1]["t0"] = _cpu_s(pid), time.perf_counter()
 
     def apply_budget(arr):
-        if runtime._budget_now == "lent" and lent and "cpu1" not in lent[-1]:
+        if share.now == "lent" and lent and "cpu1" not in lent[-1]:
             lent[-1]["cpu1"], lent[-1]["t1"] = _cpu_s(lent[-1]["pid"]), time.perf_counter()
         orig_apply(arr)
 
-    runtime.lend_check, runtime._apply_budget = lend_check, apply_budget
-    for hook in runtime._lend_hooks:  # none yet: they are installed at the first split batch
+    share.check, share.apply = lend_check, apply_budget
+    for hook in share.hooks:  # none yet: they are installed at the first split batch
         hook.remove()
 
     class Steer(TrainerCallback):
         def on_step_end(self, args, st, control, **kw):
             if st.global_step == 1:
-                runtime.placement.force("split")
+                runtime.where.controller.force("split")
             if st.global_step == 2:
                 deadline = time.monotonic() + 120
                 while not runtime.pool.ready and time.monotonic() < deadline:
@@ -432,7 +435,7 @@ def test_split_lends_the_idle_workers_core_to_the_trainer(tmp_path, monkeypatch,
     orig_submit = None
 
     def watch_submit(*a, **k):
-        submitted_while_lent.append(runtime._budget_now == "lent")
+        submitted_while_lent.append(share.now == "lent")
         return orig_submit(*a, **k)
 
     def on_first_split(*a, **k):
@@ -441,7 +444,7 @@ def test_split_lends_the_idle_workers_core_to_the_trainer(tmp_path, monkeypatch,
             orig_submit = runtime.pool.submit
             runtime.pool.submit = watch_submit
 
-    runtime.placement.on_decision = on_first_split
+    runtime.where.controller.on_decision = on_first_split
     orig_generate = runtime.generate
 
     def generate(*a, **k):

@@ -82,14 +82,11 @@ def test_cuda_and_cpu_lend_nothing_through_the_device(monkeypatch):
     assert mod.calls == []
 
 
-class _Runtime(arrangement.ArrangementMixin):
-    """Just the attributes :meth:`ArrangementMixin._device_lend` reads (the run-level test uses PoolRuntime)."""
-
-    def __init__(self, device_type: str) -> None:
-        rollout = types.SimpleNamespace(lend_cores=True, workers=1, colocated_workers=0, engine_budget=BUDGET)
-        self.ctx = types.SimpleNamespace(config=types.SimpleNamespace(mode="colocate", rollout=rollout))
-        self.placement = object()
-        self.gen = types.SimpleNamespace(model=device_type)  # the host as the stage sees it (RolloutHost.model)
+def _share(device_type: str) -> arrangement.TrainerShare:
+    """The trainer's share of a placement-auto run on ``device_type`` (the run-level test uses PoolRuntime)."""
+    rollout = types.SimpleNamespace(lend_cores=True, workers=1, colocated_workers=0, engine_budget=BUDGET)
+    ctx = types.SimpleNamespace(config=types.SimpleNamespace(mode="colocate", rollout=rollout))
+    return arrangement.TrainerShare(ctx, lambda: device_type, None, lend=True, auto=True, idle=lambda: True)
 
 
 @pytest.mark.parametrize("kind", ["cpu", "cuda"])
@@ -97,9 +94,9 @@ def test_runtime_opens_no_device_lender_on_cpu_or_cuda(kind, monkeypatch, caplog
     mod = _fake_for_lender(monkeypatch)
     devices = {"cpu": CpuDevice(), "cuda": CudaDevice(index=0)}
     monkeypatch.setattr(arrangement, "trainer_device", lambda model: devices[model])
-    runtime = _Runtime(kind)
+    share = _share(kind)
     with caplog.at_level(logging.INFO, logger="mrl_plugins.rollout"):
-        assert runtime._device_lend() is None and runtime._device_lend() is None
+        assert share.device() is None and share.device() is None
     assert mod.calls == []
     said = [r.getMessage() for r in caplog.records if "lend_cores" in r.getMessage()]
     assert said == ([] if kind == "cpu" else [f"mrl-plugins rollout.lend_cores on cuda:0: {CUDA_NOTHING_TO_LEND}"])
@@ -127,9 +124,10 @@ def test_npu_split_lends_the_stream_share_and_sets_it_back_before_each_request(
     while_lent: list[dict] = []  # ... right after each lend
 
     def limit() -> dict:
-        return dict(mod.npu.get_stream_limit(runtime._device_lender.stream))
+        return dict(mod.npu.get_stream_limit(share.device_lender.stream))
 
-    orig_factory, orig_check = runtime._pool_factory, runtime.lend_check
+    share = runtime.where.share
+    orig_factory, orig_check = runtime._pool_factory, share.check
 
     def factory():
         pool = orig_factory()
@@ -145,13 +143,13 @@ def test_npu_split_lends_the_stream_share_and_sets_it_back_before_each_request(
     streams = []
 
     def lend_check(*a):
-        was = runtime._budget_now
+        was = share.now
         orig_check(*a)
-        if was == "split" and runtime._budget_now == "lent":
+        if was == "split" and share.now == "lent":
             while_lent.append(limit())
-            streams.append(runtime._device_lender.stream)
+            streams.append(share.device_lender.stream)
 
-    runtime._pool_factory, runtime.lend_check = factory, lend_check
+    runtime._pool_factory, share.check = factory, lend_check
 
     class WaitForWorker(TrainerCallback):
         def on_step_end(self, args, st, control, **kw):
@@ -172,4 +170,4 @@ def test_npu_split_lends_the_stream_share_and_sets_it_back_before_each_request(
     assert limit_calls.count("reset_stream_limit") >= len(while_lent)
     assert trainer._mrl_state.ctx.metrics.totals["rollout/lends"] >= len(while_lent)
     # train() ended: the training stream is back to the whole device, the lender gone
-    assert runtime._device_lender is None and dict(mod.npu.get_stream_limit(streams[-1])) == FULL
+    assert share.device_lender is None and dict(mod.npu.get_stream_limit(streams[-1])) == FULL

@@ -44,8 +44,8 @@ def test_a_run_starting_in_the_split_warms_up_on_the_trainers_core_and_measures_
             step = int(st.global_step)
             pid = runtime.pool.pids[0]
             seen[step] = {
-                "arr": runtime.arrangement,
-                "source": runtime.last_source,
+                "arr": runtime.where.arrangement,
+                "source": runtime.where.last_source,
                 "cores": sorted(os.sched_getaffinity(0)),
                 "threads": torch.get_num_threads(),
                 "nice": psutil.Process(pid).nice(),
@@ -66,6 +66,6 @@ def test_a_run_starting_in_the_split_warms_up_on_the_trainers_core_and_measures_
     assert first["worker_cores"] == [1] and first["nice"] == 0
     assert first["source"] in ("warmup", "split")  # the trainer's own model answers while the worker starts
     assert seen[2]["source"] == "split" and seen[2]["nice"] == 0  # the ready worker serves from then on
-    decisions = runtime.placement.decisions
+    decisions = runtime.where.controller.decisions
     assert decisions and decisions[0].current == "split", decisions  # measured in the split first
-    assert runtime.served["split"] >= 4
+    assert runtime.where.served_count["split"] >= 4

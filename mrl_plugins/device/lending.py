@@ -1,6 +1,6 @@
 """Lending a colocated rollout worker's share of the trainer's accelerator to the trainer while the worker is idle
 (``rollout.lend_cores`` with ``rollout.placement: auto``; the CPU side, core affinity and torch threads, is done by
-:class:`~mrl_plugins.rollout.arrangement.ArrangementMixin` itself).
+:class:`~mrl_plugins.rollout.arrangement.TrainerShare` itself).
 
 * **NPU** (torch_npu ``set_stream_limit`` / ``reset_stream_limit`` / ``get_stream_limit``, Ascend Extension for
   PyTorch 7.2.0+): in the split the training stream (the trainer's current stream) is limited to the device's

@@ -1,20 +1,32 @@
-"""The placement side of :class:`~mrl_plugins.rollout.runtime.PoolRuntime` (``rollout.placement: auto``).
+"""Where generation runs: the one owner of that choice for a :class:`~mrl_plugins.rollout.runtime.PoolRuntime`.
 
-:class:`ArrangementMixin` holds what taking turns and lending need from a running pipeline: the trainer
-process's budget per arrangement (CPU affinity and torch threads), the workers' CPU priority while they start in
-the background, the per-generation samples fed to the
-:class:`~mrl_plugins.rollout.autoplace.PlacementController`, the turns arrangement's generation, and lending the
-idle workers' cores to the trainer inside the split. The decisions themselves are pure functions in
-:mod:`mrl_plugins.rollout.autoplace`.
+:class:`Placement` decides, for every batch the host asks for, who generates it:
+
+* **warm-up** -- the trainer's own model while the workers start (``rollout.local_warmup``: resolved from the
+  engine's registration), until the pool first reports ready;
+* **split** or **turns** -- with ``rollout.placement: auto`` the
+  :class:`~mrl_plugins.rollout.autoplace.PlacementController` (its policy is pure functions in
+  :mod:`~mrl_plugins.rollout.autoplace`) chooses per generation from the samples this class feeds it; a run that
+  starts taking turns starts its workers at the first generation in the background (lowest CPU priority), or never
+  when the run is too short for the split to be chosen; with ``placement: fixed`` always the split;
+* the trainer's share of the machine in each arrangement and the lending of idle workers' share inside the split
+  (:class:`TrainerShare`);
+* hybrid rebalancing (``rollout.rebalance``): the :class:`~mrl_plugins.rollout.hybrid.HybridBalancer` moving workers
+  between the colocated and dedicated pools by the trainer's wait share.
+
+The runtime asks :meth:`Placement.place` before each batch and generates where it says; it reports what it served
+(:meth:`Placement.served`) and what the trainer waited (:meth:`Placement.waited`). Invariants: ``arrangement`` is
+``"split"`` without a controller; the workers' priority is raised back before they serve the split
+(:meth:`Placement.foreground`); a lent share goes back before the workers get a request
+(``share.apply("split")``).
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
-
-from mrl_plugins.hookspecs import RolloutResult
 
 log = logging.getLogger("mrl_plugins.rollout")
 
@@ -36,78 +48,86 @@ def prompt_key(prompts: list[list[int]]) -> tuple[tuple[int, ...], ...]:
     return tuple(tuple(int(t) for t in p) for p in prompts)
 
 
-class ArrangementMixin:
-    """Mixed into :class:`~mrl_plugins.rollout.runtime.PoolRuntime`; uses its pool, budgets and bookkeeping."""
+class TrainerShare:
+    """The trainer process's share of the machine in each arrangement, and lending it the idle workers' share.
 
-    _pool: Any
-    _pending: dict
-    _budgets: dict[str, tuple[list[int], int]] | None
-    _lock: Any
+    CPU: the process's core affinity and torch threads (``budgets``: ``{"split": (cores, threads), "turns": (cores,
+    threads)}``); an NPU shared with colocated workers: its training stream's core limit
+    (:class:`~mrl_plugins.device.lending.NpuStreamLender`, opened at the first change, ``rollout.lend_cores`` with
+    placement auto). Inside the split, once ``idle()`` says the workers have answered every request they hold
+    (nothing to generate until the next generation), the trainer borrows their share (CPU: the turns budget; NPU: the
+    whole device) until the next :meth:`apply`, checked between its layers (:meth:`check`, forward and backward
+    pre-hooks on the model's decoder layers).
 
-    #: nice value of rollout workers started while the trainer takes turns on all cores (placement auto)
-    BACKGROUND_NICE = 19
+    Invariants: ``now`` is the share applied (``"split"``, ``"turns"``, ``"lent"``; None before the first and after
+    :meth:`release`); lending never fails a training step (a failure stops lending, logged).
+    """
 
-    def _renice(self, nice: int) -> bool:
-        """Set the local workers' nice value (raising it is always allowed; lowering it back may need privileges:
-        then they keep the low priority, which costs nothing while they have their cores to themselves)."""
-        import os
+    #: seconds between two looks at the workers' answers while the trainer computes (lending)
+    CHECK_S = 0.002
 
-        done = False
-        for pid in self._pool.pids if self._pool is not None else ():
-            try:
-                os.setpriority(os.PRIO_PROCESS, pid, nice)
-                done = True
-            except (PermissionError, ProcessLookupError, OSError) as exc:
-                log.debug("rollout worker %d: nice %d not applied (%s)", pid, nice, exc)
-        return done
+    def __init__(
+        self,
+        ctx: Any,
+        model: Callable[[], Any],
+        budgets: dict[str, tuple[list[int], int]] | None,
+        *,
+        lend: bool,
+        auto: bool,
+        idle: Callable[[], bool],
+    ) -> None:
+        self.ctx, self._model, self.budgets = ctx, model, budgets  # model(): the trainer's model, read when needed
+        self.lend_cpu = bool(lend and budgets)  # CPU cores to lend (placement auto with budgets and lend_cores)
+        self._auto = auto
+        self._idle = idle
+        self.now: str | None = None
+        self.hooks: list[Any] = []
+        self.device_lender: Any = None
+        self._device_open = False
+        self._lent_at: float | None = None  # when the trainer last borrowed the workers' share
+        self._last = 0.0
 
-    def _foreground(self, now: bool = False) -> None:
-        """The workers were started in the background and are ready (or, ``now``, the split needs them): back to
-        normal priority (where allowed)."""
-        if self._background and self._pool is not None and (now or self._pool.ready):
-            self._background = False
-            self._renice(0)
-
-    def _apply_budget(self, arrangement: str) -> None:
-        """The trainer process's cores and torch threads for ``arrangement`` (CPU; no-op without budgets) and, on
-        an NPU shared with a worker, its training stream's core limit (:meth:`_device_lend`)."""
-        lender = self._device_lend()
-        cpu = self._budgets is not None and arrangement in self._budgets
-        if self._budget_now == arrangement or not (cpu or lender is not None):
+    def apply(self, arrangement: str) -> None:
+        """The trainer's cores and torch threads for ``arrangement`` (CPU; no-op without budgets) and, on an NPU
+        shared with a worker, its training stream's core limit."""
+        lender = self.device()
+        cpu = self.budgets is not None and arrangement in self.budgets
+        if self.now == arrangement or not (cpu or lender is not None):
             return
         if cpu:
-            import os
-
-            import torch
-
-            cores, threads = self._budgets[arrangement]
-            os.sched_setaffinity(0, cores)
-            torch.set_num_threads(threads)
+            cores, threads = self.budgets[arrangement]
+            self._set(cores, threads)
         if lender is not None:  # the split's share before the workers compute again; the whole device otherwise
             lender.split() if arrangement == "split" else lender.lend()
             if arrangement == "split":
-                self._install_lend_hooks()
+                self.install_hooks()
         lent, self._lent_at = self._lent_at, None
-        if lent is not None:  # the workers' cores go back before their next request
+        if lent is not None:  # the workers' share goes back before their next request
             self.ctx.metrics.add("rollout/lent_s", time.perf_counter() - lent)
         elif cpu:
             log.info("mrl-plugins placement %s: trainer on cores %s, %d torch thread(s)", arrangement, cores, threads)
-        self._budget_now = arrangement
+        self.now = arrangement
 
-    _device_lender: Any = None
-    _device_lend_open = False
+    @staticmethod
+    def _set(cores: list[int], threads: int) -> None:
+        import os
 
-    def _device_lend(self) -> Any:
-        """The :class:`~mrl_plugins.device.lending.NpuStreamLender` of this run, opened at the first budget change:
-        ``rollout.placement: auto`` with ``lend_cores``, the trainer on an NPU that colocated workers share with an
-        ``engine_budget`` core limit and torch_npu's stream-limit API present; else None, with one info line saying
-        why (CUDA: nothing to lend). CPU runs never import torch_npu here."""
-        if self._device_lend_open:
-            return self._device_lender
-        self._device_lend_open = True
-        if getattr(self, "placement", None) is None or not self.ctx.config.rollout.lend_cores:
+        import torch
+
+        os.sched_setaffinity(0, cores)
+        torch.set_num_threads(threads)
+
+    def device(self) -> Any:
+        """This run's NPU stream lender, opened at the first share change: placement auto with ``lend_cores``, the
+        trainer on an NPU that colocated workers share with an ``engine_budget`` core limit and torch_npu's
+        stream-limit API present; else None, with one info line saying why (CUDA: nothing to lend). CPU runs never
+        import torch_npu here."""
+        if self._device_open:
+            return self.device_lender
+        self._device_open = True
+        if not self._auto or not self.ctx.config.rollout.lend_cores:
             return None
-        device = trainer_device(self.gen.model)
+        device = trainer_device(self._model())
         if device.type == "cpu":
             return None
         from mrl_plugins.device.lending import open_lender
@@ -125,113 +145,215 @@ class ArrangementMixin:
         else:
             what = lender.describe()
             log.info("mrl-plugins rollout.lend_cores on %s (unverified on hardware): %s", device.spec, what)
-        self._device_lender = lender
+        self.device_lender = lender
         return lender
 
-    def _release_device_lend(self) -> None:
-        """The training stream back to torch_npu's default limit (the run ends)."""
-        lender, self._device_lender = self._device_lender, None
-        self._device_lend_open = False  # a later use of this runtime (a new pool) opens a lender again
-        if lender is not None:
-            lender.close()
+    @property
+    def lending(self) -> bool:
+        """CPU cores or an NPU stream share to lend."""
+        return self.lend_cpu or self.device_lender is not None
 
-    #: seconds between two looks at the workers' answers while the trainer computes (lending)
-    LEND_CHECK_S = 0.002
-
-    def lend_check(self, *_: Any) -> None:
-        """Between the trainer's layers (forward and backward hooks) in the split: when the workers have answered
-        every lookahead they hold (nothing left to generate until the next generation), the trainer borrows their
-        cores (CPU: affinity and threads; NPU: the whole device for its training stream);
-        :meth:`_generate_split` gives them back before it sends the next request."""
-        if not self._lending() or self._budget_now != "split" or self.arrangement != "split" or not self._pending:
+    def check(self, *_: Any) -> None:
+        """Between the trainer's layers in the split: when the workers are idle, the trainer borrows their share
+        (the next :meth:`apply` gives it back)."""
+        if not self.lending or self.now != "split":
             return
         now = time.perf_counter()
-        if now - self._lend_last < self.LEND_CHECK_S:
+        if now - self._last < self.CHECK_S:
             return
-        self._lend_last = now
-        if not self._lock.acquire(blocking=False):  # a rollout run ahead is using the pool: look next time
-            return
+        self._last = now
         try:
-            pool = self._pool
-            if pool is None or not pool.ready:
+            if not self._idle():
                 return
-            pool.poll()
-            if not all(pool.answered(t) for t in self._pending.values()):
-                return
-            if self._device_lender is not None:
-                self._device_lender.lend()
+            if self.device_lender is not None:
+                self.device_lender.lend()
         except Exception as exc:  # noqa: BLE001 - never fail a training step over lending: stop lending
             log.warning("mrl-plugins: lending the workers' cores stopped (%s: %s)", type(exc).__name__, exc)
-            self._lend, self._device_lender = False, None
+            self.lend_cpu, self.device_lender = False, None
             return
-        finally:
-            self._lock.release()
-        if self._lend:
-            import os
-
-            import torch
-
-            cores, threads = self._budgets["turns"]
-            os.sched_setaffinity(0, cores)
-            torch.set_num_threads(threads)
-        self._budget_now = "lent"  # the next generation applies the split's budget again first
+        if self.lend_cpu:
+            self._set(*self.budgets["turns"])
+        self.now = "lent"
         self._lent_at = now
         self.ctx.metrics.add("rollout/lends", 1)
 
-    def _lending(self) -> bool:
-        """CPU cores (``_lend``: budgets given) or an NPU stream share (:meth:`_device_lend`) to lend."""
-        return bool(self._lend) or self._device_lender is not None
-
-    def _install_lend_hooks(self) -> None:
-        """Forward and backward pre-hooks on the trainer model's layers (or the model) calling :meth:`lend_check`."""
-        if self._lend_hooks or not self._lending():
+    def install_hooks(self) -> None:
+        """Forward and backward pre-hooks on the trainer model's layers (or the model) calling :meth:`check`."""
+        if self.hooks or not self.lending:
             return
-        model = self.gen.model
-        layers = [m for m in model.modules() if type(m).__name__.endswith(("DecoderLayer", "Block"))] or [model]
-        for m in layers:
-            self._lend_hooks.append(m.register_forward_pre_hook(self.lend_check))
-            self._lend_hooks.append(m.register_full_backward_pre_hook(self.lend_check))
+        model = self._model()
+        layers = [m for m in model.modules() if type(m).__name__.endswith(("DecoderLayer", "Block"))]
+        for m in layers or [model]:
+            self.hooks.append(m.register_forward_pre_hook(self.check))
+            self.hooks.append(m.register_full_backward_pre_hook(self.check))
 
-    # ---------------------------------------------------------------- generation
+    def release(self) -> None:
+        """``train()`` ends: hooks removed, the training stream back to torch_npu's default limit; the process's
+        affinity and threads are restored by the adapter. A later use opens a lender again."""
+        self.now = None
+        while self.hooks:
+            self.hooks.pop().remove()
+        lender, self.device_lender = self.device_lender, None
+        self._device_open = False
+        if lender is not None:
+            lender.close()
+
+
+class Placement:
+    """Where each batch is generated (see the module docstring): warm-up, split or turns, the trainer's share and
+    lending, hybrid rebalancing, and the workers' CPU priority while they start in the background.
+
+    ``controller``: the :class:`~mrl_plugins.rollout.autoplace.PlacementController` (``placement: auto``) or None;
+    ``warmup``: the trainer's own model answers while the workers start; ``balancer_factory(pool)``: hybrid
+    rebalancing's balancer for a started pool (or None); ``budgets`` / ``lend`` / ``idle``: the
+    :class:`TrainerShare`'s; ``interval()``: optimizer steps per generation (samples are per step).
+    """
+
+    #: nice value of rollout workers started while the trainer takes turns on all cores (placement auto)
+    BACKGROUND_NICE = 19
+
+    def __init__(
+        self,
+        ctx: Any,
+        model: Callable[[], Any],
+        *,
+        controller: Any = None,
+        warmup: bool = False,
+        budgets: dict[str, tuple[list[int], int]] | None = None,
+        lend: bool = False,
+        idle: Callable[[], bool] = lambda: False,
+        balancer_factory: Callable[[Any], Any] | None = None,
+        interval: Callable[[], int] = lambda: 1,
+    ) -> None:
+        from .autoplace import SPLIT
+
+        self.ctx = ctx
+        self.controller = controller
+        self.arrangement = controller.current if controller is not None else SPLIT
+        self.warmup = warmup
+        self.share = TrainerShare(ctx, model, budgets, lend=lend, auto=controller is not None, idle=idle)
+        self._balancer_factory = balancer_factory
+        self.interval = interval  # optimizer steps per generation (the host's generation interval)
+        self.balancer: Any = None
+        self.background = False  # the workers were started at the lowest CPU priority (taking turns meanwhile)
+        self.start_deferred = False  # taking turns: the workers start at the first generation (or never)
+        self._was_ready = False  # the pool has reported ready once: no more warm-up
+        self._last: tuple[float, float, float, str | None] | None = None  # (start, blocked s, engine s, tag)
+        self.served_count = {"split": 0, "turns": 0, "warmup": 0}  # batches per arrangement (tests, reports)
+        self.last_source = ""
+
+    # ---------------------------------------------------------------- the pool's lifetime
+    def defer_start(self) -> bool:
+        """At ``train()`` start: True when the run takes turns first (the trainer on all cores now, its workers
+        started at the first generation, :meth:`place`); False: start the workers now."""
+        if self.controller is None or self.arrangement != "turns":
+            return False
+        self.share.apply("turns")
+        self.start_deferred = True
+        return True
+
+    def started(self, pool: Any) -> None:
+        """A new pool runs: warm-up until it reports ready; hybrid rebalancing gets its balancer."""
+        self._was_ready = False
+        if self._balancer_factory is not None:
+            self.balancer = self._balancer_factory(pool)
+
+    def released(self) -> None:
+        """The pool is released (``train()`` ends): no balancer, no deferred start, the trainer's share let go."""
+        self.balancer = None
+        self.start_deferred = False
+        self.share.release()
+
+    # ---------------------------------------------------------------- per batch
+    def place(self, t0: float, generations_left: int | None, start_pool: Callable[[], Any]) -> str:
+        """Before a batch at ``t0``: the interval since the previous one as a sample, a deferred start done or
+        skipped, the controller's choice; returns the arrangement for this batch."""
+        if self.controller is None:
+            return self.arrangement
+        self._observe(t0)
+        if self.start_deferred:
+            self._background_start(generations_left, start_pool)
+        target = self.controller.check(generations_left)
+        if target != self.arrangement:
+            self.arrangement = target
+            self.ctx.metrics.add("rollout/placement_switch_batches", 1)
+        self.controller.report()
+        return self.arrangement
+
+    def warming(self, pool: Any, *, settle: bool = True) -> bool:
+        """In the split: whether the trainer's own model answers this batch because the workers are still starting
+        (once ready, a worker that moves or restarts is no warm-up); ``settle=False`` (a follow-up turn) asks
+        without marking the pool ready."""
+        if not self.warmup or self._was_ready:
+            return False
+        if not settle:
+            return not pool.ready
+        self._was_ready = pool.ready
+        return not self._was_ready
+
+    def served(self, t0: float, blocked: float, engine_s: float, tag: str | None) -> None:
+        """A batch handed to the host: who generated it (``tag``: split, turns, warmup; None: a lookahead of the
+        split taken while taking turns), how long the host was blocked and the engine ran."""
+        self.last_source = tag or "split"
+        self.served_count[self.last_source] += 1
+        self._last = (t0, blocked, engine_s, tag)
+
+    def waited(self, seconds: float) -> None:
+        """The trainer waited ``seconds`` for the workers' batch (hybrid rebalancing's signal)."""
+        if self.balancer is not None:
+            self.balancer.observe(seconds)
 
     def _observe(self, now: float) -> None:
         """The interval since the previous generation, per optimizer step, as one placement sample."""
         from .autoplace import Sample
 
-        last = self._last_gen
+        last = self._last
         if last is None:
             return
         start, blocked, engine_s, tag = last
-        every = self.generation_interval()
+        every = self.interval()
         interval = now - start
         if tag not in ("split", "turns") or interval <= 0:
-            self.placement.observe(None)  # warm-up or the switch itself: not a measurement of either
+            self.controller.observe(None)  # warm-up or the switch itself: not a measurement of either
             return
-        self.placement.observe(
+        self.controller.observe(
             Sample(tag, interval / every, max(0.0, interval - blocked) / every, max(0.0, engine_s) / every)
         )
 
-    def _generate_turns(
-        self, prompts: list[list[int]], num_generations: int, model_id: str
-    ) -> tuple[RolloutResult, float, str | None]:
-        """Taking turns: the trainer's own model generates on all cores; a lookahead the workers already hold for
-        these prompts (submitted before the switch) is used, any other is dropped."""
-        ticket = self._pending.pop(prompt_key(prompts), None) if self._pool is not None else None
-        self._deferred = None
-        tag: str | None = "turns"
-        if ticket is not None:
-            result = self._collect(ticket)  # generated before the switch: used, not lost, not generated twice
-            engine_s, tag = float(result.metrics.get("generate_s", 0.0)), None
-            self.ctx.metrics.add("rollout/lookahead_hits", 1)
-        if self._pool is not None:
-            self._drop_unused()
-        # all cores once no worker computes at normal priority: one starting beside the trainer at the same
-        # priority would share its cores (15-200x slower); started in the background it takes only what is left
-        ready = self._pool is None or self._pool.ready
-        self._foreground()
-        self._apply_budget("turns" if ready or self._background else "split")
-        if ticket is None:
-            t0 = time.perf_counter()
-            result = self._generate_locally(prompts, num_generations, model_id, warmup=False)
-            engine_s = time.perf_counter() - t0
-        return result, engine_s, tag
+    # ---------------------------------------------------------------- the workers' priority
+    def _background_start(self, generations_left: int | None, start_pool: Callable[[], Any]) -> None:
+        """Taking turns: start the workers now at the lowest priority, unless the run ends before the split could
+        ever be chosen (then they would only take memory and CPU)."""
+        self.start_deferred = False
+        if generations_left is not None and not self.controller.split_possible(generations_left):
+            log.info(
+                "mrl-plugins placement: %d generations left: too few for the split to be chosen; the rollout workers "
+                "are not started (the trainer's own model generates, on all cores)",
+                generations_left,
+            )
+            return
+        pool = start_pool()
+        self.background = self._renice(pool, self.BACKGROUND_NICE)
+        self.share.apply("turns")
+
+    def foreground(self, pool: Any, now: bool = False) -> None:
+        """The workers were started in the background and are ready (or, ``now``, the split needs them): back to
+        normal priority (where allowed)."""
+        if self.background and pool is not None and (now or pool.ready):
+            self.background = False
+            self._renice(pool, 0)
+
+    @staticmethod
+    def _renice(pool: Any, nice: int) -> bool:
+        """Set the local workers' nice value (raising it is always allowed; lowering it back may need privileges:
+        then they keep the low priority, which costs nothing while they have their cores to themselves)."""
+        import os
+
+        done = False
+        for pid in pool.pids if pool is not None else ():
+            try:
+                os.setpriority(os.PRIO_PROCESS, pid, nice)
+                done = True
+            except (PermissionError, ProcessLookupError, OSError) as exc:
+                log.debug("rollout worker %d: nice %d not applied (%s)", pid, nice, exc)
+        return done

@@ -69,8 +69,6 @@ def open_runtime(ctx: StageContext, setup: RolloutSetup) -> Any:
                 metrics=ctx.metrics,
             )
 
-    from .autoplace import runtime_kwargs
-
     # placement auto: the trainer's own model also generates while the run takes turns on all cores
     auto = cfg.rollout.placement == "auto"
     return PoolRuntime(
@@ -80,8 +78,52 @@ def open_runtime(ctx: StageContext, setup: RolloutSetup) -> Any:
         start_pool,
         local_engine if cfg.rollout.warmup or auto else None,
         balancer_factory=balancer,
-        **runtime_kwargs(cfg, places, _trainer_cores, device.type, ctx.metrics),
+        **placement_kwargs(ctx, places, _trainer_cores, device.type),
     )
+
+
+def placement_kwargs(ctx: StageContext, places: list[dict], trainer_cores: list[int] | None, device_type: str) -> dict:
+    """:class:`~mrl_plugins.rollout.runtime.PoolRuntime` keyword arguments from the config and the workers'
+    placements: the cores the workers are spawned on (CPU), the warm-up switch and, with ``rollout.placement:
+    auto``, the controller and the trainer's budget in each arrangement (split: as configured; turns: every core
+    of the trainer and its workers, one torch thread each) and whether it lends (``rollout.lend_cores``; never over
+    a weight transport whose publish is a collective: lending cannot time it)."""
+    import os
+
+    from .autoplace import SPLIT, TURNS, PlacementController, default_scaling
+
+    cfg = ctx.config
+    rc = cfg.rollout
+    worker_cores = sorted({c for p in places for c in (p.get("cores") or [])}) if device_type == "cpu" else []
+    out: dict[str, Any] = {"spawn_cores": worker_cores or None, "warmup": rc.warmup}
+    if rc.placement != "auto":
+        return out
+    budgets = None
+    wide, narrow = len(os.sched_getaffinity(0)), rc.trainer_threads
+    if trainer_cores and device_type == "cpu":
+        split = (list(trainer_cores), max(1, min(rc.trainer_threads, len(trainer_cores))))
+        cores = sorted(set(trainer_cores) | set(worker_cores))
+        budgets = {SPLIT: split, TURNS: (cores, len(cores))}
+        wide, narrow = len(cores), split[1]
+    out["placement"] = PlacementController(
+        default_scaling(narrow, wide, rc.engine_threads),
+        initial=rc.placement_start,
+        interval=rc.placement_interval,
+        margin=rc.placement_margin,
+        metrics=ctx.metrics,
+    )
+    out["budgets"] = budgets
+    if rc.lend_cores and budgets is not None:
+        if ctx.plugins.capabilities("weight_sync", ctx).collective:
+            from mrl_plugins.errors import ConfigError
+
+            raise ConfigError(
+                f"rollout.lend_cores: weight_sync.transport {cfg.weight_sync.transport!r} joins every worker to each "
+                f"publish (a collective group), which lending cannot time; use lend_cores: false or a transport "
+                f"whose publish is not a collective (shm, directory)"
+            )
+        out["lend"] = True
+    return out
 
 
 class LazyLocalRuntime:

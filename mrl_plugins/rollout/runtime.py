@@ -22,13 +22,9 @@ from typing import Any
 
 from mrl_plugins.hookspecs import RolloutHost, RolloutResult, StageContext
 
-from .arrangement import ArrangementMixin, prompt_key, trainer_device
-from .multiturn import MultiTurnMixin
+from .arrangement import Placement, prompt_key, trainer_device
 
 log = logging.getLogger("mrl_plugins.rollout")
-
-
-_key = prompt_key
 
 
 class LocalEngineRuntime:
@@ -89,13 +85,33 @@ class LocalEngineRuntime:
             close()
 
 
-class PoolRuntime(ArrangementMixin, MultiTurnMixin):
+class AheadUnavailable(Exception):  # noqa: N818 - a state, not a fault
+    """The workers stopped serving the split while a batch was rolled out ahead (released, or the run switched to
+    taking turns): the trainer rolls that batch out itself when it comes to it."""
+
+
+#: seconds between two looks at the workers' answers while a turn run ahead is in flight: from the first to the
+#: last, doubling (the thread shares the trainer's cores: looking every 2 ms took ~40 % of its CPU time, measured)
+AHEAD_POLL_S = (0.001, 0.01)
+
+
+class PoolRuntime:
     """``rollout.workers >= 1``: worker processes, optionally one batch ahead of the trainer.
+
+    Where each batch is generated (warm-up, split or turns, the trainer's share and lending, hybrid rebalancing) is
+    decided by one :class:`~mrl_plugins.rollout.arrangement.Placement` (``where``); this class generates there and
+    keeps what that needs: the pool's lifetime, the lookahead tickets, weight publishing, staleness, and the
+    follow-up turns of multi-turn rollouts (also from a thread rolling the next batch out ahead).
 
     The pool is started lazily: by :meth:`start` (the adapter calls it when ``train()`` begins) or by the first
     use (a generation or a weight sync), and :meth:`release` stops it (workers and shared memory gone); a later
-    use starts a new one.
+    use starts a new one. Its users are the trainer's thread and, with a rollout run ahead, that thread
+    (:mod:`mrl_plugins.adapters.trl_shadow`): every use of the pool holds ``_lock``, except a turn run ahead, which
+    is submitted under it and waited for outside it, so the trainer's own calls (publishing a version at a step
+    end, lending checks) are never held up by a turn in flight.
     """
+
+    replaces_host = True  # a RolloutRuntime (mrl_plugins.hookspecs.channels): TRL generates through it
 
     def __init__(
         self,
@@ -114,56 +130,43 @@ class PoolRuntime(ArrangementMixin, MultiTurnMixin):
         lend: bool = False,
     ) -> None:
         """``pool_factory()`` builds the :class:`~mrl_plugins.rollout.pool.WorkerPool`; ``local_engine()``
-        (optional) builds an engine on the trainer's own model: it answers while the workers are still starting
-        (spawning and importing takes seconds, ``warmup``, default on when it is given), instead of the trainer
-        idling; ``balancer_factory(pool)`` (optional, hybrid mode) moves workers between the pools.
-
-        ``placement`` (``rollout.placement: auto``): a :class:`~mrl_plugins.rollout.autoplace.PlacementController`
-        choosing per generation between the split (the workers) and taking turns on all cores (``local_engine``);
-        ``budgets``: ``{"split": (cores, threads), "turns": (cores, threads)}`` of the trainer process in each;
-        ``exact(local)``: called per generation with whether the batch came from the trainer's own current model
-        (TRL's importance-sampling pass is then skipped, as in TRL's own generation); ``spawn_cores``: the CPU
-        cores the workers are started on (a spawned process inherits the trainer's affinity, and a worker's
-        imports and model build would otherwise compete with the trainer on its cores for seconds); ``lend`` (with
-        ``budgets``): in the split, once the workers have answered every lookahead they hold they have nothing to
-        do until the next generation, and the trainer borrows their cores (all cores, all threads: the turns
-        budget) until then, checked between its layers (:meth:`lend_check`)."""
-        from .autoplace import SPLIT
-
+        (optional) builds an engine on the trainer's own model, for the warm-up (``warmup``, default on when it is
+        given) and for taking turns; ``balancer_factory(pool)`` (optional, hybrid mode) moves workers between the
+        pools. ``placement`` (``rollout.placement: auto``): the
+        :class:`~mrl_plugins.rollout.autoplace.PlacementController`; ``budgets``: ``{"split": (cores, threads),
+        "turns": (cores, threads)}`` of the trainer process in each arrangement; ``lend``: the trainer borrows the
+        idle workers' cores in the split (:class:`~mrl_plugins.rollout.arrangement.TrainerShare`). ``exact(local)``:
+        called per generation with whether the batch came from the trainer's own current model (TRL's
+        importance-sampling pass is then skipped, as in TRL's own generation); ``spawn_cores``: the CPU cores the
+        workers are started on (a spawned process inherits the trainer's affinity, and a worker's imports and model
+        build would otherwise compete with the trainer on its cores for seconds)."""
         self.pm, self.ctx, self.gen = pm, ctx, gen
         self._pool_factory = pool_factory
-        self._balancer_factory = balancer_factory
         self.cfg = ctx.config.rollout
         self._pool: Any = None
-        self.balancer: Any = None  # hybrid mode: a HybridBalancer moving workers between the pools
         self._local_factory = local_engine
-        self._warmup = local_engine is not None if warmup is None else bool(warmup and local_engine is not None)
         self._local: Any = None
-        self.placement = placement
-        self._budgets = budgets
+        self.where = Placement(
+            ctx,
+            lambda: gen.model,
+            controller=placement,
+            warmup=local_engine is not None if warmup is None else bool(warmup and local_engine is not None),
+            budgets=budgets,
+            lend=lend,
+            idle=self._workers_idle,
+            balancer_factory=balancer_factory,
+            interval=self.generation_interval,
+        )
         self.exact = exact  # settable after construction (the adapter's importance-sampling switch)
         self._spawn_cores = list(spawn_cores) if spawn_cores else None
-        self._lend = bool(lend and budgets)
-        self._lend_hooks: list[Any] = []
-        self._lent_at: float | None = None  # when the trainer last borrowed the workers' cores
-        self._lend_last = 0.0
-        self.arrangement = placement.current if placement is not None else SPLIT
-        self._budget_now: str | None = None
         self._unpublished = False  # a version was skipped while taking turns: publish before the workers serve
-        self._background = False  # the workers were started at the lowest CPU priority (taking turns meanwhile)
-        self._start_in_background = False  # taking turns: the workers start at the first generation (or never)
-        self._last_gen: tuple[float, float, float, str | None] | None = None  # (start, blocked s, engine s, tag)
-        self.served = {"split": 0, "turns": 0, "warmup": 0}  # batches per arrangement (tests, reports)
-        self.last_source = ""
         self._batch_exact = False  # every turn of the current batch came from the trainer's own current model
-        #: the pool's users: the trainer's thread and, with a rollout run ahead, its thread (adapters.trl_shadow)
         self._lock = threading.RLock()
         self._reset()
 
     def _reset(self) -> None:
         self._pending: dict[tuple, int] = {}
         self._deferred: tuple[list[list[int]], int, str, int] | None = None
-        self._pool_was_ready = False
         self._delivered = 0  # batches the workers delivered to the trainer since the pool started
         self._local_count = 0
         self._ready_reported = False
@@ -181,34 +184,11 @@ class PoolRuntime(ArrangementMixin, MultiTurnMixin):
         return self._pool
 
     def start(self) -> None:
-        """Start the workers (no-op when running): spawns them and creates the shared memory."""
-        if self._pool is not None:
-            return
-        if self.placement is not None and self.arrangement == "turns":
-            # taking turns on all cores; the workers start at the first generation (when the host knows how many
-            # are left), at the lowest CPU priority (they take only what the trainer leaves), so that trying the
-            # split later does not wait for their start-up -- or never, when the run is too short to choose it
-            self._apply_budget("turns")
-            self._start_in_background = True
-            return
-        self._start_pool()
+        """Start the workers (no-op when running, or deferred while the run takes turns first)."""
+        if self._pool is None and not self.where.defer_start():
+            self._start_pool()
 
-    def _background_start(self, generations_left: int | None) -> None:
-        """Taking turns: start the workers now at the lowest priority, unless the run ends before the split could
-        ever be chosen (then they would only take memory and CPU)."""
-        self._start_in_background = False
-        if generations_left is not None and not self.placement.split_possible(generations_left):
-            log.info(
-                "mrl-plugins placement: %d generations left: too few for the split to be chosen; the rollout workers "
-                "are not started (the trainer's own model generates, on all cores)",
-                generations_left,
-            )
-            return
-        self._start_pool()
-        self._background = self._renice(self.BACKGROUND_NICE)
-        self._apply_budget("turns")
-
-    def _start_pool(self) -> None:
+    def _start_pool(self) -> Any:
         import os
 
         self._reset()
@@ -221,20 +201,16 @@ class PoolRuntime(ArrangementMixin, MultiTurnMixin):
         finally:
             if saved is not None:
                 os.sched_setaffinity(0, saved)
-        if self._balancer_factory is not None:
-            self.balancer = self._balancer_factory(self._pool)
+        self.where.started(self._pool)
+        return self._pool
 
     def release(self) -> None:
         """Stop the workers and release their shared memory (fast: a worker still starting is terminated).
 
         Warns once when the pool ran but delivered no batch (every batch came from the trainer's own model)."""
         with self._lock:
-            pool, self._pool, self.balancer = self._pool, None, None
-        self._start_in_background = False
-        self._budget_now = None  # train() ends: its process state (affinity, threads) is restored by the adapter
-        while self._lend_hooks:
-            self._lend_hooks.pop().remove()
-        self._release_device_lend()  # NPU: the training stream's core limit goes (no-op on CPU)
+            pool, self._pool = self._pool, None
+        self.where.released()  # the trainer's share (NPU: the training stream's core limit) let go
         if pool is None:
             return
         try:
@@ -255,19 +231,38 @@ class PoolRuntime(ArrangementMixin, MultiTurnMixin):
     def close(self) -> None:
         self.release()
 
-    replaces_host = True  # a RolloutRuntime (mrl_plugins.hookspecs.channels): TRL generates through it
-
     def publish(self, version: int, named_tensors: Any) -> Any:
         """Every sync goes through the pool: its workers get a notice."""
         with self._lock:
-            return self._publish(version, named_tensors)
+            if self.where.arrangement == "turns":
+                self._unpublished = True  # the trainer's own model generates: no worker needs (or computes) it
+                return None
+            self._unpublished = False  # the workers get the current version
+            return self.pool.publish(version, named_tensors)
 
-    def _publish(self, version: int, named_tensors: Any) -> Any:
-        if self.placement is not None and self.arrangement == "turns":
-            self._unpublished = True  # the trainer's own model generates: no worker needs (or computes) it
-            return None
-        self._unpublished = False  # the workers get the current version
-        return self.pool.publish(version, named_tensors)
+    # ---------------------------------------------------------------- one batch
+    def generate(self, prompts: list[list[int]], num_generations: int, model_id: str) -> RolloutResult:
+        with self._lock:
+            t0 = time.perf_counter()
+            if self._place(t0) == "turns":
+                result, engine_s, tag = self._generate_turns(prompts, num_generations, model_id)
+            else:
+                result, engine_s, tag = self._generate_split(prompts, num_generations, model_id)
+            self._served(t0, time.perf_counter() - t0, engine_s, tag)
+            return result
+
+    def _place(self, t0: float) -> str:
+        """The arrangement for the batch starting at ``t0`` (the controller is told the generations left)."""
+        left = self.gen.steps_left() if self.where.controller is not None else None
+        left = None if left is None else -(-left // self.generation_interval())  # generations left
+        return self.where.place(t0, left, self._start_pool)
+
+    def _served(self, t0: float, blocked: float, engine_s: float, tag: str | None) -> None:
+        """Bookkeeping of a batch handed to the trainer: who generated it, TRL's importance-sampling switch."""
+        self._batch_exact = tag in ("turns", "warmup")
+        if self.exact is not None:  # the trainer's own current model generated: no importance sampling
+            self.exact(self._batch_exact)
+        self.where.served(t0, blocked, engine_s, tag)
 
     def _generate_locally(
         self, prompts: list[list[int]], num_generations: int, model_id: str, *, warmup: bool = True
@@ -288,56 +283,39 @@ class PoolRuntime(ArrangementMixin, MultiTurnMixin):
         self._delivered += 1
         return result
 
-    def generate(self, prompts: list[list[int]], num_generations: int, model_id: str) -> RolloutResult:
-        with self._lock:
+    def _generate_turns(
+        self, prompts: list[list[int]], num_generations: int, model_id: str
+    ) -> tuple[RolloutResult, float, str | None]:
+        """Taking turns: the trainer's own model generates on all cores; a lookahead the workers already hold for
+        these prompts (submitted before the switch) is used, any other is dropped."""
+        ticket = self._pending.pop(prompt_key(prompts), None) if self._pool is not None else None
+        self._deferred = None
+        tag: str | None = "turns"
+        if ticket is not None:
+            result = self._collect(ticket)  # generated before the switch: used, not lost, not generated twice
+            engine_s, tag = float(result.metrics.get("generate_s", 0.0)), None
+            self.ctx.metrics.add("rollout/lookahead_hits", 1)
+        if self._pool is not None:
+            self._drop_unused()
+        # all cores once no worker computes at normal priority: one starting beside the trainer at the same
+        # priority would share its cores (15-200x slower); started in the background it takes only what is left
+        ready = self._pool is None or self._pool.ready
+        self.where.foreground(self._pool)
+        self.where.share.apply("turns" if ready or self.where.background else "split")
+        if ticket is None:
             t0 = time.perf_counter()
-            self._place(t0)
-            if self.arrangement == "turns":
-                result, engine_s, tag = self._generate_turns(prompts, num_generations, model_id)
-            else:
-                result, engine_s, tag = self._generate_split(prompts, num_generations, model_id)
-            self._served(t0, time.perf_counter() - t0, engine_s, tag)
-            return result
-
-    def _place(self, t0: float) -> None:
-        """``placement: auto``: the interval since the previous batch as a sample; switch where it decides."""
-        if self.placement is not None:
-            self._observe(t0)
-            left = self.gen.steps_left()
-            left = None if left is None else -(-left // self.generation_interval())  # generations left
-            if self._start_in_background and self._pool is None:
-                self._background_start(left)
-            target = self.placement.check(left)
-            if target != self.arrangement:
-                self.arrangement = target
-                self.ctx.metrics.add("rollout/placement_switch_batches", 1)
-            self.placement.report()
-
-    def _served(self, t0: float, blocked: float, engine_s: float, tag: str | None) -> None:
-        """Bookkeeping of a batch handed to the trainer: who generated it, TRL's importance-sampling switch."""
-        self._batch_exact = tag in ("turns", "warmup")
-        if self.exact is not None:  # the trainer's own current model generated: no importance sampling
-            self.exact(self._batch_exact)
-        self.last_source = tag or "split"  # who generated this batch: split (workers), turns or warmup (trainer)
-        self.served[self.last_source] += 1
-        self._last_gen = (t0, blocked, engine_s, tag)
+            result = self._generate_locally(prompts, num_generations, model_id, warmup=False)
+            engine_s = time.perf_counter() - t0
+        return result, engine_s, tag
 
     def _generate_split(
         self, prompts: list[list[int]], num_generations: int, model_id: str
     ) -> tuple[RolloutResult, float, str | None]:
         metrics = self.ctx.metrics
-        self._apply_budget("split")  # before the workers compute again on their cores
-        pool = self.pool
-        self._foreground(now=True)  # their cores are their own again: finish starting at normal priority
-        if self._unpublished:  # versions skipped while taking turns: the workers get the current one now
-            self._unpublished = False
-            self.gen.sync_weights()
+        pool = self._split_pool(wait=False)
         current = self.gen.version
-        ticket = self._pending.pop(_key(prompts), None)
-        warming = self._warmup and not self._pool_was_ready
-        if warming:
-            self._pool_was_ready = pool.ready  # once ready, a worker that moves or restarts is not a warm-up
-            warming = not self._pool_was_ready
+        ticket = self._pending.pop(prompt_key(prompts), None)
+        warming = self.where.warming(pool)
         if warming:
             if ticket is not None:
                 pool.discard(ticket)
@@ -358,8 +336,7 @@ class PoolRuntime(ArrangementMixin, MultiTurnMixin):
             result = self._collect(ticket)
             waited = time.perf_counter() - t0
             metrics.add("time/wait_s", waited)
-            if self.balancer is not None:
-                self.balancer.observe(waited)
+            self.where.waited(waited)
             engine_s, tag = float(result.metrics.get("generate_s", 0.0)), "split"
             metrics.add("rollout/worker_batches", 1)  # generated by the workers' engine (local ones: local_batches)
         stale = current - result.weight_version
@@ -376,7 +353,7 @@ class PoolRuntime(ArrangementMixin, MultiTurnMixin):
             if nxt is not None:
                 every = self.generation_interval()
                 if every <= 1:
-                    self._pending[_key(nxt)] = pool.submit(
+                    self._pending[prompt_key(nxt)] = pool.submit(
                         nxt, num_generations, model_id=model_id, min_version=current
                     )
                 else:  # submitted one optimizer step before it is needed: one version stale, not `every`
@@ -385,12 +362,26 @@ class PoolRuntime(ArrangementMixin, MultiTurnMixin):
         if result.metrics.get("engine_apply_ms"):
             metrics.gauge("weights/engine_apply_ms", result.metrics["engine_apply_ms"])
         metrics.update(pool.stats(), gauge=True)
-        if self._lend and tag == "split":
-            self._install_lend_hooks()
+        if tag == "split":
+            self.where.share.install_hooks()  # lending (where there is something to lend)
         if pool.ready_s is not None and not self._ready_reported:
             metrics.gauge("rollout/worker_ready_s", pool.ready_s)
             self._ready_reported = True
         return result, engine_s, tag
+
+    def _split_pool(self, wait: bool = True) -> Any:
+        """The pool, ready to take a request in the split: the trainer's lent share back, the workers at normal
+        priority, the current version published (versions skipped while taking turns), and with ``wait`` the
+        workers started."""
+        self.where.share.apply("split")  # before the workers compute again on their cores
+        pool = self.pool
+        self.where.foreground(pool, now=True)  # their cores are their own again: finish starting at normal priority
+        if self._unpublished:
+            self._unpublished = False
+            self.gen.sync_weights()
+        if wait and not pool.ready:
+            self._wait_for_workers(pool)
+        return pool
 
     def _wait_for_workers(self, pool: Any) -> None:
         """Wait for the workers to be ready, saying so on stderr after a second and every 5 s (at most
@@ -411,6 +402,22 @@ class PoolRuntime(ArrangementMixin, MultiTurnMixin):
             print(f"mrl-plugins: {what} ready {since:.1f} s after the start; generating with it", file=sys.stderr)
         self.ctx.metrics.add("rollout/start_wait_s", waited)
 
+    def _workers_idle(self) -> bool:
+        """Lending's test (:meth:`TrainerShare.check`): in the split, the workers have answered every lookahead
+        they hold (nothing to generate until the next generation). Never waits for the lock: a rollout run ahead
+        using the pool means not now."""
+        if self.where.arrangement != "split" or not self._pending or not self._lock.acquire(blocking=False):
+            return False
+        try:
+            pool = self._pool
+            if pool is None or not pool.ready:
+                return False
+            pool.poll()
+            return all(pool.answered(t) for t in self._pending.values())
+        finally:
+            self._lock.release()
+
+    # ---------------------------------------------------------------- the lookahead
     def generation_interval(self) -> int:
         """Optimizer steps between two of the host's generations (its :meth:`RolloutHost.generation_interval`)."""
         return self.gen.generation_interval()
@@ -431,9 +438,9 @@ class PoolRuntime(ArrangementMixin, MultiTurnMixin):
         self._deferred = None
         if self._pool is None:  # released meanwhile
             return
-        self._apply_budget("split")  # lent cores back before the workers compute again
+        self.where.share.apply("split")  # lent cores back before the workers compute again
         self.gen.sync_weights()
-        self._pending[_key(nxt)] = self.pool.submit(
+        self._pending[prompt_key(nxt)] = self.pool.submit(
             nxt, num_generations, model_id=model_id, min_version=self.gen.version
         )
         self.ctx.metrics.add("rollout/deferred_lookaheads", 1)
@@ -447,6 +454,69 @@ class PoolRuntime(ArrangementMixin, MultiTurnMixin):
     def _next_prompts(self, current: list[list[int]]) -> list[list[int]] | None:
         """The host's next batch after ``current`` (None where it cannot tell: no lookahead)."""
         return self.gen.next_prompts(current) if self.gen.lookahead else None
+
+    # ---------------------------------------------------------------- multi-turn rollouts
+    # A multi-turn rollout (TRL's tool loop, a rollout_func) asks for more than the batch's first turn: each
+    # follow-up turn (the conversation so far, tool results appended) is one more generation, decided only when the
+    # previous turn and its tools are done.
+
+    def generate_turn(self, prompts: list[list[int]], model_id: str, *, ahead: bool = False) -> RolloutResult:
+        """A follow-up turn: one completion per prompt, now, with the current version, where this batch's
+        arrangement generates (the workers in the split; the trainer's own model while taking turns or warming
+        up), without touching the first-turn lookahead or the placement's samples. ``ahead``: from the thread
+        rolling the next batch out (the workers only, see the class docstring)."""
+        if ahead:
+            return self._turn_ahead(prompts, model_id)
+        with self._lock:
+            turns = self.where.arrangement == "turns"
+            local = turns or self.where.warming(self.pool, settle=False)
+            if local:
+                result = self._generate_locally(prompts, 1, model_id, warmup=not turns)
+            else:
+                pool = self._split_pool()
+                result = self._collect(pool.submit(prompts, 1, model_id=model_id, min_version=self.gen.version))
+                self.ctx.metrics.add("rollout/worker_batches", 1)
+            self._batch_exact = self._batch_exact and local  # one turn from the workers: TRL's correction stays on
+            if self.exact is not None:
+                self.exact(self._batch_exact)
+            return result
+
+    def _turn_ahead(self, prompts: list[list[int]], model_id: str) -> RolloutResult:
+        from mrl_plugins.errors import StageTimeoutError
+
+        with self._lock:
+            pool = self._pool
+            if pool is None or self.where.arrangement != "split":
+                raise AheadUnavailable("the workers are not serving the split (released or taking turns)")
+            ticket = pool.submit(prompts, 1, model_id=model_id, min_version=self.gen.version)
+        deadline = time.monotonic() + self.cfg.timeout_s
+        pause = AHEAD_POLL_S[0]
+        while True:
+            with self._lock:
+                if self._pool is not pool:
+                    raise AheadUnavailable("the worker pool was released")
+                pool.poll()
+                if pool.answered(ticket):
+                    result = self._collect(ticket)
+                    break
+                pool._check_workers()
+            if time.monotonic() > deadline:
+                with self._lock:
+                    pool.discard(ticket)
+                raise StageTimeoutError(f"rollout ahead: no answer within {self.cfg.timeout_s:.0f} s (timeout_s)")
+            time.sleep(pause)
+            pause = min(2 * pause, AHEAD_POLL_S[1])
+        self.ctx.metrics.add("rollout/worker_batches", 1)
+        return result
+
+    def take_ahead(self, t0: float, waited: float, engine_s: float) -> None:
+        """The trainer takes a batch rolled out ahead (after waiting ``waited`` s for it): booked as a batch of the
+        split (placement samples and decisions, TRL's importance-sampling correction on, what waited)."""
+        with self._lock:
+            self._place(t0)
+            self.ctx.metrics.add("time/wait_s", waited)
+            self.ctx.metrics.add("rollout/ahead_batches", 1)
+            self._served(t0, waited, engine_s, "split")
 
 
 def _unwrap(model: Any) -> Any:
