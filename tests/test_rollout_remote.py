@@ -36,7 +36,8 @@ def _remote_pool(tmp_path, timeout_s=60.0, restarts=0):
 
 def _start_worker(pool) -> subprocess.Popen:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "mrl_plugins.cli.main", "worker", "--connect", pool.remote.address, "--index", "0",
+    address = pool.workers.remote.address
+    cmd = [sys.executable, "-m", "mrl_plugins.cli.main", "worker", "--connect", address, "--index", "0",
            "--threads", "1", "--timeout", "60"]  # fmt: skip
     return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 

@@ -568,7 +568,8 @@ def test_a_remote_vllm_worker_serves_the_published_version(tmp_path):
     }
     pool, model, *_ = make_pool(cfg, placements=[])
     env = {**child_env(), "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "mrl_plugins.cli.main", "worker", "--connect", pool.remote.address, "--index", "0",
+    address = pool.workers.remote.address
+    cmd = [sys.executable, "-m", "mrl_plugins.cli.main", "worker", "--connect", address, "--index", "0",
            "--threads", "1", "--timeout", "240"]  # fmt: skip
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:

@@ -18,7 +18,6 @@ from __future__ import annotations
 import collections
 import itertools
 import logging
-import multiprocessing as mp
 import os
 import queue
 import time
@@ -31,17 +30,18 @@ from mrl_plugins.hookspecs import RolloutResult, StageContext
 from mrl_plugins.metrics import record_publish
 
 from .assemble import Ticket, assemble, own
-from .lifecycle import ReadyClock, finalizer, main_not_reimported, release, spawn_quiet, start_method
-from .pool_checks import WorkerDiedError, check_pool_config, stage_names
-from .pool_restarts import Restarts
-from .wire import STOP, SWITCHED, BatchMeta, GenerateRequest, WeightsNotice, WorkerError, WorkerEvent
-from .worker import ServedModel, WorkerSpec, budget_metrics, param_dtypes, worker_main
+from .pool_checks import WorkerDiedError, check_pool_config, no_rejoin, stage_names  # noqa: F401 - re-exported
+from .supervisor import WorkerSupervisor
+from .wire import SWITCHED, BatchMeta, GenerateRequest, WeightsNotice, WorkerEvent
+from .worker import ServedModel, WorkerSpec, budget_metrics, param_dtypes
 
 log = logging.getLogger("mrl_plugins.rollout")
 
 
-class WorkerPool(Restarts):
-    """Trainer-side handle on the rollout workers.
+class WorkerPool:
+    """Trainer-side handle on the rollout workers: requests routed to them, their answers assembled, weights
+    published to them; the processes themselves are its :class:`~mrl_plugins.rollout.supervisor.WorkerSupervisor`'s
+    (``workers``).
 
     :param model: the policy (model_id ``"policy"``); ``score_models``: models every worker holds to *score* each
         policy completion (its per-token logprobs under that model, e.g. the reference model's, in
@@ -67,7 +67,6 @@ class WorkerPool(Restarts):
 
         cfg = ctx.config
         self.pm, self.ctx, self.cfg = pm, ctx, cfg
-        self.started_at = time.monotonic()
         remote = cfg.rollout.remote_workers
         self.n = len(placements) + remote
         comm_caps, ws_caps = check_pool_config(pm, cfg, len(placements))
@@ -82,31 +81,20 @@ class WorkerPool(Restarts):
         self._waits: collections.deque[float] = collections.deque(maxlen=2048)  # seconds a chunk waited
         self.inflight_per_worker = inflight_per_worker
         self.run_id = f"mrl{os.getpid()}{uuid.uuid4().hex[:6]}"
-        self._mp = mp.get_context("spawn")
         self._ids = itertools.count(1)
         self._tickets: dict[int, Ticket] = {}
         self._abandoned: set[int] = set()
-        self._draining: set[int] = set()
         self._stash: dict[tuple[int, int], Any] = {}
         self._assigned: list[set[tuple[int, int]]] = [set() for _ in range(self.n)]
         self._versions: dict[tuple[int, str], int] = {}  # (worker, model_id) -> version it switched to
-        self._moving: dict[int, tuple[float, float, dict]] = {}  # worker -> (deadline, timeout, placement)
-        self._restarts = 0
         self.budgets: dict[int, dict] = {}  # worker -> {"budget": AppliedBudget.as_dict(), "memory": {...}}
         self._closed = False
-        self._comm_caps, self._ws_caps = comm_caps, ws_caps
-        self._names = stage_names(pm, cfg)
-        self._engine = pm.backend("mrl_rollout_register_engines", cfg.rollout.engine)  # what it declares it can do
-        for place in placements:  # an unsafe rollout.start_method 'fork' is refused before anything opens
-            threads = place.get("threads", cfg.rollout.engine_threads)
-            start_method(cfg.rollout.start_method, device=place.get("device", "cpu"), threads=threads,
-                         engine=self._engine)  # fmt: skip
-        self.launcher: Any = None  # rollout.launcher 'ray': the cluster's actors that run the remote workers
-        if remote and cfg.rollout.launch == "ray":  # the cluster and its reservation first: nothing else is open yet
-            from .ray_launcher import RayLauncher
-
-            rejoinable = comm_caps.rejoinable and ws_caps.rejoinable
-            self.launcher = RayLauncher(cfg, range(len(placements), self.n), rejoinable)
+        names = stage_names(pm, cfg)
+        engine = pm.backend("mrl_rollout_register_engines", cfg.rollout.engine)  # what it declares it can do
+        # an unsafe fork is refused and Ray's reservation made before anything else opens
+        self.workers = WorkerSupervisor(
+            ctx, engine, placements, rejoinable_ends=comm_caps.rejoinable and ws_caps.rejoinable
+        )
         # the other stages' ends, opened through their plugins' hooks and owned by this pool
         self.senders: dict[str, Any] = {}
         self.consumer: Any = None
@@ -117,41 +105,29 @@ class WorkerPool(Restarts):
                     ctx=ctx, model_id=m, run_id=self.run_id, receivers=self.n, same_process=False
                 )
         except BaseException:
-            for end in (*self.senders.values(), self.consumer, self.launcher):
+            for end in (*self.senders.values(), self.consumer):
                 if end is not None:
                     end.close()
+            self.workers.abort()
             raise
         self.sender = self.senders["policy"]
+        # a new process can take a worker's place only where every end is rejoinable
+        for ends, caps, what in (
+            ([*self.senders.values()], ws_caps, names[1]),
+            ([self.consumer], comm_caps, names[0]),
+        ):
+            rejoinable = all(getattr(e, "capabilities", caps).rejoinable for e in ends)
+            if self.workers.no_rejoin is None and not rejoinable:
+                self.workers.no_rejoin = no_rejoin(what)
         served = {
             m: ServedModel(
                 mod.config.to_dict(), type(mod).__name__, self.senders[m].receiver_handle(), *param_dtypes(mod)
             )
             for m, mod in self.models.items()
         }
-        self._errors = self._mp.Queue()
-        self._events = self._mp.Queue()
-        self._error_qs, self._event_qs = [self._errors], [self._events]
-        self._ready: list[Any] = []
-        self._specs = []
-        self._requests: list[Any] = []
-        self._procs: list[Any] = []
-        self.remote: Any = None
-        self._clock: ReadyClock | None = None
-        self._lifetime: dict[str, Any] = {}  # the remote slots and the ready clock, for the finalizer
-        # released on close(), when the pool is garbage-collected, or at exit; holds the resources, never the pool
-        self._finalizer = finalizer(
-            self, self._procs, self._ready, self._requests, [*self._error_qs, *self._event_qs],
-            [self.consumer, *self.senders.values()], self._lifetime, STOP,
-        )  # fmt: skip
-        if self.launcher is not None:
-            self._lifetime["launcher"] = self.launcher
-        if remote:
-            from .remote import RemoteSlots
-
-            self.remote = RemoteSlots(cfg.rollout.rendezvous, len(placements), remote, cfg.rollout.timeout_s)
-            self._lifetime["remote"] = self.remote
-        for i, place in enumerate([*placements, *({"device": "auto", "remote": True} for _ in range(remote))]):
-            spec = WorkerSpec(
+        places = [*placements, *({"device": "auto"} for _ in range(remote))]
+        specs = [
+            WorkerSpec(
                 index=i,
                 config=cfg,
                 models=served,
@@ -166,115 +142,81 @@ class WorkerPool(Restarts):
                 seed=seed,
                 log_level=logging.getLogger("mrl_plugins").getEffectiveLevel(),
             )
-            self._specs.append(spec)
-            self._procs.append(None)
-            if place.get("remote"):
-                requests, errors, events, ready = self.remote.offer(i, spec)
-                self._requests.append(requests)
-                self._error_qs.append(errors)
-                self._event_qs.append(events)
-                self._ready.append(ready)
-                if self.launcher is None:
-                    where = self.remote.address
-                    log.info("rollout worker %d: waiting for `mrl worker --connect %s --index %d`", i, where, i)
-                continue
-            self._requests.append(self._mp.Queue())
-            self._start(i)
-        if self.launcher is not None:
-            try:
-                self.launcher.start(self.remote.address)  # each remote worker: `mrl worker --connect` in a Ray actor
-            except BaseException:
-                release(self._finalizer)
-                raise
-        self._clock = self._lifetime["clock"] = ReadyClock(self._ready, cfg.rollout.start_timeout_s)
+            for i, place in enumerate(places)
+        ]
+        self.workers.launch(specs, [self.consumer, *self.senders.values()])
 
-    # ------------------------------------------------------------------ processes
-    def _start(self, i: int) -> None:
-        spec = self._specs[i]
-        method, why = start_method(
-            self.cfg.rollout.start_method, device=spec.device, threads=spec.threads, engine=self._engine
-        )
-        proc = mp.get_context(method).Process(
-            target=worker_main,
-            args=(self._specs[i], self._requests[i], self._errors, os.getpid(), self._new_ready(i), self._events),
-            name=f"mrl-rollout-{i}",
-            daemon=True,
-        )
-        with main_not_reimported():
-            spawn_quiet(proc)  # SIGINT ignored (the trainer stops its workers), SIGTERM at its default
-        self._procs[i] = proc
-        for mid in self.models:
-            self._versions.pop((i, mid), None)  # a fresh process loads the latest version again
-        log.info("rollout worker %d started (pid %d, cores %s, %s: %s)", i, proc.pid, spec.cores, method, why)
-
-    def _fresh_queue(self, i: int) -> None:
-        """A restarted worker gets a new request queue: one killed inside ``Queue.get()`` keeps the old queue's
-        reader lock forever, and the old queue may hold requests already handed to other workers."""
-        old = self._requests[i]
-        old.cancel_join_thread()
-        old.close()
-        self._requests[i] = self._mp.Queue()
-        for key in [k for k in self._assigned[i] if k[0] not in self._tickets]:  # answers nobody waits for
-            self._assigned[i].discard(key)
-            self._finish(key)
-
-    def _new_ready(self, i: int) -> Any:
-        event = self._mp.Event()
-        if i < len(self._ready):
-            self._ready[i] = event
-        else:
-            self._ready.append(event)
-        return event
-
+    # ------------------------------------------------------------------ the workers
     @property
     def ready(self) -> bool:
         """Every worker has built its engine and attached its weight and experience paths."""
-        return all(e.is_set() for e in self._ready)
+        return self.workers.ready
 
     @property
     def ready_s(self) -> float | None:
         """Seconds from the pool's start until every worker was first ready (None: not yet)."""
-        return self._clock.ready_s if self._clock is not None else None
+        return self.workers.ready_s
+
+    @property
+    def started_at(self) -> float:
+        return self.workers.started_at
 
     @property
     def pids(self) -> list[int]:
-        return [p.pid for p in self._procs if p is not None]
+        return self.workers.pids
 
-    def _check_workers(self) -> None:
-        for q in self._error_qs:
-            try:
-                err: WorkerError = q.get_nowait()
-            except queue.Empty:
-                continue
-            raise WorkerDiedError(f"rollout worker {err.worker} failed: {err.text}")
-        for i in self.remote.indices if self.remote is not None else ():
-            self._check_remote(i)
-        for i, proc in enumerate(self._procs):
-            if proc is not None and not proc.is_alive():
-                why = self._not_rejoinable()
-                if why is not None:
-                    raise WorkerDiedError(
-                        f"rollout worker {i} (pid {proc.pid}) died with exit code {proc.exitcode}; it is not "
-                        f"restarted: {why}"
-                    )
-                if self._restarts < self.cfg.rollout.restart_workers:
-                    self._restarts += 1
-                    self.ctx.metrics.add("rollout/worker_restarts", 1) if self.ctx.metrics else None
-                    log.warning("rollout worker %d died (exit %s): restarting", i, proc.exitcode)
-                    self._fresh_queue(i)
-                    self._start(i)
-                    self._resubmit_worker(i)
-                    continue
-                raise WorkerDiedError(
-                    f"rollout worker {i} (pid {proc.pid}) died with exit code {proc.exitcode}; "
-                    f"set rollout.restart_workers > 0 to restart dead workers"
+    def check_workers(self) -> None:
+        """Raise :class:`WorkerDiedError` for a worker that failed or died and cannot be replaced; one that got a
+        new process (restarted, or a remote one rejoined) gets the chunks its predecessor left unanswered."""
+        for i in self.workers.check():
+            self._new_process(i)
+            self._resubmit_worker(i)
+
+    def _new_process(self, i: int) -> None:
+        """Worker ``i`` runs in a new process: it loads the latest versions again, and answers nobody waits for
+        are forgotten."""
+        for mid in self.models:
+            self._versions.pop((i, mid), None)
+        for key in [k for k in self._assigned[i] if k[0] not in self._tickets]:
+            self._assigned[i].discard(key)
+            self._finish(key)
+
+    def _resubmit_worker(self, i: int) -> None:
+        """A restarted worker ``i`` gets the chunks its predecessor had not answered (an answer already received,
+        waiting in the stash, is not generated again)."""
+        for t in self._tickets.values():
+            for chunk, (worker, prompts) in t.chunks.items():
+                if worker == i and chunk not in t.results and (t.req_id, chunk) not in self._stash:
+                    self._send(i, t, chunk, prompts)
+
+    def wait_ready(self, progress: Any = None, *, first: float = 1.0, every: float = 5.0) -> float:
+        """Block until every worker is ready, at most ``rollout.start_timeout_s`` from the pool's start (a worker
+        that fails meanwhile raises as in :meth:`collect`); ``progress(seconds since the start)`` after ``first`` s
+        of waiting, then every ``every`` s. Returns the seconds waited."""
+        start = time.monotonic()
+        deadline, note = self.started_at + self.cfg.rollout.start_timeout_s, start + first
+        while not self.ready:
+            self.check_workers()
+            now = time.monotonic()
+            if now >= deadline:
+                raise StageTimeoutError(
+                    f"rollout: the workers were not ready {now - self.started_at:.0f} s after they started "
+                    f"(the start bound {self.cfg.rollout.start_timeout_s:g} s = max(1.5 x timeout_s, the engine's "
+                    "start)); raise timeout_s or look at the worker log for what the start is waiting on"
                 )
+            if progress is not None and now >= note:
+                progress(now - self.started_at)
+                note = now + every
+            self._drain_events()
+            waiting = next(e for e in self.workers.ready_events if not e.is_set())
+            waiting.wait(0.2) if hasattr(waiting, "wait") else time.sleep(0.2)
+        return time.monotonic() - start
 
     def _send(self, w: int, t: Ticket, chunk: int, prompts: list[list[int]]) -> None:
         t.chunks[chunk] = (w, prompts)
         self._assigned[w].add((t.req_id, chunk))
         score_with = self.score_with if t.model_id == "policy" else ()
-        self._requests[w].put(
+        self.workers.requests[w].put(
             GenerateRequest(t.req_id, chunk, prompts, t.num_generations, t.model_id, t.min_version, tuple(score_with))
         )
 
@@ -289,59 +231,34 @@ class WorkerPool(Restarts):
 
         if not 0 <= i < self.n:
             raise ConfigError(f"move_worker: no worker {i}; workers are 0..{self.n - 1}")
-        if self._procs[i] is None:
+        workers = self.workers
+        if workers.procs[i] is None:
             raise ConfigError(f"move_worker: worker {i} runs on another host; restart its `mrl worker` instead")
-        if i in self._draining or self.n - len(self._draining) < 2:
+        if i in workers.draining or len(workers.active) < 2:
             raise ConfigError("move_worker: needs another active worker to serve while this one moves")
-        why = self._not_rejoinable()
-        if why is not None:
-            raise ConfigError(f"move_worker restarts the worker: {why}")
+        if workers.no_rejoin is not None:
+            raise ConfigError(f"move_worker restarts the worker: {workers.no_rejoin}")
         timeout = self.cfg.rollout.start_timeout_s if timeout is None else timeout
-        deadline = time.monotonic() + timeout
-        self._draining.add(i)
+        workers.draining.add(i)
         try:
-            others = [w for w in range(self.n) if w not in self._draining]
+            others = workers.active
             for t in self._tickets.values():  # drain: its unanswered chunks go to the others
                 for chunk, (worker, prompts) in list(t.chunks.items()):
                     if worker == i and chunk not in t.results:
                         self._assigned[i].discard((t.req_id, chunk))
                         self._send(others[chunk % len(others)], t, chunk, prompts)
-            proc = self._procs[i]
-            self._requests[i].put(STOP)
-            proc.join(max(0.1, deadline - time.monotonic()))
-            if proc.is_alive():
-                proc.kill()
-                proc.join(2)
-            self._fresh_queue(i)
-            spec = self._specs[i]
-            spec.cores = placement.get("cores", spec.cores)
-            spec.threads = placement.get("threads", spec.threads)
-            spec.env = placement.get("env", spec.env)
-            spec.device = placement.get("device", spec.device)
-            self._start(i)
+            workers.move(i, placement, timeout)
         except BaseException:
-            self._draining.discard(i)
+            workers.draining.discard(i)
             raise
-        self._moving[i] = (deadline, timeout, placement)
+        self._new_process(i)
         if wait:
-            while i in self._moving:
-                if not self._procs[i].is_alive():
-                    self._check_workers()
+            while workers.moving(i):
+                if not workers.procs[i].is_alive():
+                    self.check_workers()
                 self._drain_events()
                 time.sleep(0.05)
         self._dispatch()
-
-    def _check_moves(self) -> None:
-        """Workers that finished moving take requests again; one that is not ready in time is an error."""
-        for i, (deadline, timeout, placement) in list(self._moving.items()):
-            if self._ready[i].is_set():
-                del self._moving[i]
-                self._draining.discard(i)
-                log.info("rollout worker %d moved to %s", i, placement)
-            elif time.monotonic() > deadline:
-                del self._moving[i]
-                self._draining.discard(i)
-                raise StageTimeoutError(f"move_worker: worker {i} not ready within {timeout:.0f} s")
 
     # ------------------------------------------------------------------ weights
     def publish(self, version: int, named_tensors: Any, model_id: str = "policy") -> Any:
@@ -363,9 +280,8 @@ class WorkerPool(Restarts):
         return report
 
     def _notify(self, model_id: str, version: int) -> None:
-        for w in range(self.n):
-            if w not in self._draining:
-                self._requests[w].put(WeightsNotice(model_id, int(version)))
+        for w in self.workers.active:
+            self.workers.requests[w].put(WeightsNotice(model_id, int(version)))
 
     def worker_versions(self, model_id: str = "policy") -> list[int]:
         """The version of ``model_id`` each worker last reported switching to (-1: none yet)."""
@@ -373,8 +289,8 @@ class WorkerPool(Restarts):
         return [self._versions.get((w, model_id), -1) for w in range(self.n)]
 
     def _drain_events(self) -> None:
-        self._check_moves()
-        for q in self._event_qs:
+        self.workers.moved()
+        for q in self.workers.event_qs:
             while True:
                 try:
                     ev: WorkerEvent = q.get_nowait()
@@ -398,7 +314,7 @@ class WorkerPool(Restarts):
             raise ConfigError(f"submit: only the policy generates (model_id 'policy'), got {model_id!r}")
         self._drain_events()
         req_id = next(self._ids)
-        active = [w for w in range(self.n) if w not in self._draining]
+        active = self.workers.active
         per = -(-len(prompts) // len(active))
         parts = [[list(p) for p in prompts[c * per : (c + 1) * per]] for c in range(len(active))]
         ticket = Ticket(
@@ -416,8 +332,7 @@ class WorkerPool(Restarts):
     def _dispatch(self) -> None:
         """Hand queued chunks, first in first out, to workers with a free slot (least loaded first)."""
         while self._waiting:
-            active = [w for w in range(self.n) if w not in self._draining]
-            w = min(active, key=lambda k: len(self._assigned[k]))
+            w = min(self.workers.active, key=lambda k: len(self._assigned[k]))
             if len(self._assigned[w]) >= self.inflight_per_worker:
                 return
             key = self._waiting.popleft()
@@ -455,7 +370,7 @@ class WorkerPool(Restarts):
         try:
             got = self.consumer.receive(wait)
         except (TimeoutError, ChannelClosedError):
-            # dead or closed producers: the callers' _check_workers() raises or restarts them
+            # dead or closed producers: the callers' check_workers() raises or restarts them
             time.sleep(0.05)
             return
         self._take(got)
@@ -501,12 +416,12 @@ class WorkerPool(Restarts):
                 ticket.results[key[1]] = self._stash.pop(key)
             if len(ticket.results) >= len(ticket.chunks):
                 break
-            self._check_workers()
+            self.check_workers()
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise StageTimeoutError(
                     f"rollout: no answer for request {req_id} within {timeout:.0f} s (timeout_s); "
-                    f"workers alive: {[p.is_alive() if p is not None else 'remote' for p in self._procs]}"
+                    f"workers alive: {[p.is_alive() if p is not None else 'remote' for p in self.workers.procs]}"
                 )
             self._pump(min(0.5, remaining))
         del self._tickets[req_id]
@@ -534,6 +449,4 @@ class WorkerPool(Restarts):
         if self._closed:
             return
         self._closed = True
-        if timeout is not None:
-            self._lifetime["grace"] = float(timeout)
-        release(self._finalizer)
+        self.workers.close(timeout)

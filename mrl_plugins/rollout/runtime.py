@@ -499,7 +499,7 @@ class PoolRuntime:
                 if pool.answered(ticket):
                     result = self._collect(ticket)
                     break
-                pool._check_workers()
+                pool.check_workers()
             if time.monotonic() > deadline:
                 with self._lock:
                     pool.discard(ticket)

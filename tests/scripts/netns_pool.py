@@ -34,7 +34,7 @@ def main() -> int:
     torch.set_num_threads(1)
     pool, model, tok, sampling, *_ = make_pool(json.loads(sys.argv[1]), placements=[])
     snapshots: dict[int, dict] = {}
-    print(json.dumps({"ready": pool.remote.address}), flush=True)
+    print(json.dumps({"ready": pool.workers.remote.address}), flush=True)
     for line in sys.stdin:
         cmd = json.loads(line)
         t0 = time.monotonic()

@@ -31,7 +31,7 @@ def main() -> None:
         "world": trainer.accelerator.num_processes,
         "hist": [h for h in trainer.state.log_history if "loss" in h],
         "pids": pool.pids if pool is not None else [],
-        "cores": [sorted(p["cores"]) for p in (s.__dict__ for s in pool._specs)] if pool is not None else [],
+        "cores": [sorted(p["cores"]) for p in (s.__dict__ for s in pool.workers.specs)] if pool is not None else [],
         "version": trainer.vllm_generation.version,
     }
     with open(f"{out_dir}/rank{result['rank']}.json", "w", encoding="utf-8") as f:
