@@ -150,11 +150,6 @@ def _check_rollout(trainer: Any, cfg: Any, pm: Any, kind: str, device: Any) -> N
                 f"rollout.remote_workers: remote workers serve a single training process; got "
                 f"{trainer.accelerator.num_processes} (use local workers per rank, rollout.workers)"
             )
-        if cfg.rollout.placement == "auto" and (cfg.mode == "hybrid" or trainer.accelerator.num_processes > 1):
-            raise ConfigError(
-                f"rollout.placement: 'auto' decides for one training process of mode colocate or disaggregated; got "
-                f"mode: {cfg.mode}, {trainer.accelerator.num_processes} process(es); valid here: 'fixed'"
-            )
         if cfg.rollout.rebalance and (cfg.mode != "hybrid" or cfg.rollout.workers < 2):
             raise ConfigError(
                 f"rollout.rebalance: moves workers between the pools of mode: hybrid with rollout.workers >= 2; "
@@ -200,6 +195,7 @@ def _install_rollout(trainer: Any, state: State, device: Any, plan: tuple | None
         placements=plan,
         generation=gen,
         score_models=score_models,
+        processes=trainer.accelerator.num_processes,
     )
     runtime = pm.rollout_open_runtime(ctx=ctx, setup=setup)
     state.runtime = runtime
@@ -207,7 +203,8 @@ def _install_rollout(trainer: Any, state: State, device: Any, plan: tuple | None
         _time_upstream_generation(trainer, state)
         return
     gen.runtime = runtime
-    if cfg.rollout.placement == "auto" and hasattr(runtime, "exact"):
+    engine = pm.backend("mrl_rollout_register_engines", cfg.rollout.engine)
+    if cfg.rollout.fixed_by(cfg.mode, setup.processes, engine) is None and hasattr(runtime, "exact"):
         _exact_local_batches(trainer, state, runtime)
     on_step_end = getattr(runtime, "on_step_end", None)
     if on_step_end is not None:
@@ -448,12 +445,17 @@ def summary_line(trainer: Any, state: State, device: Any, plan: tuple | None = N
                 where += f" + {rc.remote_workers} remote" + (" on Ray" if rc.launch == "ray" else "")
             if state.budget is not None:
                 where += f"; trainer cores {state.budget[0]}"
-            if rc.placement == "auto":
+            engine = pm.backend("mrl_rollout_register_engines", rc.engine)
+            fixed = rc.fixed_by(cfg.mode, trainer.accelerator.num_processes, engine)
+            if fixed is None:
                 where += "; placement auto: this split or taking turns on all cores, from measured stage times"
-            elif rc.warmup:
-                where += "; until ready: the trainer's own model generates"
             else:
-                where += f"; until ready: the first generation waits (at most {rc.start_timeout_s:g} s)"
+                if rc.placement == "auto":  # nothing to choose in this deployment: say why
+                    where += f"; placement: this split ({fixed})"
+                if rc.warmup:
+                    where += "; until ready: the trainer's own model generates"
+                else:
+                    where += f"; until ready: the first generation waits (at most {rc.start_timeout_s:g} s)"
         parts.append(f"rollout={name} ({where})")
     ws = "upstream" if pm.is_upstream("weight_sync") else _plugin(pm, "weight_sync")
     if ws == "mrl":

@@ -223,6 +223,7 @@ class RolloutSetup:
         placement plan, or ``None`` for no worker processes (``rollout.workers: 0``).
     :param generation: the host as the stage may ask it (:class:`RolloutHost`).
     :param score_models: further models every worker holds to score completions (``{"ref": ref_model}``).
+    :param processes: the host's training processes (ranks); each opens its own runtime.
     """
 
     host: Any
@@ -233,6 +234,7 @@ class RolloutSetup:
     placements: Any = None
     generation: Any = None
     score_models: dict[str, Any] = field(default_factory=dict)
+    processes: int = 1
 
 
 def check_end(obj: Any, protocol: type, hook: str, plugin: str) -> Any:

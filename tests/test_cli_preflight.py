@@ -152,7 +152,8 @@ def test_oversubscribe_opt_in_runs(tmp_path):
     share cores on a small machine) trains and uses the workers."""
     n = FREE + 1
     (tmp_path / "over.yaml").write_text(
-        f"rollout: {{workers: {n}, oversubscribe: true, local_warmup: false}}\ntrain: {{model: tiny, steps: 2}}\n"
+        f"rollout: {{workers: {n}, oversubscribe: true, local_warmup: false, placement: fixed}}\n"
+        "train: {model: tiny, steps: 2}\n"
     )
     proc, _, errors = _mrl(
         "run", "--config", "over.yaml", "--json", "r.json", "--quiet", cwd=tmp_path, timeout=600,

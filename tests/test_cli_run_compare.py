@@ -29,13 +29,14 @@ def _mrl(*args: str, cwd, timeout: float = 600) -> subprocess.CompletedProcess:
 
 
 def _no_warmup_config(tmp_path, name: str):
-    """A bundled config with rollout.local_warmup off: tiny runs are shorter than a worker's start-up."""
+    """A bundled config with rollout.local_warmup off and placement fixed: tiny runs are shorter than a worker's
+    start-up, and too short for placement auto ever to start the workers."""
     import yaml
 
     from mrl_plugins.config import load_yaml
 
     data = load_yaml(name)
-    data.setdefault("rollout", {})["local_warmup"] = False
+    data.setdefault("rollout", {}).update(local_warmup=False, placement="fixed")
     path = tmp_path / f"{name}-nowarmup.yaml"
     path.write_text(yaml.safe_dump(data))
     return str(path)

@@ -40,9 +40,11 @@ def test_doctor_reads_a_report_of_real_runs(tmp_path):
     from mrl_plugins.run import TIME_SPLIT
 
     runs = {}
+    # the workers serve from the start (placement fixed): a 2-step run is too short for placement auto to start them
+    (tmp_path / "split.yaml").write_text("rollout: {workers: 1, placement: fixed}\n", encoding="utf-8")
     for name, extra in (("upstream", ["--vanilla"]), ("all", [])):
         out = tmp_path / f"run-{name}.json"
-        cmd = [sys.executable, "-m", "mrl_plugins.run", "colocate", "--model", "tiny", "--steps", "2"]
+        cmd = [sys.executable, "-m", "mrl_plugins.run", "split.yaml", "--model", "tiny", "--steps", "2"]
         proc = subprocess.run(
             [*cmd, "--name", name, "--json", str(out), "--quiet", *extra],
             cwd=tmp_path,

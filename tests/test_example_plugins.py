@@ -85,7 +85,7 @@ def test_grpo_runs_with_a_third_party_plugin_for_one_stage(tmp_path, example_plu
     steps = 3
     data = {"train": {"trainer": "grpo", "model": "tiny", "steps": steps, "output_dir": str(tmp_path)}}
     trainer = build_trainer(load_config(data), enable_plugins=False, output_dir=str(tmp_path))
-    rollout = {"local_warmup": False, "max_staleness": 0, **extra["rollout"]}
+    rollout = {"local_warmup": False, "max_staleness": 0, "placement": "fixed", **extra["rollout"]}
     mrl_plugins.enable(trainer, {"plugins": {stage: name}, "rollout": rollout})
     assert trainer._mrl_state.pm.selected[stage] == name
     trainer.train()

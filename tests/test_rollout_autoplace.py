@@ -197,10 +197,6 @@ def test_bad_placement_settings_are_refused():
 
     with pytest.raises(ConfigError, match="rollout.placement: 'sometimes' invalid; valid: 'auto' or 'fixed'"):
         load_config({"rollout": {"placement": "sometimes"}})
-    with pytest.raises(ConfigError, match=r"'auto' needs local rollout workers .*workers >= 1, got 0"):
-        load_config({"rollout": {"placement": "auto", "workers": 0}})
-    with pytest.raises(ConfigError, match="'auto' and rollout.rebalance would both move work"):
-        load_config({"mode": "hybrid", "rollout": {"placement": "auto", "workers": 2, "rebalance": True}})
     with pytest.raises(ConfigError, match="rollout.placement_margin: must be in"):
         load_config({"rollout": {"placement_margin": 1.5}})
     with pytest.raises(ConfigError, match="rollout.trainer_cores: an empty list leaves that side with no core"):
@@ -209,6 +205,30 @@ def test_bad_placement_settings_are_refused():
         load_config({"rollout": {"engine_cores": []}})
     assert load_config("compare_small").rollout.placement == "auto"
     assert load_config("compare_kl").rollout.placement == "auto"
+
+
+def test_auto_is_the_default_and_decides_wherever_the_run_can_choose():
+    """placement 'auto' (the default) decides for one training process with local workers whose engine the
+    trainer's own model stands in for; elsewhere the run keeps the configured split and the reason is named."""
+    from mrl_plugins.config import load_config
+    from mrl_plugins.hookspecs import RolloutEngine
+    from mrl_plugins.rollout.plugin import engine_registrations
+
+    engines = {r.name: r for r in engine_registrations()}
+    rc = load_config({}).rollout
+    assert rc.placement == "auto" and rc.fixed_by("colocate", 1, engines["transformers"]) is None
+    assert rc.fixed_by("disaggregated") is None
+    assert rc.fixed_by("colocate", 2) == "2 training processes"
+    assert rc.fixed_by("hybrid") == "mode hybrid"
+    assert rc.fixed_by("colocate", 1, engines["vllm"]) == "the trainer's own model does not stand in for engine 'vllm'"
+    assert rc.fixed_by("colocate", 1, RolloutEngine(name="x", factory=dict)).endswith("engine 'x'")
+    assert load_config({"rollout": {"workers": 0}}).rollout.fixed_by("colocate") == "no local rollout workers"
+    remote = load_config({"rollout": {"workers": 0, "remote_workers": 1}}).rollout
+    assert remote.fixed_by("colocate") == "no local rollout workers"
+    assert load_config({"rollout": {"remote_workers": 1}}).rollout.fixed_by("colocate") == "remote workers"
+    hybrid = load_config({"mode": "hybrid", "rollout": {"workers": 2, "colocated_workers": 1, "rebalance": True}})
+    assert hybrid.rollout.fixed_by("hybrid") == "rollout.rebalance moves the workers instead"
+    assert load_config({"rollout": {"placement": "fixed"}}).rollout.fixed_by("colocate") == "placement: fixed"
 
 
 class _Sink:
@@ -260,6 +280,34 @@ def placement_run(tmp_path, steps: int, rollout: dict, *, slow_reward: bool = Fa
         trainer.reward_funcs = [_slow_reward]
     mrl_plugins.enable(trainer, {"mode": "colocate", "rollout": rollout})
     return trainer
+
+
+@pytest.mark.slow
+@require_trl
+def test_a_default_run_measures_its_placement_and_a_hybrid_one_says_why_it_keeps_the_split(tmp_path, capfd):
+    """No placement key: the run takes turns first under the controller (a 4-step run: every batch from the
+    trainer's own model, no worker started, the arrangement on every log line); a run where auto has nothing to
+    choose (mode hybrid with rebalance) keeps its split and enable()'s line says why."""
+    import mrl_plugins
+    from mrl_plugins.config import load_config
+    from mrl_plugins.run import build_trainer
+
+    trainer = placement_run(tmp_path, 4, {"workers": 1})
+    assert "placement auto: this split or taking turns" in capfd.readouterr().err
+    runtime = trainer._mrl_state.runtime
+    trainer.train()
+    assert runtime.where.controller is not None and runtime.where.served_count == {"split": 0, "turns": 4, "warmup": 0}
+    assert not runtime.started
+    codes = [h["mrl/rollout/placement"] for h in trainer.state.log_history if "loss" in h]
+    assert codes == [1, 1, 1, 1]
+
+    cfg = load_config({"train": {"model": "tiny", "steps": 2, "output_dir": str(tmp_path / "h")}})
+    hybrid = build_trainer(cfg, enable_plugins=False, output_dir=str(tmp_path / "h"))
+    rollout = {"workers": 2, "colocated_workers": 1, "rebalance": True, "oversubscribe": True}
+    mrl_plugins.enable(hybrid, {"mode": "hybrid", "rollout": rollout})
+    assert "placement: this split (rollout.rebalance moves the workers instead)" in capfd.readouterr().err
+    assert hybrid._mrl_state.runtime.where.controller is None
+    mrl_plugins.disable(hybrid)
 
 
 @pytest.mark.slow

@@ -105,7 +105,7 @@ def test_rloo_takes_its_reference_logprobs_from_the_workers(tmp_path, comm, tol)
         trainer,
         {
             "mode": "disaggregated",
-            "rollout": {"workers": 1, "local_warmup": False, "ref_logps": "engine"},
+            "rollout": {"workers": 1, "local_warmup": False, "ref_logps": "engine", "placement": "fixed"},
             "comm": comm,
         },
     )

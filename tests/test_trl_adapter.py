@@ -167,7 +167,8 @@ def test_peft_policy_generates_with_the_merged_trained_weights(tmp_path, workers
         return iter(out.items())
 
     monkeypatch.setattr(sources, "iter_trainer_weights", recording)
-    mrl_plugins.enable(trainer, {"rollout": {"workers": workers, "local_warmup": False, "max_staleness": 0}})
+    rollout = {"workers": workers, "local_warmup": False, "max_staleness": 0, "placement": "fixed"}
+    mrl_plugins.enable(trainer, {"rollout": rollout})
     if workers == 0:  # built when train() begins: build it now to look at the inference copy
         trainer._mrl_state.runtime.start()
     served = trainer._mrl_state.runtime.runtime.receiver.model if workers == 0 else None
@@ -202,7 +203,13 @@ def test_two_workers_take_every_version_through_a_broadcast_group(tmp_path):
     mrl_plugins.enable(
         trainer,
         {
-            "rollout": {"workers": 2, "local_warmup": False, "max_staleness": 0, "oversubscribe": True},
+            "rollout": {
+                "workers": 2,
+                "local_warmup": False,
+                "max_staleness": 0,
+                "oversubscribe": True,
+                "placement": "fixed",
+            },
             "weight_sync": {"transport": "broadcast", "timeout_s": 20, "poll_interval_s": 30},
         },
     )
@@ -285,7 +292,7 @@ def test_worker_pool_async_trains_and_cleans_up(tmp_path, kind):
 
     cfg = load_yaml("colocate")
     cfg.setdefault("rollout", {})
-    cfg["rollout"]["local_warmup"] = False  # every batch from the worker process
+    cfg["rollout"].update(local_warmup=False, placement="fixed")  # every batch from the worker process
     mrl_plugins.enable(trainer, load_config(cfg))
     pool = trainer._mrl_state.runtime.pool
     pids = list(pool.pids)
@@ -344,9 +351,9 @@ def test_env_variable_switches_plugins_on_at_startup(tmp_path):
         colocate = subprocess.run(
             [sys.executable, str(script), str(tmp_path)], env=env, capture_output=True, text=True, timeout=300
         )
-        line = (
-            "mrl-plugins: rollout=mrl (1 worker, cores [1]; trainer cores [0]; until ready: the trainer's own model "
-            "generates), weight_sync=shm, comm=shm/raw"
+        line = (  # placement auto, the default: the run measures and keeps the faster arrangement
+            "mrl-plugins: rollout=mrl (1 worker, cores [1]; trainer cores [0]; placement auto: this split or taking "
+            "turns on all cores, from measured stage times), weight_sync=shm, comm=shm/raw"
         )
         assert line in colocate.stderr, colocate.stderr[-2000:]
 
@@ -361,6 +368,7 @@ def test_trainer_model_answers_while_workers_start(tmp_path):
     cfg = load_yaml("disaggregated")
     cfg.setdefault("rollout", {})
     cfg["rollout"]["start_method"] = "spawn"  # a worker that takes seconds to start (a forked one is ready at once)
+    cfg["rollout"]["placement"] = "fixed"  # the split from the start: its warm-up
     cfg.pop("train", None)
     mrl_plugins.enable(trainer, load_config(cfg))
     trainer.train()

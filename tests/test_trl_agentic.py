@@ -25,9 +25,16 @@ WORKERS = {"rollout": {"workers": 1, "local_warmup": False}}
 
 
 def _enable(trainer, config=None):
+    """The plugins on ``trainer`` with the split from the start (``placement: fixed`` unless ``config`` says
+    otherwise): these tests follow every turn the workers serve."""
+    import copy
+
     import mrl_plugins
 
-    mrl_plugins.enable(trainer, config or WORKERS)
+    config = copy.deepcopy(config or WORKERS)
+    if isinstance(config, dict):
+        config.setdefault("rollout", {}).setdefault("placement", "fixed")
+    mrl_plugins.enable(trainer, config)
     return VersionRecorder(trainer)
 
 

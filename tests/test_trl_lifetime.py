@@ -48,6 +48,7 @@ def _colocate(**rollout):
 
     data = load_yaml("colocate")
     data.setdefault("rollout", {})
+    data["rollout"]["placement"] = "fixed"  # these tests follow the workers' lifetime: the split from the start
     data["rollout"].update(rollout)
     data.pop("train", None)
     return load_config(data)

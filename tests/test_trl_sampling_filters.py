@@ -45,7 +45,7 @@ def _colocate(workers: int) -> dict:
     cfg = load_yaml("colocate")
     cfg.setdefault("rollout", {})
     cfg.pop("train", None)
-    cfg["rollout"].update(workers=workers)
+    cfg["rollout"].update(workers=workers, placement="fixed")
     if workers:  # every batch from the worker, generated with the trainer's current weights
         cfg["rollout"].update(max_staleness=0, local_warmup=False, start_timeout_s=240)
     return cfg

@@ -53,11 +53,11 @@ class TrainerShare:
 
     CPU: the process's core affinity and torch threads (``budgets``: ``{"split": (cores, threads), "turns": (cores,
     threads)}``); an NPU shared with colocated workers: its training stream's core limit
-    (:class:`~mrl_plugins.device.lending.NpuStreamLender`, opened at the first change, ``rollout.lend_cores`` with
-    placement auto). Inside the split, once ``idle()`` says the workers have answered every request they hold
-    (nothing to generate until the next generation), the trainer borrows their share (CPU: the turns budget; NPU: the
-    whole device) until the next :meth:`apply`, checked between its layers (:meth:`check`, forward and backward
-    pre-hooks on the model's decoder layers).
+    (:class:`~mrl_plugins.device.lending.NpuStreamLender`, opened at the first change, with ``lend``: placement
+    auto, ``rollout.lend_cores``, a weight path that is not a collective). Inside the split, once ``idle()`` says
+    the workers have answered every request they hold (nothing to generate until the next generation), the trainer
+    borrows their share (CPU: the turns budget; NPU: the whole device) until the next :meth:`apply`, checked between
+    its layers (:meth:`check`, forward and backward pre-hooks on the model's decoder layers).
 
     Invariants: ``now`` is the share applied (``"split"``, ``"turns"``, ``"lent"``; None before the first and after
     :meth:`release`); lending never fails a training step (a failure stops lending, logged).
@@ -78,7 +78,7 @@ class TrainerShare:
     ) -> None:
         self.ctx, self._model, self.budgets = ctx, model, budgets  # model(): the trainer's model, read when needed
         self.lend_cpu = bool(lend and budgets)  # CPU cores to lend (placement auto with budgets and lend_cores)
-        self._auto = auto
+        self._lend_device = bool(lend and auto)  # an NPU stream share, where the device has one to lend
         self._idle = idle
         self.now: str | None = None
         self.hooks: list[Any] = []
@@ -118,14 +118,14 @@ class TrainerShare:
         torch.set_num_threads(threads)
 
     def device(self) -> Any:
-        """This run's NPU stream lender, opened at the first share change: placement auto with ``lend_cores``, the
+        """This run's NPU stream lender, opened at the first share change: with ``lend`` (see the class), the
         trainer on an NPU that colocated workers share with an ``engine_budget`` core limit and torch_npu's
         stream-limit API present; else None, with one info line saying why (CUDA: nothing to lend). CPU runs never
         import torch_npu here."""
         if self._device_open:
             return self.device_lender
         self._device_open = True
-        if not self._auto or not self.ctx.config.rollout.lend_cores:
+        if not self._lend_device:
             return None
         device = trainer_device(self._model())
         if device.type == "cpu":

@@ -21,7 +21,8 @@ def open_runtime(ctx: StageContext, setup: RolloutSetup) -> Any:
 
     pm, cfg = ctx.plugins, ctx.config
     trainer, model, sampling, seed, device = setup.host, setup.model, setup.sampling, setup.seed, setup.device
-    engine_factory = pm.backend("mrl_rollout_register_engines", cfg.rollout.engine).factory
+    engine = pm.backend("mrl_rollout_register_engines", cfg.rollout.engine)  # with what it declares it can do
+    engine_factory = engine.factory
     if setup.placements is None:
         return LazyLocalRuntime(lambda: LocalEngineRuntime(pm, ctx, model, sampling, engine_factory, seed))
     places, _trainer_cores, shared = setup.placements
@@ -70,7 +71,7 @@ def open_runtime(ctx: StageContext, setup: RolloutSetup) -> Any:
             )
 
     # placement auto: the trainer's own model also generates while the run takes turns on all cores
-    auto = cfg.rollout.placement == "auto"
+    auto = cfg.rollout.fixed_by(cfg.mode, setup.processes, engine) is None
     return PoolRuntime(
         pm,
         ctx,
@@ -78,16 +79,19 @@ def open_runtime(ctx: StageContext, setup: RolloutSetup) -> Any:
         start_pool,
         local_engine if cfg.rollout.warmup or auto else None,
         balancer_factory=balancer,
-        **placement_kwargs(ctx, places, _trainer_cores, device.type),
+        **placement_kwargs(ctx, places, _trainer_cores, device.type, auto),
     )
 
 
-def placement_kwargs(ctx: StageContext, places: list[dict], trainer_cores: list[int] | None, device_type: str) -> dict:
+def placement_kwargs(
+    ctx: StageContext, places: list[dict], trainer_cores: list[int] | None, device_type: str, auto: bool
+) -> dict:
     """:class:`~mrl_plugins.rollout.runtime.PoolRuntime` keyword arguments from the config and the workers'
-    placements: the cores the workers are spawned on (CPU), the warm-up switch and, with ``rollout.placement:
-    auto``, the controller and the trainer's budget in each arrangement (split: as configured; turns: every core
-    of the trainer and its workers, one torch thread each) and whether it lends (``rollout.lend_cores``; never over
-    a weight transport whose publish is a collective: lending cannot time it)."""
+    placements: the cores the workers are spawned on (CPU), the warm-up switch and, where ``rollout.placement:
+    auto`` decides (``auto``), the controller and the trainer's budget in each arrangement (split: as configured;
+    turns: every core of the trainer and its workers, one torch thread each) and whether it lends
+    (``rollout.lend_cores``, derived: never over a weight path whose publish is a collective, e.g. the upstream
+    weight sync's per-parameter group, which lending cannot time)."""
     import os
 
     from .autoplace import SPLIT, TURNS, PlacementController, default_scaling
@@ -96,7 +100,7 @@ def placement_kwargs(ctx: StageContext, places: list[dict], trainer_cores: list[
     rc = cfg.rollout
     worker_cores = sorted({c for p in places for c in (p.get("cores") or [])}) if device_type == "cpu" else []
     out: dict[str, Any] = {"spawn_cores": worker_cores or None, "warmup": rc.warmup}
-    if rc.placement != "auto":
+    if not auto:
         return out
     budgets = None
     wide, narrow = len(os.sched_getaffinity(0)), rc.trainer_threads
@@ -113,16 +117,8 @@ def placement_kwargs(ctx: StageContext, places: list[dict], trainer_cores: list[
         metrics=ctx.metrics,
     )
     out["budgets"] = budgets
-    if rc.lend_cores and budgets is not None:
-        if ctx.plugins.capabilities("weight_sync", ctx).collective:
-            from mrl_plugins.errors import ConfigError
-
-            raise ConfigError(
-                f"rollout.lend_cores: weight_sync.transport {cfg.weight_sync.transport!r} joins every worker to each "
-                f"publish (a collective group), which lending cannot time; use lend_cores: false or a transport "
-                f"whose publish is not a collective (shm, directory)"
-            )
-        out["lend"] = True
+    # a publish every worker joins as it runs (a collective group) cannot be timed around a lend: no lending
+    out["lend"] = bool(rc.lend_cores) and not ctx.plugins.capabilities("weight_sync", ctx).collective
     return out
 
 

@@ -111,16 +111,6 @@ class RolloutConfig(SchedulingSection, DeploymentSection, EngineSection):
             raise ConfigError(f"rollout.placement_interval: must be >= 1, got {self.placement_interval}")
         if not 0 <= self.placement_margin < 1:
             raise ConfigError(f"rollout.placement_margin: must be in [0, 1), got {self.placement_margin}")
-        if self.placement == "auto":
-            why = None
-            if self.workers < 1:
-                why = f"needs local rollout workers to choose between (rollout.workers >= 1, got {self.workers})"
-            elif self.remote_workers:
-                why = "does not move work off remote workers (rollout.remote_workers > 0)"
-            elif self.rebalance:
-                why = "and rollout.rebalance would both move work; pick one"
-            if why:
-                raise ConfigError(f"rollout.placement: 'auto' {why}; valid: {choices(PLACEMENTS)}")
         for key in ("engine_cores", "trainer_cores"):
             if getattr(self, key) is not None and not getattr(self, key):
                 raise ConfigError(
@@ -162,6 +152,27 @@ class RolloutConfig(SchedulingSection, DeploymentSection, EngineSection):
                 f"rollout.rebalance_low/rebalance_high: need 0 <= low < high <= 1, got "
                 f"{self.rebalance_low} and {self.rebalance_high}"
             )
+
+    def fixed_by(self, mode: str, processes: int = 1, engine: Any = None) -> str | None:
+        """Why this run keeps the configured split (``placement: fixed``, or a deployment where ``auto`` has nothing
+        to choose: it moves work between one training process and its local workers, and takes turns with the
+        trainer's own model, which must stand in for the ``engine``'s registration: its ``warmup``), or None:
+        ``auto`` decides."""
+        if self.placement == "fixed":
+            return "placement: fixed"
+        if engine is not None and not engine.warmup:
+            return f"the trainer's own model does not stand in for engine {engine.name!r}"
+        if self.workers < 1:
+            return "no local rollout workers"
+        if self.remote_workers:
+            return "remote workers"
+        if self.rebalance:
+            return "rollout.rebalance moves the workers instead"
+        if mode == "hybrid":
+            return "mode hybrid"
+        if processes > 1:
+            return f"{processes} training processes"
+        return None
 
     def check_backend(self, key: str, engine: Any, engines: dict[str, Any]) -> None:
         """What follows from the engine's registration (a :class:`~mrl_plugins.hookspecs.RolloutEngine`, looked up

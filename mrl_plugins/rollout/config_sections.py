@@ -103,14 +103,15 @@ class DeploymentSection:
         default=0, metadata={"help": "hybrid mode: how many of the workers share the trainer's device"}
     )
     placement: str = field(
-        default="fixed",
+        default="auto",
         metadata={
-            "help": "'fixed': the workers and the trainer keep the cores this section gives them; 'auto': the run "
-            "measures its stage times and keeps the faster of that split and taking turns on all of the "
-            "trainer's cores (the trainer's own model generates, the workers idle), re-checked every 10 steps "
-            "(mrl_plugins.rollout.autoplace; mrl/rollout/placement 0 split, 1 turns); in the split the trainer "
-            "borrows the cores the workers leave idle; one training process, local workers, mode colocate or "
-            "disaggregated"
+            "help": "'auto': where the run can choose (one training process, local workers, mode colocate or "
+            "disaggregated, no rebalance) it measures its stage times and keeps the faster of the split this "
+            "section gives (workers on their cores) and taking turns on all of the trainer's cores (the "
+            "trainer's own model generates, the workers idle), re-checked every 10 steps (mrl_plugins.rollout."
+            "autoplace; mrl/rollout/placement 0 split, 1 turns); in the split the trainer borrows the cores the "
+            "workers leave idle; elsewhere the split, with the reason in enable()'s line. 'fixed': always the "
+            "split (the workers serve from their start)"
         },
     )
     placement_start: str = internal(
