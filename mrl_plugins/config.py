@@ -257,11 +257,9 @@ def derive(top: Any, rollout: Any, weight_sync: Any, comm: Any) -> dict[str, dic
     set once the engine's registration is known: :meth:`~mrl_plugins.rollout.config.RolloutConfig.check_backend`).
     ``checksums`` switches weights' and experience's checksums together. With remote workers the transports left
     at ``auto`` cross hosts (experience over ``torch_distributed`` on the rendezvous host, weights over
-    ``broadcast``, or ``directory`` when ``weight_sync.directory`` is set); otherwise shared memory. Placement auto
-    lends idle worker cores unless the weight transport is a collective one.
+    ``broadcast``, or ``directory`` when ``weight_sync.directory`` is set); otherwise shared memory.
     """
     from mrl_plugins.rollout.config import parse_address
-    from mrl_plugins.weight_sync.config import COLLECTIVE_TRANSPORTS
 
     t = float(top.timeout_s)
     remote = rollout.remote_workers > 0
@@ -276,7 +274,6 @@ def derive(top: Any, rollout: Any, weight_sync: Any, comm: Any) -> dict[str, dic
         "rollout": {
             "timeout_s": t,
             "start_timeout_s": 1.5 * t,  # at least the engine's own start: RolloutConfig.check_backend
-            "lend_cores": w_transport not in COLLECTIVE_TRANSPORTS,
         },
         "weight_sync": {"transport": w_transport, "timeout_s": t, "verify_checksum": bool(top.checksums)},
         "comm": {

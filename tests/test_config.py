@@ -381,7 +381,6 @@ def test_one_timeout_and_the_transports_follow_from_the_deployment(user_config):
     remote = load_config({"timeout_s": 40, "rollout": {"remote_workers": 1, "rendezvous": "10.0.0.7:29500"}})
     assert (remote.weight_sync.transport, remote.comm.transport) == ("broadcast", "torch_distributed")
     assert remote.comm.host == "10.0.0.7" and remote.comm.heartbeat_timeout_s == 40  # across hosts: T
-    assert remote.rollout.lend_cores is False  # a collective weight transport: nothing to lend
     shared = load_config({"rollout": {"remote_workers": 1}, "weight_sync": {"directory": "/shared/w"}})
     assert shared.weight_sync.transport == "directory"
     explicit = load_config({"weight_sync": {"transport": "per_param"}, "comm": {"transport": "queue"}})

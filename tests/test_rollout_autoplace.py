@@ -513,3 +513,24 @@ def test_split_lends_the_idle_workers_core_to_the_trainer(tmp_path, monkeypatch,
     totals = state.ctx.metrics.totals
     assert totals["rollout/lends"] >= len(done) and totals["rollout/lent_s"] > 0
     assert any("mrl/rollout/lends" in h for h in hist)
+
+
+@pytest.mark.parametrize(("transport", "lends"), [("shm", True), ("directory", True), ("broadcast", False)])
+def test_lending_follows_the_weight_transports_declared_capabilities(tmp_path, transport, lends):
+    """Placement auto lends the workers' idle cores unless the weight path's publish is a collective (its
+    registration's capabilities: broadcast, per_param, vllm; the upstream weight sync's per-parameter group)."""
+    from mrl_plugins.config import load_config
+    from mrl_plugins.hookspecs import StageContext
+    from mrl_plugins.manager import get_plugin_manager
+    from mrl_plugins.metrics import StageMetrics
+    from mrl_plugins.rollout.build import placement_kwargs
+
+    ws = {"transport": transport, **({"directory": str(tmp_path)} if transport == "directory" else {})}
+    for plugins in ({}, {"plugins": {"weight_sync": "upstream"}}):
+        cfg = load_config({"weight_sync": ws, **plugins})
+        ctx = StageContext(config=cfg, plugins=get_plugin_manager(cfg), metrics=StageMetrics())
+        kwargs = placement_kwargs(ctx, [{"cores": [1], "threads": 1}], [0], "cpu", True)
+        assert kwargs["lend"] is (lends and not plugins) and kwargs["budgets"]["turns"] == ([0, 1], 2)
+        assert placement_kwargs(ctx, [{"cores": [1], "threads": 1}], [0], "cpu", False) == {
+            "spawn_cores": [1], "warmup": True
+        }  # fmt: skip

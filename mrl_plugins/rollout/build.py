@@ -109,7 +109,7 @@ def placement_kwargs(
         cores = sorted(set(trainer_cores) | set(worker_cores))
         budgets = {SPLIT: split, TURNS: (cores, len(cores))}
         wide, narrow = len(cores), split[1]
-    out["placement"] = PlacementController(
+    out["controller"] = PlacementController(
         default_scaling(narrow, wide, rc.engine_threads),
         initial=rc.placement_start,
         interval=rc.placement_interval,

@@ -122,8 +122,8 @@ class DeploymentSection:
         "placement auto switches when the other way is projected 10 % faster", default=0.1
     )
     lend_cores: bool | None = internal(
-        "placement auto lends the workers' idle cores to the trainer whenever the weight transport is not a "
-        "collective one (derived)",
+        "placement auto lends the workers' idle cores to the trainer whenever the weight transport's publish is "
+        "not a collective (its registration's capabilities say so)",
         default=None,
     )
     trainer_threads: int | None = internal(

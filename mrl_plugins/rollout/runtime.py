@@ -123,7 +123,7 @@ class PoolRuntime:
         balancer_factory: Any = None,
         *,
         warmup: bool | None = None,
-        placement: Any = None,
+        controller: Any = None,
         budgets: dict[str, tuple[list[int], int]] | None = None,
         exact: Any = None,
         spawn_cores: list[int] | None = None,
@@ -132,7 +132,7 @@ class PoolRuntime:
         """``pool_factory()`` builds the :class:`~mrl_plugins.rollout.pool.WorkerPool`; ``local_engine()``
         (optional) builds an engine on the trainer's own model, for the warm-up (``warmup``, default on when it is
         given) and for taking turns; ``balancer_factory(pool)`` (optional, hybrid mode) moves workers between the
-        pools. ``placement`` (``rollout.placement: auto``): the
+        pools. ``controller`` (``rollout.placement: auto``): the
         :class:`~mrl_plugins.rollout.autoplace.PlacementController`; ``budgets``: ``{"split": (cores, threads),
         "turns": (cores, threads)}`` of the trainer process in each arrangement; ``lend``: the trainer borrows the
         idle workers' cores in the split (:class:`~mrl_plugins.rollout.arrangement.TrainerShare`). ``exact(local)``:
@@ -149,7 +149,7 @@ class PoolRuntime:
         self.where = Placement(
             ctx,
             lambda: gen.model,
-            controller=placement,
+            controller=controller,
             warmup=local_engine is not None if warmup is None else bool(warmup and local_engine is not None),
             budgets=budgets,
             lend=lend,

@@ -38,8 +38,6 @@ from mrl_plugins.config_fields import internal
 from mrl_plugins.errors import ConfigError, choices
 
 KNOWN_TRANSPORTS = ("shm", "directory", "broadcast", "per_param", "vllm")
-#: transports whose publish is a collective every receiver joins (placement auto cannot lend their workers' cores)
-COLLECTIVE_TRANSPORTS = ("broadcast", "per_param", "vllm")
 STAGING_CHOICES = ("device", "host")
 
 #: per-transport defaults (see the module docstring)
@@ -160,4 +158,4 @@ class WeightSyncConfig:
         return self.bucket_bytes if self.bucket_bytes is not None else DEFAULT_BUCKET_BYTES.get(t, 64 << 20)
 
 
-__all__ = ["COLLECTIVE_TRANSPORTS", "KNOWN_TRANSPORTS", "STAGING_CHOICES", "WeightSyncConfig"]
+__all__ = ["KNOWN_TRANSPORTS", "STAGING_CHOICES", "WeightSyncConfig"]
