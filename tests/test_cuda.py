@@ -242,7 +242,7 @@ def test_grpo_trainer_on_cuda_every_batch_from_the_worker(tmp_path):
     assert trainer.model.device.type == "cuda"
     plugin_cfg = load_yaml("colocate")
     plugin_cfg.setdefault("rollout", {})
-    plugin_cfg["rollout"]["local_warmup"] = False  # every batch from the worker process
+    plugin_cfg["rollout"].update(local_warmup=False, placement="fixed")  # every batch from the worker process
     mrl_plugins.enable(trainer, load_config(plugin_cfg))
     pids = list(trainer._mrl_state.runtime.pool.pids)
     assert pids
@@ -260,3 +260,30 @@ def test_grpo_trainer_on_cuda_every_batch_from_the_worker(tmp_path):
 
     for pid in pids:  # released with train()
         assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+
+
+@require_cuda
+@require_trl
+@pytest.mark.slow
+def test_grpo_trainer_on_cuda_with_placement_auto_the_default(tmp_path):
+    """``enable(trainer, "colocate")`` with placement auto (the default) on the GPU: the run takes turns with the
+    trainer's own model first (on the GPU), starts its worker in the background, decides from measured stage times
+    (every step logs the arrangement, at least one decision is logged) and trains to the end whichever it keeps."""
+    import mrl_plugins
+    from mrl_plugins.config import load_config
+    from mrl_plugins.run import build_trainer
+
+    steps = 16  # long enough for the controller to explore the split (4 x (probe + 1) generations)
+    cfg = load_config({"train": {"model": "qwen2-tiny", "steps": steps, "output_dir": str(tmp_path)}})
+    trainer = build_trainer(cfg, enable_plugins=False, output_dir=str(tmp_path))
+    assert trainer.model.device.type == "cuda"
+    mrl_plugins.enable(trainer, "colocate")
+    runtime = trainer._mrl_state.runtime
+    assert runtime.where.controller is not None and runtime.where.arrangement == "turns"
+    trainer.train()
+    history = [h for h in trainer.state.log_history if "reward" in h]
+    assert len(history) == steps
+    assert all(h["mrl/rollout/placement"] in (0, 1) for h in history)
+    assert sum(h.get("mrl/rollout/turns_batches", 0) for h in history) >= 4  # the first steps: turns, on the GPU
+    assert runtime.where.controller.decisions  # measured and decided at least once
+    assert sum(runtime.where.served_count.values()) == steps, runtime.where.served_count
