@@ -1,9 +1,11 @@
 """Rollout worker processes: each hosts an engine with its own cores/device, pulls weights through the
 weight-sync stage and returns experience through the comm stage.
 
-Trainer side: :class:`WorkerPool` submits requests (prompt ids, small: a plain queue), collects the
-answers as comm frames, detects dead workers (exit code, or no answer within ``rollout.timeout_s``)
-and restarts them when ``rollout.restart_workers`` allows. Worker side:
+Trainer side: :class:`WorkerPool` owns the other stages' ends it opens (a weight sender per served model, the
+experience consumer), submits requests (prompt ids, small: a plain queue), collects the answers as comm frames
+and publishes weights; the processes are its :class:`~mrl_plugins.rollout.supervisor.WorkerSupervisor`'s, which
+detects dead workers (exit code, a worker's error, a remote one's silence) and restarts them when
+``rollout.restart_workers`` allows; a collect waits at most ``rollout.timeout_s``. Worker side:
 :func:`~mrl_plugins.rollout.worker.worker_main`.
 
 Requests (one chunk of prompts per worker) wait in one first-in-first-out queue and are handed to a worker only
