@@ -26,6 +26,7 @@ from mrl_plugins.adapters.trl_lifetime import State, at_exit, wrap_train
 from mrl_plugins.adapters.trl_members import check_members
 from mrl_plugins.device.placement import worker_placements as _placements
 from mrl_plugins.errors import ConfigError, PluginError, UnsupportedVersionError, choices
+from mrl_plugins.rollout.config import configured_engine
 
 log = logging.getLogger("mrl_plugins.adapters.trl")
 
@@ -141,7 +142,7 @@ def _check_rollout(trainer: Any, cfg: Any, pm: Any, kind: str, device: Any) -> N
             _check_engine_logps(trainer, kind)
         if cfg.rollout.ref_logps == "engine":
             _check_engine_ref_logps(trainer, cfg)
-        engine = pm.backend("mrl_rollout_register_engines", cfg.rollout.engine)
+        engine = configured_engine(pm, cfg)
         if engine.check is not None:  # e.g. vLLM: installed, and a model it serves on this device (head_dim, arch)
             model = trainer.accelerator.unwrap_model(trainer.model)
             engine.check(getattr(model, "config", None), trainer.accelerator.device.type, type(model).__name__)
@@ -203,8 +204,9 @@ def _install_rollout(trainer: Any, state: State, device: Any, plan: tuple | None
         _time_upstream_generation(trainer, state)
         return
     gen.runtime = runtime
-    engine = pm.backend("mrl_rollout_register_engines", cfg.rollout.engine)
-    if cfg.rollout.fixed_by(cfg.mode, setup.processes, engine) is None and hasattr(runtime, "exact"):
+    # why this run keeps the split (None: placement auto decides), said once in enable()'s line
+    state.fixed_by = cfg.rollout.fixed_by(cfg.mode, setup.processes, configured_engine(pm, cfg))
+    if state.fixed_by is None and hasattr(runtime, "exact"):
         _exact_local_batches(trainer, state, runtime)
     on_step_end = getattr(runtime, "on_step_end", None)
     if on_step_end is not None:
@@ -445,8 +447,7 @@ def summary_line(trainer: Any, state: State, device: Any, plan: tuple | None = N
                 where += f" + {rc.remote_workers} remote" + (" on Ray" if rc.launch == "ray" else "")
             if state.budget is not None:
                 where += f"; trainer cores {state.budget[0]}"
-            engine = pm.backend("mrl_rollout_register_engines", rc.engine)
-            fixed = rc.fixed_by(cfg.mode, trainer.accelerator.num_processes, engine)
+            fixed = state.fixed_by
             if fixed is None:
                 where += "; placement auto: this split or taking turns on all cores, from measured stage times"
             else:

@@ -149,7 +149,9 @@ def preflight(cfg: MrlConfig | Any, *, enable_plugins: bool = True) -> MrlConfig
     _check_combination(pm, cfg)
     if not pm.is_upstream("rollout"):
         cfg.rollout.check_placement_on(cfg.mode, device)
-        engine = pm.backend("mrl_rollout_register_engines", cfg.rollout.engine)
+        from mrl_plugins.rollout.config import configured_engine
+
+        engine = configured_engine(pm, cfg)
         if engine.requires is not None:  # e.g. vLLM installed (found, not imported)
             engine.requires()
     return cfg

@@ -14,6 +14,8 @@ from typing import Any
 
 from mrl_plugins.hookspecs import RolloutSetup, StageContext
 
+from .config import ENGINES, configured_engine
+
 
 def open_runtime(ctx: StageContext, setup: RolloutSetup) -> Any:
     """The runtime for ``setup`` (see the module docstring)."""
@@ -21,7 +23,7 @@ def open_runtime(ctx: StageContext, setup: RolloutSetup) -> Any:
 
     pm, cfg = ctx.plugins, ctx.config
     trainer, model, sampling, seed, device = setup.host, setup.model, setup.sampling, setup.seed, setup.device
-    engine = pm.backend("mrl_rollout_register_engines", cfg.rollout.engine)  # with what it declares it can do
+    engine = configured_engine(pm, cfg)  # with what it declares it can do
     engine_factory = engine.factory
     if setup.placements is None:
         return LazyLocalRuntime(lambda: LocalEngineRuntime(pm, ctx, model, sampling, engine_factory, seed))
@@ -43,7 +45,7 @@ def open_runtime(ctx: StageContext, setup: RolloutSetup) -> Any:
 
     # the warm-up engine runs in the trainer process: always the light 'transformers' one (a vLLM engine there
     # would take far longer to start than the workers it stands in for)
-    local_factory = pm.backend("mrl_rollout_register_engines", "transformers").factory
+    local_factory = pm.backend(ENGINES, "transformers").factory
 
     def local_engine() -> Any:  # the trainer's own model answers while the workers start
         was_training = model.training

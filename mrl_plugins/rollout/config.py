@@ -31,6 +31,16 @@ def parse_address(value: str, what: str = "rollout.rendezvous") -> tuple[str, in
     return host, int(port)
 
 
+#: the registration hook of rollout engines (``rollout.engine`` names one)
+ENGINES = "mrl_rollout_register_engines"
+
+
+def configured_engine(pm: Any, config: Any) -> Any:
+    """The :class:`~mrl_plugins.hookspecs.RolloutEngine` registration of ``config``'s ``rollout.engine``: its
+    factory and what it declares it can do."""
+    return pm.backend(ENGINES, config.rollout.engine)
+
+
 @dataclass
 class RolloutConfig(SchedulingSection, DeploymentSection, EngineSection):
     """``rollout:`` section.

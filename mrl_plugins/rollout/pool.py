@@ -32,6 +32,7 @@ from mrl_plugins.hookspecs import RolloutResult, StageContext
 from mrl_plugins.metrics import record_publish
 
 from .assemble import Ticket, assemble, own
+from .config import configured_engine
 from .pool_checks import WorkerDiedError, check_pool_config, no_rejoin, stage_names  # noqa: F401 - re-exported
 from .supervisor import WorkerSupervisor
 from .wire import SWITCHED, BatchMeta, GenerateRequest, WeightsNotice, WorkerEvent
@@ -92,7 +93,7 @@ class WorkerPool:
         self.budgets: dict[int, dict] = {}  # worker -> {"budget": AppliedBudget.as_dict(), "memory": {...}}
         self._closed = False
         names = stage_names(pm, cfg)
-        engine = pm.backend("mrl_rollout_register_engines", cfg.rollout.engine)  # what it declares it can do
+        engine = configured_engine(pm, cfg)  # what it declares it can do
         # an unsafe fork is refused and Ray's reservation made before anything else opens
         self.workers = WorkerSupervisor(
             ctx, engine, placements, rejoinable_ends=comm_caps.rejoinable and ws_caps.rejoinable
