@@ -36,6 +36,8 @@ def main() -> None:
     }
     with open(f"{out_dir}/rank{result['rank']}.json", "w", encoding="utf-8") as f:
         json.dump(result, f)
+    if torch.distributed.is_initialized():  # a clean end: left to interpreter exit, rank 0 once aborted in c10d
+        torch.distributed.destroy_process_group()  # ("terminate called without an active exception", exit -6)
 
 
 if __name__ == "__main__":
