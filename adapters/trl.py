@@ -176,7 +176,7 @@ def enable_from_env(trainer: Any) -> Any:
 
 
 def _install_rollout(trainer: Any, state: State, device: Any, plan: tuple | None) -> None:
-    """Open the selected rollout plugin's runtime (``mrl_rollout_open_runtime``) and put it where TRL generates.
+    """Open the selected rollout plugin's runtime (``RolloutStage.open_runtime``) and put it where TRL generates.
 
     A runtime with ``replaces_host = False`` (``rollout: upstream``) leaves TRL's generation in place (timed only)."""
     from mrl_plugins.adapters.trl_generation import LookaheadLoader, MrlGeneration, sampling_params
@@ -427,7 +427,7 @@ def summary_line(trainer: Any, state: State, device: Any, plan: tuple | None = N
     if pm.is_upstream("rollout"):
         parts.append("rollout=upstream (TRL generates with the training model)")
     else:
-        name = _plugin(pm, "rollout") + (f"/{rc.engine}" if rc.engine != "transformers" else "")
+        name = pm.selected["rollout"] + (f"/{rc.engine}" if rc.engine != "transformers" else "")
         places = plan[0] if plan else None
         if rc.workers == 0 and rc.remote_workers == 0:
             where = f"in-process engine on {device.torch_device}"
@@ -458,11 +458,11 @@ def summary_line(trainer: Any, state: State, device: Any, plan: tuple | None = N
                 else:
                     where += f"; until ready: the first generation waits (at most {rc.start_timeout_s:g} s)"
         parts.append(f"rollout={name} ({where})")
-    ws = "upstream" if pm.is_upstream("weight_sync") else _plugin(pm, "weight_sync")
+    ws = pm.selected["weight_sync"]
     if ws == "mrl":
         ws = cfg.weight_sync.transport
     parts.append(f"weight_sync={ws}")
-    comm = "upstream" if pm.is_upstream("comm") else _plugin(pm, "comm")
+    comm = pm.selected["comm"]
     if comm == "mrl":
         from mrl_plugins.comm.codec import resolve_codec
 
@@ -472,12 +472,6 @@ def summary_line(trainer: Any, state: State, device: Any, plan: tuple | None = N
     world = getattr(acc, "num_processes", 1) or 1
     rank = f" [rank {acc.process_index}/{world}]" if world > 1 else ""
     return "mrl-plugins: " + ", ".join(parts) + rank
-
-
-def _plugin(pm: Any, stage: str) -> str:
-    """The selected plugin's name as configured: ``mrl`` for the built-in ``mrl.<stage>``."""
-    name = str(pm.selected[stage])
-    return "mrl" if name == f"mrl.{stage}" else name
 
 
 def disable(trainer: Any) -> None:

@@ -73,7 +73,7 @@ class LookaheadLoader:
 
 class MrlGeneration:
     """Stands in for ``trainer.vllm_generation``; calls the rollout stage's runtime (``runtime``, set by the adapter
-    from ``mrl_rollout_open_runtime``)."""
+    from ``RolloutStage.open_runtime``)."""
 
     def __init__(self, ctx: StageContext, trainer: Any) -> None:
         self.ctx = ctx

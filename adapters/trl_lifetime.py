@@ -69,7 +69,7 @@ class State:
     # ------------------------------------------------------------------ worker pool
     @property
     def runtime(self) -> Any:
-        """The rollout stage's runtime (``mrl_rollout_open_runtime``), owned and closed by this state."""
+        """The rollout stage's runtime (``RolloutStage.open_runtime``), owned and closed by this state."""
         return self._runtime
 
     @runtime.setter

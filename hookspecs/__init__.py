@@ -1,25 +1,30 @@
 """The mrl-plugins hook contract (installed as ``mrl_plugins.hookspecs``).
 
-:mod:`~mrl_plugins.hookspecs.spec` -- the hooks; :mod:`~mrl_plugins.hookspecs.channels` -- the typed ends the
-stage hooks return (sender, receiver, producer, consumer, runtime) and their capabilities;
+:mod:`~mrl_plugins.hookspecs.spec` -- the hooks; :mod:`~mrl_plugins.hookspecs.channels` -- the stages and the
+typed ends they open (sender, receiver, producer, consumer, runtime) and their capabilities;
 :mod:`~mrl_plugins.hookspecs.types` -- registrations, results and the per-run context.
 """
 
 from mrl_plugins.hookspecs import channels, spec
 from mrl_plugins.hookspecs.channels import (
+    STAGE_PROTOCOLS,
     Capabilities,
+    CommStage,
     Experience,
     ExperienceConsumer,
     ExperienceProducer,
     RolloutHost,
     RolloutRuntime,
     RolloutSetup,
+    RolloutStage,
     WeightReceiver,
     WeightSender,
+    WeightSyncStage,
 )
-from mrl_plugins.hookspecs.spec import PROJECT_NAME, STAGE_HOOKS, hookimpl, hookspec
+from mrl_plugins.hookspecs.spec import PROJECT_NAME, hookimpl, hookspec
 from mrl_plugins.hookspecs.types import (
     REGISTRATION_HOOKS,
+    STAGE_HOOKS,
     STAGES,
     CommCodec,
     CommTransport,
@@ -27,6 +32,7 @@ from mrl_plugins.hookspecs.types import (
     RolloutEngine,
     RolloutResult,
     StageContext,
+    StagePlugin,
     SwitchReport,
     WeightTransport,
 )
@@ -36,8 +42,10 @@ __all__ = [
     "REGISTRATION_HOOKS",
     "STAGES",
     "STAGE_HOOKS",
+    "STAGE_PROTOCOLS",
     "Capabilities",
     "CommCodec",
+    "CommStage",
     "CommTransport",
     "Experience",
     "ExperienceConsumer",
@@ -48,10 +56,13 @@ __all__ = [
     "RolloutResult",
     "RolloutRuntime",
     "RolloutSetup",
+    "RolloutStage",
     "StageContext",
+    "StagePlugin",
     "SwitchReport",
     "WeightReceiver",
     "WeightSender",
+    "WeightSyncStage",
     "WeightTransport",
     "channels",
     "hookimpl",

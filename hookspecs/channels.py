@@ -1,16 +1,24 @@
-"""The typed ends each stage builds: what the ``mrl_<stage>_open_*`` hooks return (after veRL's
-``checkpoint_engine/base.py``: one small interface per role, its lifecycle and its capabilities stated).
+"""The stages and the typed ends each builds (after veRL's ``checkpoint_engine/base.py``: one small interface per
+role, its lifecycle and its capabilities stated).
 
-Which side builds what (``T``: the trainer process, ``W``: a rollout worker or the trainer's in-process
+A stage is an object registered as a :class:`~mrl_plugins.hookspecs.types.StagePlugin` and selected by name
+(``plugins.<stage>``): a :class:`RolloutStage`, :class:`WeightSyncStage` or :class:`CommStage`. Each opens its
+ends; which side opens what (``T``: the trainer process, ``W``: a rollout worker or the trainer's in-process
 inference copy)::
 
-    stage        hook                                  side  returns
-    -----------  ------------------------------------  ----  -------------------------------------------
-    rollout      mrl_rollout_open_runtime              T     RolloutRuntime (generate, publish, close)
-    weight_sync  mrl_weight_sync_open_sender           T     WeightSender   (publish, receiver_handle)
-    weight_sync  mrl_weight_sync_open_receiver         W     WeightReceiver (poll, switch, active)
-    comm         mrl_comm_open_consumer                T     ExperienceConsumer (receive, producer_handle)
-    comm         mrl_comm_open_producer                W     ExperienceProducer (send)
+    stage        method                 side  returns
+    -----------  ---------------------  ----  -------------------------------------------
+    rollout      open_runtime           T     RolloutRuntime (generate, publish, close)
+    weight_sync  capabilities           T     Capabilities (before anything is opened)
+    weight_sync  open_sender            T     WeightSender   (publish, receiver_handle)
+    weight_sync  open_receiver          W     WeightReceiver (poll, switch, active)
+    comm         capabilities           T     Capabilities (before anything is opened)
+    comm         open_consumer          T     ExperienceConsumer (receive, producer_handle)
+    comm         open_producer          W     ExperienceProducer (send)
+
+Callers reach them through the process's plugin manager (``ctx.plugins.comm_open_consumer(...)``), which checks
+each answer against its protocol: ``None`` or an object lacking a member is one PluginError naming the method and
+the plugin. Methods are called with keyword arguments.
 
 A weight version travels ``RolloutRuntime.publish -> WeightSender.publish -> (transport) ->
 WeightReceiver.poll (staging) -> WeightReceiver.switch (active)``; a batch travels
@@ -35,7 +43,7 @@ from mrl_plugins.hookspecs.types import Capabilities
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
-    from mrl_plugins.hookspecs.types import PublishReport, RolloutResult, SwitchReport
+    from mrl_plugins.hookspecs.types import PublishReport, RolloutResult, StageContext, SwitchReport
 
 
 # --------------------------------------------------------------------------- weight sync
@@ -43,7 +51,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
 @runtime_checkable
 class WeightSender(Protocol):
-    """Trainer side of one model's weight stream (``mrl_weight_sync_open_sender``).
+    """Trainer side of one model's weight stream (``WeightSyncStage.open_sender``).
 
     Lifecycle: opened once per served model when the rollout stage starts; :meth:`publish` once per
     version (strictly increasing); :meth:`receiver_handle` any number of times (one per worker, also
@@ -58,7 +66,7 @@ class WeightSender(Protocol):
         ...
 
     def receiver_handle(self) -> Any:
-        """A picklable handle a receiver is opened from (``mrl_weight_sync_open_receiver``)."""
+        """A picklable handle a receiver is opened from (``WeightSyncStage.open_receiver``)."""
         ...
 
     def close(self) -> None: ...
@@ -66,7 +74,7 @@ class WeightSender(Protocol):
 
 @runtime_checkable
 class WeightReceiver(Protocol):
-    """Inference side of one model's weight stream (``mrl_weight_sync_open_receiver``).
+    """Inference side of one model's weight stream (``WeightSyncStage.open_receiver``).
 
     Lifecycle: opened once per served model in each worker (and for the in-process inference copy);
     :meth:`poll` between requests fetches a newer version into staging, :meth:`switch` makes it active
@@ -115,7 +123,7 @@ class Experience(Protocol):
 
 @runtime_checkable
 class ExperienceConsumer(Protocol):
-    """Trainer side of the experience path (``mrl_comm_open_consumer``): N producers -> 1 consumer.
+    """Trainer side of the experience path (``CommStage.open_consumer``): N producers -> 1 consumer.
 
     Lifecycle: opened once when the rollout stage starts, for a fixed number of producers;
     :meth:`producer_handle` once per producer index (again for a restarted worker when
@@ -125,7 +133,7 @@ class ExperienceConsumer(Protocol):
     capabilities: Capabilities
 
     def producer_handle(self, index: int) -> Any:
-        """A picklable handle producer ``index`` is opened from (``mrl_comm_open_producer``)."""
+        """A picklable handle producer ``index`` is opened from (``CommStage.open_producer``)."""
         ...
 
     def receive(self, timeout: float | None = None) -> Experience:
@@ -141,7 +149,7 @@ class ExperienceConsumer(Protocol):
 
 @runtime_checkable
 class ExperienceProducer(Protocol):
-    """Rollout side of the experience path (``mrl_comm_open_producer``), one per worker.
+    """Rollout side of the experience path (``CommStage.open_producer``), one per worker.
 
     Lifecycle: opened once per worker process from its handle; :meth:`send` once per generated batch
     (blocks at most ``timeout`` s when the consumer is behind: backpressure); :meth:`close` once.
@@ -161,7 +169,7 @@ class ExperienceProducer(Protocol):
 
 @runtime_checkable
 class RolloutRuntime(Protocol):
-    """Trainer side of the rollout stage (``mrl_rollout_open_runtime``): what the host calls where it generates.
+    """Trainer side of the rollout stage (``RolloutStage.open_runtime``): what the host calls where it generates.
 
     Lifecycle: opened at ``enable()``; may start processes lazily (optional ``start()``/``release()``,
     called when ``train()`` begins and ends); :meth:`publish` at the host's weight-sync points,
@@ -212,7 +220,7 @@ class RolloutHost(Protocol):
 
 @dataclass
 class RolloutSetup:
-    """What the host hands the rollout stage (``mrl_rollout_open_runtime``).
+    """What the host hands the rollout stage (``RolloutStage.open_runtime``).
 
     :param host: the trainer.
     :param model: the policy to serve (unwrapped from DDP/accelerate).
@@ -237,7 +245,77 @@ class RolloutSetup:
     processes: int = 1
 
 
-def check_end(obj: Any, protocol: type, hook: str, plugin: str) -> Any:
+# --------------------------------------------------------------------------- the stages
+
+
+@runtime_checkable
+class RolloutStage(Protocol):
+    """The rollout stage (``plugins.rollout``).
+
+    :meth:`open_runtime` is called once by the adapter at ``enable()``: ``ctx.host`` is the trainer, ``setup`` the
+    policy, sampling settings, seed, device and placement plan (:class:`RolloutSetup`). The runtime it returns
+    opens the other stages' ends through the manager (``ctx.plugins.weight_sync_open_sender(...)``,
+    ``ctx.plugins.comm_open_consumer(...)`` on this side; its workers open the receivers and producers with their
+    own manager) and owns them until ``close()``. Its ``generate`` is called once per generation batch, its
+    ``publish`` at the host's weight-sync points.
+    """
+
+    def open_runtime(self, ctx: StageContext, setup: RolloutSetup) -> RolloutRuntime: ...
+
+
+@runtime_checkable
+class WeightSyncStage(Protocol):
+    """The weight-sync stage (``plugins.weight_sync``): one weight stream per served model.
+
+    * :meth:`capabilities` -- what the ends it would open under ``ctx.config`` can do, asked at ``enable()``
+      before anything is opened (workers on other hosts need ``cross_host``, moved ones ``rejoinable``);
+    * :meth:`open_sender` -- trainer side, once per served model when the rollout stage starts: ``run_id`` is
+      unique per start (name shared memory, files, groups after it); ``receivers`` is how many processes open a
+      receiver from ``receiver_handle()`` (a collective transport sizes its group from it); ``same_process``: the
+      receiver is an inference copy in this process;
+    * :meth:`open_receiver` -- inference side, once per served model in each worker (and for an in-process
+      copy), loading into ``model`` from the sender's ``handle``; ``rank`` is this receiver's index among the
+      sender's ``receivers``. Names published go through ``mrl_weight_sync_map_name``
+      (``ctx.plugins.weight_sync_name_map(model_id)``).
+
+    The caller owns and closes the ends.
+    """
+
+    def capabilities(self, ctx: StageContext) -> Capabilities: ...
+
+    def open_sender(
+        self, ctx: StageContext, model_id: str, run_id: str, receivers: int, same_process: bool
+    ) -> WeightSender: ...
+
+    def open_receiver(
+        self, ctx: StageContext, model: torch.nn.Module, handle: Any, model_id: str, rank: int
+    ) -> WeightReceiver: ...
+
+
+@runtime_checkable
+class CommStage(Protocol):
+    """The communication stage (``plugins.comm``): experience from N rollout workers to the trainer.
+
+    * :meth:`capabilities` -- what its ends can do, asked at ``enable()`` before anything is opened;
+    * :meth:`open_consumer` -- trainer side, once when the rollout stage starts its workers, for ``producers``
+      producers, each opened from ``producer_handle(i)``;
+    * :meth:`open_producer` -- in each rollout worker at start, from the consumer's ``handle`` for ``index``.
+
+    The caller owns and closes the ends.
+    """
+
+    def capabilities(self, ctx: StageContext) -> Capabilities: ...
+
+    def open_consumer(self, ctx: StageContext, run_id: str, producers: int) -> ExperienceConsumer: ...
+
+    def open_producer(self, ctx: StageContext, handle: Any, index: int) -> ExperienceProducer: ...
+
+
+#: stage -> the protocol its selected plugin's object satisfies
+STAGE_PROTOCOLS: dict[str, type] = {"rollout": RolloutStage, "weight_sync": WeightSyncStage, "comm": CommStage}
+
+
+def check_end(obj: Any, protocol: type, what: str, plugin: str) -> Any:
     """``obj`` if it satisfies ``protocol`` (methods and attributes present), else a PluginError naming both."""
     if not isinstance(obj, protocol):
         from mrl_plugins.errors import PluginError
@@ -246,7 +324,7 @@ def check_end(obj: Any, protocol: type, hook: str, plugin: str) -> Any:
             n for n in getattr(protocol, "__protocol_attrs__", _protocol_attrs(protocol)) if not hasattr(obj, n)
         ]
         raise PluginError(
-            f"plugin {plugin!r}: {hook} returned a {type(obj).__name__}, which is not a {protocol.__name__} "
+            f"plugin {plugin!r}: {what} returned a {type(obj).__name__}, which is not a {protocol.__name__} "
             f"(missing: {', '.join(sorted(missing)) or '?'}; see mrl_plugins.hookspecs.channels)"
         )
     return obj
@@ -263,14 +341,18 @@ def _protocol_attrs(protocol: type) -> list[str]:
 
 
 __all__ = [
+    "STAGE_PROTOCOLS",
     "Capabilities",
+    "CommStage",
     "Experience",
     "ExperienceConsumer",
     "ExperienceProducer",
     "RolloutHost",
     "RolloutRuntime",
     "RolloutSetup",
+    "RolloutStage",
     "WeightReceiver",
     "WeightSender",
+    "WeightSyncStage",
     "check_end",
 ]

@@ -2,7 +2,9 @@
 
 Registration objects follow conda's plugin style: a hook returns small named dataclasses,
 the manager collects them, rejects duplicate names (naming both providers) and the
-configuration picks one by name.
+configuration picks one by name. Every selectable thing is found this one way: a whole stage
+(:class:`StagePlugin`, ``plugins.<stage>``) as much as an engine, a transport or a codec of the
+built-in stages.
 """
 
 from __future__ import annotations
@@ -121,13 +123,32 @@ class CommCodec(_Registration):
     (:class:`mrl_plugins.comm.codec.Codec` or a subclass: ``choose(name, tensor, array)`` per field)."""
 
 
-#: registration hook name -> (stage, registration class, what it is called in errors/config)
-REGISTRATION_HOOKS: dict[str, tuple[str, type[_Registration], str]] = {
-    "mrl_rollout_register_engines": ("rollout", RolloutEngine, "rollout engine"),
-    "mrl_weight_sync_register_transports": ("weight_sync", WeightTransport, "weight-sync transport"),
-    "mrl_comm_register_transports": ("comm", CommTransport, "comm transport"),
-    "mrl_comm_register_codecs": ("comm", CommCodec, "comm codec"),
+@dataclass(frozen=True)
+class StagePlugin(_Registration):
+    """An implementation of one whole stage, selected as ``plugins.<stage>: <name>`` (``mrl``, ``upstream`` or a
+    third party's). ``factory()`` returns the stage object: a :class:`~mrl_plugins.hookspecs.channels.RolloutStage`,
+    :class:`~mrl_plugins.hookspecs.channels.WeightSyncStage` or :class:`~mrl_plugins.hookspecs.channels.CommStage`
+    (which one follows from the hook that registers it); the manager builds it once, when it is selected."""
+
+
+#: registration hook -> (stage, registration class, what it is called in errors, the config key that selects one)
+REGISTRATION_HOOKS: dict[str, tuple[str, type[_Registration], str, str]] = {
+    "mrl_rollout_register_stages": ("rollout", StagePlugin, "rollout plugin", "plugins.rollout"),
+    "mrl_weight_sync_register_stages": ("weight_sync", StagePlugin, "weight-sync plugin", "plugins.weight_sync"),
+    "mrl_comm_register_stages": ("comm", StagePlugin, "comm plugin", "plugins.comm"),
+    "mrl_rollout_register_engines": ("rollout", RolloutEngine, "rollout engine", "rollout.engine"),
+    "mrl_weight_sync_register_transports": (
+        "weight_sync",
+        WeightTransport,
+        "weight-sync transport",
+        "weight_sync.transport",
+    ),
+    "mrl_comm_register_transports": ("comm", CommTransport, "comm transport", "comm.transport"),
+    "mrl_comm_register_codecs": ("comm", CommCodec, "comm codec", "comm.codec"),
 }
+
+#: stage -> the registration hook of its whole-stage implementations
+STAGE_HOOKS: dict[str, str] = {stage: f"mrl_{stage}_register_stages" for stage in STAGES}
 
 
 @dataclass
@@ -175,7 +196,7 @@ class SwitchReport:
 
 @dataclass
 class StageContext:
-    """Per-run state handed to every stage hook.
+    """Per-run state handed to every stage method (``open_*``, ``capabilities``) and to ``mrl_shutdown``.
 
     ``config`` is the validated :class:`mrl_plugins.config.MrlConfig`; ``host`` is the trainer
     (or ``None`` outside a trainer); ``metrics`` collects ``mrl/<stage>/...`` numbers that the

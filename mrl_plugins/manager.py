@@ -1,14 +1,17 @@
-"""The plugin manager: a typed facade over ``pluggy.PluginManager`` (after tox 4's ``tox.plugin.manager``).
+"""The plugin manager: a small typed pass-through over ``pluggy.PluginManager`` (after tox 4's
+``tox.plugin.manager``), with one registry as the lookup (after conda's ``conda/plugins``).
 
 * built-in plugins are registered under short names: ``upstream`` (TRL's own code for every stage)
-  and ``mrl.rollout`` / ``mrl.weight_sync`` / ``mrl.comm`` (selected as ``mrl``);
-* third-party plugins come from the ``mrl_plugins`` entry-point group (unless autoload is off);
-* blocking (config ``disable``, ``MRL_DISABLED_PLUGINS``, ``--disable``) happens before anything is loaded;
-* per stage, exactly one plugin is selected and it must implement every hook of that stage
-  (``STAGE_HOOKS``); its hooks are the only ones called for that stage (other plugins' hook wrappers
-  still run), and an unanswered one is an error naming the hook and the plugin;
-* registration hooks are collected into name -> registration tables; one name from two providers
-  is an error naming both.
+  and ``mrl.rollout`` / ``mrl.weight_sync`` / ``mrl.comm``; third-party plugins come from the
+  ``mrl_plugins`` entry-point group (unless autoload is off);
+* blocking (config ``disable``, ``MRL_DISABLED_PLUGINS``, ``--disable``) happens before anything is
+  loaded: a blocked plugin registers nothing;
+* everything selectable is a registration (``mrl_<stage>_register_<things>``), collected into one
+  name -> registration table per kind, where one name from two plugins is an error naming both;
+  the config picks one by name: a whole stage (``plugins.<stage>``: ``mrl``, ``upstream`` or a third
+  party's) the same way as an engine, a transport or a codec (``rollout.engine``, ...);
+* the selected stage objects are called through this manager (``comm_open_consumer`` ...), which
+  checks each answer against the stage's protocol (:mod:`mrl_plugins.hookspecs.channels`).
 
 There is no module-level manager: call :func:`get_plugin_manager` for a fresh one.
 """
@@ -24,7 +27,7 @@ from typing import Any
 import pluggy
 
 from mrl_plugins.errors import ConfigError, PluginError, choices
-from mrl_plugins.hookspecs import PROJECT_NAME, REGISTRATION_HOOKS, STAGE_HOOKS, STAGES, spec
+from mrl_plugins.hookspecs import PROJECT_NAME, REGISTRATION_HOOKS, STAGE_HOOKS, STAGE_PROTOCOLS, STAGES, spec
 
 ENTRY_POINT_GROUP = "mrl_plugins"
 
@@ -36,12 +39,17 @@ BUILTIN_PLUGINS: dict[str, str] = {
     "mrl.comm": "mrl_plugins.comm.plugin:CommPlugin",
 }
 
-#: config section/key that selects a registration of each kind
-_BACKEND_KEYS: dict[str, tuple[str, str]] = {
-    "mrl_rollout_register_engines": ("rollout", "engine"),
-    "mrl_weight_sync_register_transports": ("weight_sync", "transport"),
-    "mrl_comm_register_transports": ("comm", "transport"),
-    "mrl_comm_register_codecs": ("comm", "codec"),
+
+#: the stage hooks of releases before stages were registrations -> their stage (named in the error a plugin written
+#: for them gets)
+REMOVED_HOOKS: dict[str, str] = {
+    "mrl_rollout_open_runtime": "rollout",
+    "mrl_weight_sync_capabilities": "weight_sync",
+    "mrl_weight_sync_open_sender": "weight_sync",
+    "mrl_weight_sync_open_receiver": "weight_sync",
+    "mrl_comm_capabilities": "comm",
+    "mrl_comm_open_consumer": "comm",
+    "mrl_comm_open_producer": "comm",
 }
 
 
@@ -62,38 +70,35 @@ def _is_blocked(name: str, disabled: Iterable[str]) -> bool:
 
 
 class MrlPluginManager:
-    """Typed facade over pluggy; build with :func:`get_plugin_manager`."""
+    """Typed pass-through over pluggy; build with :func:`get_plugin_manager`."""
 
     def __init__(self) -> None:
         self.pm = pluggy.PluginManager(PROJECT_NAME)
         self.pm.add_hookspecs(spec)
         self._sources: dict[str, str] = {}
         self._disabled: list[str] = []
-        self._selected: dict[str, str] = {}
-        self._callers: dict[str, Any] = {}
-        self._registry: dict[str, dict[str, Any]] = {}
+        #: stage -> (selected name, the stage object)
+        self._stages: dict[str, tuple[str, Any]] = {}
+        #: registration hook -> (name -> registration, name -> providing plugin)
+        self._registry: dict[str, tuple[dict[str, Any], dict[str, str]]] = {}
         self.config: Any = None
         #: how another process (a rollout worker) builds the same manager: ``factory(config)``
         self.factory: Callable[[Any], MrlPluginManager] = get_plugin_manager
 
     # ------------------------------------------------------------------ loading
     def block(self, names: Iterable[str]) -> None:
-        """Block plugin names (and ``name.*``) before loading; already-registered ones are removed."""
+        """Block plugin names (and ``name.*``) before loading; already-registered ones are removed, and a stage
+        one of them provided is unselected (its calls then raise "no plugin selected")."""
         for name in names:
             if name not in self._disabled:
                 self._disabled.append(name)
             self.pm.set_blocked(name)
             for registered in [n for n, _ in self.pm.list_name_plugin() if _is_blocked(n, [name])]:
+                for stage in self._provided(registered):
+                    self._stages.pop(stage, None)
                 self.pm.unregister(name=registered)
                 self.pm.set_blocked(registered)
                 self._sources.pop(registered, None)
-                for stage in [s for s, n in self._selected.items() if n == registered]:
-                    del self._selected[stage]  # its stage calls now raise "no plugin selected"
-        self._changed()
-
-    def _changed(self) -> None:
-        """Forget routed callers and registration tables: the set of plugins changed."""
-        self._callers.clear()
         self._registry.clear()
 
     def register(self, plugin: Any, name: str, *, source: str = "manual") -> None:
@@ -115,7 +120,7 @@ class MrlPluginManager:
         except ValueError as exc:  # the same object under a second name
             raise PluginError(f"plugin {name!r} ({source}): {_one_line(exc)}") from exc
         self._sources[name] = source
-        self._changed()
+        self._registry.clear()
 
     def load_builtins(self) -> None:
         for name, target in BUILTIN_PLUGINS.items():
@@ -157,105 +162,16 @@ class MrlPluginManager:
                 raise PluginError(f"entry point {ep.name!r} ({ep.value}) failed to load: {exc}") from exc
             self.register(plugin, ep.name, source="entrypoint")
 
-    # ------------------------------------------------------------------ introspection
-    def provided_stages(self, plugin: Any) -> tuple[str, ...]:
-        """Stages for which ``plugin`` implements an operation hook (hook wrappers do not count)."""
-        provided = {
-            caller.name
-            for caller in (self.pm.get_hookcallers(plugin) or [])
-            if any(impl.plugin is plugin and not _is_wrapper(impl) for impl in caller.get_hookimpls())
-        }
-        return tuple(s for s in STAGES if any(h in provided for h in STAGE_HOOKS[s]))
-
-    def _missing_hooks(self, plugin: Any, stage: str) -> list[str]:
-        """The stage hooks of ``stage`` that ``plugin`` does not implement (hook wrappers do not count)."""
-        have = {
-            caller.name
-            for caller in (self.pm.get_hookcallers(plugin) or [])
-            if any(impl.plugin is plugin and not _is_wrapper(impl) for impl in caller.get_hookimpls())
-        }
-        return [h for h in STAGE_HOOKS[stage] if h not in have]
-
-    def providers(self, stage: str) -> dict[str, Any]:
-        return {n: p for n, p in self.pm.list_name_plugin() if p is not None and stage in self.provided_stages(p)}
-
-    def plugin_infos(self) -> list[PluginInfo]:
-        rows = []
-        for name, plugin in sorted(self.pm.list_name_plugin(), key=lambda x: x[0]):
-            if plugin is None:
-                continue
-            active = tuple(s for s in STAGES if self._selected.get(s) == name)
-            rows.append(PluginInfo(name, self.provided_stages(plugin), self._sources.get(name, "manual"), active))
-        for name in self._disabled:
-            rows.append(PluginInfo(name, (), "blocked", (), blocked=True))
-        return rows
-
-    # ------------------------------------------------------------------ selection
-    def resolve(self, stage: str, name: str) -> str:
-        """The registered plugin name that provides ``stage`` for config value ``name``."""
-        if stage not in STAGES:
-            raise PluginError(f"unknown stage {stage!r}; valid stages: {choices(STAGES)}")
-        providers = self.providers(stage)
-        for candidate in (name, f"{name}.{stage}"):
-            if candidate in providers:
-                return candidate
-        if _is_blocked(name, self._disabled) or _is_blocked(f"{name}.{stage}", self._disabled):
-            raise PluginError(
-                f"plugins.{stage}: {name!r} is blocked (disable list / MRL_DISABLED_PLUGINS); "
-                f"available for {stage}: {choices(self._short_names(providers, stage))}"
-            )
-        raise PluginError(
-            f"plugins.{stage}: unknown plugin {name!r}; available for {stage}: "
-            f"{choices(self._short_names(providers, stage))}"
-        )
-
-    @staticmethod
-    def _short_names(providers: dict[str, Any], stage: str) -> list[str]:
-        return [n[: -len(stage) - 1] if n.endswith("." + stage) else n for n in providers]
-
-    def select(self, selection: dict[str, str]) -> None:
-        """Select one plugin per stage (all stages must be given); errors raise before anything changes."""
-        unknown = sorted(set(selection) - set(STAGES))
-        if unknown:
-            raise PluginError(f"unknown stage {unknown[0]!r}; valid stages: {choices(STAGES)}")
-        missing = [stage for stage in STAGES if stage not in selection]
-        if missing:
-            raise PluginError(f"select: missing stage {missing[0]!r}; every stage needs a plugin: {choices(STAGES)}")
-        resolved = {stage: self.resolve(stage, selection[stage]) for stage in STAGES}
-        for stage, name in resolved.items():
-            missing = self._missing_hooks(self.pm.get_plugin(name), stage)
-            if missing:
-                raise PluginError(
-                    f"plugins.{stage}: plugin {name!r} does not implement {choices(missing)}; a plugin selected for "
-                    f"{stage} implements {choices(STAGE_HOOKS[stage])} (see mrl_plugins.hookspecs.spec)"
-                )
-        self._selected = resolved
-        self._callers.clear()
-
-    @property
-    def selected(self) -> dict[str, str]:
-        return dict(self._selected)
-
-    def is_upstream(self, stage: str) -> bool:
-        return self._selected.get(stage) == "upstream"
-
-    def _caller(self, stage: str, hook: str) -> Callable[..., Any]:
-        key = f"{stage}:{hook}"
-        if key not in self._callers:
-            if stage not in self._selected:
-                raise PluginError(f"no plugin selected for stage {stage!r}; call select() first")
-            others = [p for n, p in self.providers(stage).items() if n != self._selected[stage]]
-            # cached until the plugin set or the selection changes (register/block/select clear it)
-            self._callers[key] = self.pm.subset_hook_caller(hook, remove_plugins=others)
-        return self._callers[key]
-
-    # ------------------------------------------------------------------ registrations
+    # ------------------------------------------------------------------ the registry: the one lookup
     def registry(self, hook: str) -> dict[str, Any]:
         """name -> registration for one registration hook; duplicate names raise naming both providers."""
+        return dict(self._table(hook)[0])
+
+    def _table(self, hook: str) -> tuple[dict[str, Any], dict[str, str]]:
         if hook not in self._registry:
             if hook not in REGISTRATION_HOOKS:
                 raise PluginError(f"unknown registration hook {hook!r}; valid: {choices(REGISTRATION_HOOKS)}")
-            _stage, cls, what = REGISTRATION_HOOKS[hook]
+            _stage, cls, what, _key = REGISTRATION_HOOKS[hook]
             table: dict[str, Any] = {}
             owners: dict[str, str] = {}
             for impl in getattr(self.pm.hook, hook).get_hookimpls():
@@ -281,18 +197,69 @@ class MrlPluginManager:
                         )
                     table[reg.name] = reg
                     owners[reg.name] = impl.plugin_name
-            self._registry[hook] = table
+            self._registry[hook] = (table, owners)
         return self._registry[hook]
 
     def backend(self, hook: str, name: str) -> Any:
-        """The registration called ``name`` (ConfigError naming the valid choices otherwise)."""
-        table = self.registry(hook)
+        """The registration called ``name`` (ConfigError naming the key and the valid choices otherwise)."""
+        table = self._table(hook)[0]
         if name not in table:
-            section, key = _BACKEND_KEYS[hook]
-            raise ConfigError(
-                f"{section}.{key}: unknown {REGISTRATION_HOOKS[hook][2]} {name!r}; valid: {choices(table)}"
-            )
+            _stage, _cls, what, key = REGISTRATION_HOOKS[hook]
+            raise ConfigError(f"{key}: unknown {what} {name!r}; valid: {choices(table)}")
         return table[name]
+
+    def _provided(self, plugin_name: str) -> tuple[str, ...]:
+        """The stages ``plugin_name`` registers an implementation of."""
+        return tuple(s for s in STAGES if plugin_name in self._table(STAGE_HOOKS[s])[1].values())
+
+    def plugin_infos(self) -> list[PluginInfo]:
+        rows = []
+        for name, plugin in sorted(self.pm.list_name_plugin(), key=lambda x: x[0]):
+            if plugin is None:
+                continue
+            active = tuple(s for s, pick in self.selected.items() if self._table(STAGE_HOOKS[s])[1].get(pick) == name)
+            rows.append(PluginInfo(name, self._provided(name), self._sources.get(name, "manual"), active))
+        for name in self._disabled:
+            rows.append(PluginInfo(name, (), "blocked", (), blocked=True))
+        return rows
+
+    # ------------------------------------------------------------------ selection
+    def select(self, selection: dict[str, str]) -> None:
+        """Select one implementation per stage by name (all stages must be given) and build it; errors raise before
+        anything changes."""
+        unknown = sorted(set(selection) - set(STAGES))
+        if unknown:
+            raise PluginError(f"unknown stage {unknown[0]!r}; valid stages: {choices(STAGES)}")
+        missing = [stage for stage in STAGES if stage not in selection]
+        if missing:
+            raise PluginError(f"select: missing stage {missing[0]!r}; every stage needs a plugin: {choices(STAGES)}")
+        built = {}
+        for stage in STAGES:
+            name = selection[stage]
+            table = self._table(STAGE_HOOKS[stage])[0]
+            if name not in table:
+                blocked = _is_blocked(name, self._disabled) or _is_blocked(f"{name}.{stage}", self._disabled)
+                what = f"{name!r} is blocked (disable list / MRL_DISABLED_PLUGINS)" if blocked else "unknown plugin"
+                what = what if blocked else f"{what} {name!r}"
+                raise PluginError(f"plugins.{stage}: {what}; available for {stage}: {choices(table)}")
+            obj = table[name].factory()
+            protocol = STAGE_PROTOCOLS[stage]
+            if not isinstance(obj, protocol):
+                lacking = [m for m in _members(protocol) if not callable(getattr(obj, m, None))]
+                raise PluginError(
+                    f"plugins.{stage}: plugin {name!r} does not implement {choices(lacking)}; a {stage} plugin's "
+                    f"object is a {protocol.__name__} (see mrl_plugins.hookspecs.channels)"
+                )
+            built[stage] = (name, obj)
+        self._stages = built
+
+    @property
+    def selected(self) -> dict[str, str]:
+        """stage -> the selected name, as configured (``mrl``, ``upstream``, a third party's)."""
+        return {stage: name for stage, (name, _obj) in self._stages.items()}
+
+    def is_upstream(self, stage: str) -> bool:
+        return self.selected.get(stage) == "upstream"
 
     def validate_backends(self, config: Any) -> None:
         """Check every backend name in ``config`` against the registrations; a section that reads what its backend
@@ -301,16 +268,17 @@ class MrlPluginManager:
 
         Stages run by ``upstream`` are skipped: TRL's own path ignores those keys.
         """
-        for hook, (section, key) in _BACKEND_KEYS.items():
-            if self._selected and self.is_upstream(section):
+        for hook, (stage, _cls, _what, key) in REGISTRATION_HOOKS.items():
+            section, _, field = key.partition(".")
+            if section == "plugins" or (self._stages and self.is_upstream(stage)):
                 continue
             part = getattr(config, section)
-            registration = self.backend(hook, getattr(part, key))
+            registration = self.backend(hook, getattr(part, field))
             check = getattr(part, "check_backend", None)
             if callable(check):
-                check(key, registration, self.registry(hook))
+                check(field, registration, self.registry(hook))
 
-    # ------------------------------------------------------------------ lifecycle facade
+    # ------------------------------------------------------------------ lifecycle
     def configure(self, config: Any) -> None:
         self.config = config
         self.pm.hook.mrl_configure.call_historic(kwargs={"config": config})
@@ -339,30 +307,30 @@ class MrlPluginManager:
             )
             raise PluginError(f"mrl_shutdown failed in plugin {name!r}: {type(exc).__name__}: {exc}{more}") from exc
 
-    # ------------------------------------------------------------------ stage facade
-    def _call(self, stage: str, hook: str, ctx: Any, protocol: type | None = None, **kwargs: Any) -> Any:
-        """Call ``hook`` on the plugin selected for ``stage``; an unanswered hook (``None``) or an answer that is not
-        a ``protocol`` is one PluginError naming the hook and the plugin."""
+    # ------------------------------------------------------------------ the stages, pass-through
+    def _call(self, stage: str, method: str, ctx: Any, protocol: type | None, **kwargs: Any) -> Any:
+        """``method`` of the object selected for ``stage``; an answer of ``None``, or one that is not a ``protocol``,
+        is one PluginError naming the method and the plugin."""
+        if stage not in self._stages:
+            raise PluginError(f"no plugin selected for stage {stage!r}; call select() first")
+        name, obj = self._stages[stage]
         if getattr(ctx, "plugins", None) is None:
             ctx.plugins = self
-        result = self._caller(stage, hook)(ctx=ctx, **kwargs)
-        name = self._selected[stage]
+        result = getattr(obj, method)(ctx=ctx, **kwargs)
         if result is None:
-            raise PluginError(
-                f"plugin {name!r} (selected for {stage}) left {hook} unanswered (returned None); a {stage} plugin "
-                f"implements {choices(STAGE_HOOKS[stage])} (see mrl_plugins.hookspecs.spec)"
-            )
+            expected = protocol.__name__ if protocol is not None else "an answer"
+            raise PluginError(f"{stage} plugin {name!r}: {method} returned None, expected {expected}")
         if protocol is not None:
             from mrl_plugins.hookspecs.channels import check_end
 
-            check_end(result, protocol, hook, name)
+            check_end(result, protocol, method, name)
         return result
 
     def rollout_open_runtime(self, *, ctx: Any, setup: Any) -> Any:
         """The selected rollout plugin's :class:`~mrl_plugins.hookspecs.channels.RolloutRuntime`."""
         from mrl_plugins.hookspecs.channels import RolloutRuntime
 
-        return self._call("rollout", "mrl_rollout_open_runtime", ctx, RolloutRuntime, setup=setup)
+        return self._call("rollout", "open_runtime", ctx, RolloutRuntime, setup=setup)
 
     def capabilities(self, stage: str, ctx: Any = None) -> Any:
         """What the selected plugin's ends of ``stage`` (``weight_sync`` or ``comm``) can do, before any is opened."""
@@ -372,10 +340,10 @@ class MrlPluginManager:
         if stage not in ("weight_sync", "comm"):
             raise PluginError(f"capabilities: valid stages are {choices(('weight_sync', 'comm'))}, got {stage!r}")
         ctx = ctx if ctx is not None else StageContext(config=self.config, plugins=self)
-        caps = self._call(stage, f"mrl_{stage}_capabilities", ctx)
+        caps = self._call(stage, "capabilities", ctx, None)
         if not isinstance(caps, Capabilities):
             raise PluginError(
-                f"plugin {self._selected[stage]!r}: mrl_{stage}_capabilities returned a {type(caps).__name__}, "
+                f"plugin {self.selected[stage]!r}: {stage} capabilities returned a {type(caps).__name__}, "
                 f"expected Capabilities"
             )
         return caps
@@ -386,7 +354,7 @@ class MrlPluginManager:
         from mrl_plugins.hookspecs.channels import WeightSender
 
         return self._call(
-            "weight_sync", "mrl_weight_sync_open_sender", ctx, WeightSender,
+            "weight_sync", "open_sender", ctx, WeightSender,
             model_id=model_id, run_id=run_id, receivers=receivers, same_process=same_process,
         )  # fmt: skip
 
@@ -394,7 +362,7 @@ class MrlPluginManager:
         from mrl_plugins.hookspecs.channels import WeightReceiver
 
         return self._call(
-            "weight_sync", "mrl_weight_sync_open_receiver", ctx, WeightReceiver,
+            "weight_sync", "open_receiver", ctx, WeightReceiver,
             model=model, handle=handle, model_id=model_id, rank=rank,
         )  # fmt: skip
 
@@ -417,14 +385,16 @@ class MrlPluginManager:
     def comm_open_consumer(self, *, ctx: Any, run_id: str, producers: int) -> Any:
         from mrl_plugins.hookspecs.channels import ExperienceConsumer
 
-        return self._call(
-            "comm", "mrl_comm_open_consumer", ctx, ExperienceConsumer, run_id=run_id, producers=producers
-        )
+        return self._call("comm", "open_consumer", ctx, ExperienceConsumer, run_id=run_id, producers=producers)
 
     def comm_open_producer(self, *, ctx: Any, handle: Any, index: int) -> Any:
         from mrl_plugins.hookspecs.channels import ExperienceProducer
 
-        return self._call("comm", "mrl_comm_open_producer", ctx, ExperienceProducer, handle=handle, index=index)
+        return self._call("comm", "open_producer", ctx, ExperienceProducer, handle=handle, index=index)
+
+
+def _members(protocol: type) -> list[str]:
+    return [n for n in vars(protocol) if not n.startswith("_") and callable(vars(protocol)[n])]
 
 
 def _one_line(exc: BaseException) -> str:
@@ -485,7 +455,14 @@ def get_plugin_manager(
         mgr.pm.check_pending()
     except pluggy.PluginValidationError as exc:
         name = mgr.pm.get_name(exc.plugin) or repr(exc.plugin)
-        raise PluginError(f"plugin {name!r} implements an unknown hook: {_one_line(exc)}") from exc
+        old = [h for h in REMOVED_HOOKS if h in str(exc)]
+        hint = (
+            f"; {old[0]} and the other stage hooks became methods of a stage object registered by "
+            f"mrl_<stage>_register_stages (mrl_{REMOVED_HOOKS[old[0]]}_register_stages; see docs/plugins.md)"
+            if old
+            else ""
+        )
+        raise PluginError(f"plugin {name!r} implements an unknown hook: {_one_line(exc)}{hint}") from exc
     if select:
         mgr.select(cfg.plugins.as_dict())
         mgr.validate_backends(cfg)

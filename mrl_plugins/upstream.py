@@ -25,6 +25,7 @@ from mrl_plugins.hookspecs import (
     RolloutResult,
     RolloutSetup,
     StageContext,
+    StagePlugin,
     SwitchReport,
     hookimpl,
 )
@@ -154,26 +155,25 @@ class InPlaceReceiver:
         pass
 
 
-class UpstreamPlugin:
-    """TRL's own behaviour for rollout, weight sync and communication."""
+class UpstreamRollout:
+    """``plugins.rollout: upstream``: TRL's own generation (a
+    :class:`~mrl_plugins.hookspecs.channels.RolloutStage`)."""
 
-    # ---------------------------------------------------------------- rollout
-    @hookimpl
-    def mrl_rollout_open_runtime(self, ctx: StageContext, setup: RolloutSetup) -> TrainerGeneration:
+    def open_runtime(self, ctx: StageContext, setup: RolloutSetup) -> TrainerGeneration:
         trainer = setup.host
         if trainer is None or not hasattr(trainer, "_generate_single_turn"):
             raise PluginError("rollout 'upstream' runs TRL's own generation and needs a TRL trainer as host")
         return TrainerGeneration(trainer)
 
-    # ---------------------------------------------------------------- weight sync
-    @hookimpl
-    def mrl_weight_sync_capabilities(self, ctx: StageContext) -> Capabilities:
+
+class UpstreamWeightSync:
+    """``plugins.weight_sync: upstream``: TRL's per-parameter update (a
+    :class:`~mrl_plugins.hookspecs.channels.WeightSyncStage`)."""
+
+    def capabilities(self, ctx: StageContext) -> Capabilities:
         return _PER_PARAM
 
-    @hookimpl
-    def mrl_weight_sync_open_sender(
-        self, ctx: StageContext, model_id: str, run_id: str, receivers: int, same_process: bool
-    ) -> Any:
+    def open_sender(self, ctx: StageContext, model_id: str, run_id: str, receivers: int, same_process: bool) -> Any:
         if same_process:
             return InPlaceSender(model_id)
         from mrl_plugins.weight_sync.broadcast import PerParamSender
@@ -182,10 +182,7 @@ class UpstreamPlugin:
         sender.capabilities = _PER_PARAM
         return sender
 
-    @hookimpl
-    def mrl_weight_sync_open_receiver(
-        self, ctx: StageContext, model: Any, handle: Any, model_id: str, rank: int
-    ) -> Any:
+    def open_receiver(self, ctx: StageContext, model: Any, handle: Any, model_id: str, rank: int) -> Any:
         if isinstance(handle, InPlaceHandle):
             return InPlaceReceiver(model, handle.sender, model_id)
         from mrl_plugins.weight_sync.plugin import attach_handle
@@ -195,21 +192,38 @@ class UpstreamPlugin:
         loader.capabilities = _PER_PARAM
         return loader
 
-    # ---------------------------------------------------------------- comm
-    @hookimpl
-    def mrl_comm_capabilities(self, ctx: StageContext) -> Capabilities:
+
+class UpstreamComm:
+    """``plugins.comm: upstream``: pickled Python objects on a queue (a
+    :class:`~mrl_plugins.hookspecs.channels.CommStage`)."""
+
+    def capabilities(self, ctx: StageContext) -> Capabilities:
         return _QUEUE
 
-    @hookimpl
-    def mrl_comm_open_consumer(self, ctx: StageContext, run_id: str, producers: int) -> Any:
+    def open_consumer(self, ctx: StageContext, run_id: str, producers: int) -> Any:
         from mrl_plugins.comm.queue_transport import queue_factory
 
         consumer = queue_factory(ctx.config.comm, n_producers=producers, run_id=run_id)  # pickled Python objects
         consumer.capabilities = _QUEUE
         return consumer
 
-    @hookimpl
-    def mrl_comm_open_producer(self, ctx: StageContext, handle: Any, index: int) -> Any:
+    def open_producer(self, ctx: StageContext, handle: Any, index: int) -> Any:
         producer = handle.attach()
         producer.capabilities = _QUEUE
         return producer
+
+
+class UpstreamPlugin:
+    """TRL's own behaviour for rollout, weight sync and communication: ``upstream`` for every stage."""
+
+    @hookimpl
+    def mrl_rollout_register_stages(self) -> list[StagePlugin]:
+        return [StagePlugin("upstream", UpstreamRollout, "TRL's own generation with the training model")]
+
+    @hookimpl
+    def mrl_weight_sync_register_stages(self) -> list[StagePlugin]:
+        return [StagePlugin("upstream", UpstreamWeightSync, "TRL's per-parameter update into live weights")]
+
+    @hookimpl
+    def mrl_comm_register_stages(self) -> list[StagePlugin]:
+        return [StagePlugin("upstream", UpstreamComm, "pickled objects on a multiprocessing queue")]

@@ -152,21 +152,24 @@ def test_bad_selection_exit_2_one_line(capsys, args, expected):
 
 
 COMM_PLUG = """
-    from mrl_plugins.hookspecs import Capabilities, hookimpl
+    from mrl_plugins.hookspecs import Capabilities, StagePlugin, hookimpl
+
+
+    class Comm:
+        def capabilities(self, ctx):
+            return Capabilities()
+
+        def open_consumer(self, ctx, run_id, producers):
+            return None
+
+        def open_producer(self, ctx, handle, index):
+            return None
 
 
     class Plug:
         @hookimpl
-        def mrl_comm_capabilities(self, ctx):
-            return Capabilities()
-
-        @hookimpl
-        def mrl_comm_open_consumer(self, ctx, run_id, producers):
-            return None
-
-        @hookimpl
-        def mrl_comm_open_producer(self, ctx, handle, index):
-            return None
+        def mrl_comm_register_stages(self):
+            return [StagePlugin("cliplug", Comm)]
 
 
     plugin = Plug()

@@ -161,7 +161,7 @@ def test_oversubscribe_opt_in_runs(tmp_path):
     )  # fmt: skip
     assert proc.returncode == 0, "\n".join(errors[-40:])
     result = json.loads((tmp_path / "r.json").read_text())
-    assert result["steps"] == 2 and result["plugins"]["rollout"] == "mrl.rollout"
+    assert result["steps"] == 2 and result["plugins"]["rollout"] == "mrl"
     assert result["mrl_metrics"]["mrl/comm/frames"] > 0  # the batches came from the workers
 
 

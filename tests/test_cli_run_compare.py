@@ -49,7 +49,7 @@ def test_mrl_run_trains_and_writes_json(tmp_path):
     assert "switch model_id=policy" in proc.stderr  # version log lines reach the run log
     result = json.loads((tmp_path / "r.json").read_text())
     assert result["steps"] == 3 and len(result["rewards"]) == 3
-    assert result["plugins"]["rollout"] == "mrl.rollout"
+    assert result["plugins"]["rollout"] == "mrl"
     assert result["mrl_metrics"]["mrl/weights/bytes"] > 0
 
 

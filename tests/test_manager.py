@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import sys
 
 import pytest
@@ -15,6 +14,7 @@ from mrl_plugins.hookspecs import (
     CommCodec,
     RolloutEngine,
     StageContext,
+    StagePlugin,
     WeightTransport,
     hookimpl,
 )
@@ -42,7 +42,7 @@ def _infos(mgr) -> dict:
 FAKEPLUG = """
     import collections
 
-    from mrl_plugins.hookspecs import Capabilities, hookimpl
+    from mrl_plugins.hookspecs import Capabilities, StagePlugin, hookimpl
 
     CALLS = []
     CAPS = Capabilities(in_process=True)
@@ -79,21 +79,24 @@ FAKEPLUG = """
             CALLS.append("close")
 
 
-    class _FakePlug:
-        @hookimpl
-        def mrl_comm_capabilities(self, ctx):
+    class FakeComm:
+        def capabilities(self, ctx):
             CALLS.append("capabilities")
             return CAPS
 
-        @hookimpl
-        def mrl_comm_open_consumer(self, ctx, run_id, producers):
+        def open_consumer(self, ctx, run_id, producers):
             CALLS.append(("consumer", run_id, producers))
             return Channel()
 
-        @hookimpl
-        def mrl_comm_open_producer(self, ctx, handle, index):
+        def open_producer(self, ctx, handle, index):
             CALLS.append(("producer", index))
             return handle
+
+
+    class _FakePlug:
+        @hookimpl
+        def mrl_comm_register_stages(self):
+            return [StagePlugin("fakeplug", FakeComm)]
 
 
     plugin = _FakePlug()
@@ -101,21 +104,30 @@ FAKEPLUG = """
 
 
 class CommHooks:
-    """The three comm hooks, answered with ``caps`` (what routing tests probe with ``mgr.capabilities``)."""
+    """A comm stage whose ends are never opened: it answers ``capabilities`` with ``caps`` (what selection tests probe
+    with ``mgr.capabilities``) and the open methods with ``None``."""
 
     caps = Capabilities(cross_host=True)
 
-    @hookimpl
-    def mrl_comm_capabilities(self, ctx):
+    def capabilities(self, ctx):
         return self.caps
 
-    @hookimpl
-    def mrl_comm_open_consumer(self, ctx, run_id, producers):
+    def open_consumer(self, ctx, run_id, producers):
         return None
 
-    @hookimpl
-    def mrl_comm_open_producer(self, ctx, handle, index):
+    def open_producer(self, ctx, handle, index):
         return None
+
+
+def provides_comm(name, stage):
+    """A plugin object registering ``stage`` (a comm stage object) as the comm plugin ``name``."""
+
+    class Provider:
+        @hookimpl
+        def mrl_comm_register_stages(self):
+            return [StagePlugin(name, lambda: stage)]
+
+    return Provider()
 
 
 UPSTREAM_COMM = Capabilities(rejoinable=True)  # the queue transport's
@@ -136,9 +148,13 @@ def test_builtins_listed_with_their_stages(fresh_pm):
         assert infos[name].source == "builtin"
 
 
-def test_selecting_mrl_resolves_to_stage_plugin(fresh_pm):
+def test_selecting_mrl_finds_each_builtin_stage_plugin(fresh_pm):
+    from mrl_plugins.comm.plugin import CommPlugin
+    from mrl_plugins.hookspecs import STAGE_HOOKS
+
     mgr = fresh_pm()
-    assert mgr.selected == {"rollout": "mrl.rollout", "weight_sync": "mrl.weight_sync", "comm": "mrl.comm"}
+    assert mgr.selected == {"rollout": "mrl", "weight_sync": "mrl", "comm": "mrl"}
+    assert isinstance(mgr.registry(STAGE_HOOKS["comm"])["mrl"].factory(), CommPlugin)
     infos = _infos(mgr)
     assert infos["mrl.comm"].active_for == ("comm",)
     assert infos["upstream"].active_for == ()
@@ -155,7 +171,7 @@ def test_upstream_selected_everywhere(fresh_pm):
 
 def test_mixed_selection(fresh_pm):
     mgr = fresh_pm({"plugins": {"rollout": "mrl", "weight_sync": "upstream", "comm": "mrl"}})
-    assert mgr.selected == {"rollout": "mrl.rollout", "weight_sync": "upstream", "comm": "mrl.comm"}
+    assert mgr.selected == {"rollout": "mrl", "weight_sync": "upstream", "comm": "mrl"}
     assert not mgr.is_upstream("rollout") and mgr.is_upstream("weight_sync")
 
 
@@ -168,15 +184,15 @@ def test_unknown_plugin_names_valid_choices(fresh_pm):
 
 
 def test_plugin_that_does_not_provide_the_stage(fresh_pm):
-    with pytest.raises(PluginError, match=r"plugins\.comm: unknown plugin 'mrl\.rollout'"):
+    with pytest.raises(PluginError, match=r"plugins\.comm: unknown plugin 'mrl\.rollout'.*'mrl' or 'upstream'"):
         fresh_pm({"plugins": {"comm": "mrl.rollout"}})
+    with pytest.raises(PluginError, match=r"plugins\.rollout: unknown plugin 'x'"):
+        fresh_pm({"plugins": {"rollout": "x"}}, plugins=[("x", provides_comm("x", CommHooks()))])
 
 
 def test_unknown_stage(fresh_pm):
     mgr = fresh_pm(UPSTREAM)
     with pytest.raises(PluginError, match=r"unknown stage 'bogus'.*'comm', 'rollout' or 'weight_sync'"):
-        mgr.resolve("bogus", "mrl")
-    with pytest.raises(PluginError, match="unknown stage 'bogus'"):
         mgr.select({"bogus": "mrl", **UPSTREAM["plugins"]})
     assert mgr.selected == {stage: "upstream" for stage in STAGES}  # nothing half-applied
     with pytest.raises(ConfigError, match="unknown key 'bogus'"):
@@ -300,20 +316,22 @@ def test_third_party_plugin_not_selected_is_not_called(fresh_pm, install_dist):
 
 def test_entry_point_class_is_instantiated(fresh_pm, install_dist):
     source = """
-        from mrl_plugins.hookspecs import Capabilities, hookimpl
+        from mrl_plugins.hookspecs import Capabilities, StagePlugin, hookimpl
+
+        class Comm:
+            def capabilities(self, ctx):
+                return Capabilities(zero_copy=True, cross_host=True)
+
+            def open_consumer(self, ctx, run_id, producers):
+                return None
+
+            def open_producer(self, ctx, handle, index):
+                return None
 
         class Plug:
             @hookimpl
-            def mrl_comm_capabilities(self, ctx):
-                return Capabilities(zero_copy=True, cross_host=True)
-
-            @hookimpl
-            def mrl_comm_open_consumer(self, ctx, run_id, producers):
-                return None
-
-            @hookimpl
-            def mrl_comm_open_producer(self, ctx, handle, index):
-                return None
+            def mrl_comm_register_stages(self):
+                return [StagePlugin("classplug", Comm)]
     """
     install_dist("classplug", {"classplug": "classplug_mod:Plug"}, {"classplug_mod": source})
     mgr = fresh_pm({"plugins": {**UPSTREAM["plugins"], "comm": "classplug"}})
@@ -326,47 +344,24 @@ def test_entry_point_named_like_a_builtin_is_an_error(fresh_pm, install_dist):
         fresh_pm(UPSTREAM)
 
 
-# --------------------------------------------------------------------------- routing and wrappers
+# --------------------------------------------------------------------------- selection calls the selected object
 
 
-class Tracer:
-    """A non-provider plugin: only a hook wrapper around the comm stage's capabilities hook."""
-
-    def __init__(self) -> None:
-        self.events: list[str] = []
-
-    @hookimpl(wrapper=True)
-    def mrl_comm_capabilities(self, ctx):
-        self.events.append("before")
-        result = yield
-        self.events.append("after")
-        return dataclasses.replace(result, zero_copy=True)
-
-
-def test_wrapper_of_non_provider_runs_around_routed_call(fresh_pm):
-    tracer = Tracer()
-    mgr = fresh_pm(UPSTREAM, plugins=[("tracer", tracer)])
-    assert _infos(mgr)["tracer"].stages == ()
-    assert "tracer" not in mgr.providers("comm")
-    assert mgr.capabilities("comm") == dataclasses.replace(UPSTREAM_COMM, zero_copy=True)
-    assert tracer.events == ["before", "after"]
-
-
-def test_only_selected_provider_answers(fresh_pm):
+def test_only_the_selected_stage_object_answers(fresh_pm):
     class Second(CommHooks):
         calls = 0
 
-        @hookimpl
-        def mrl_comm_capabilities(self, ctx):
+        def capabilities(self, ctx):
             Second.calls += 1
             return self.caps
 
-    mgr = fresh_pm(UPSTREAM, plugins=[("second", Second())])
+    mgr = fresh_pm(UPSTREAM, plugins=[("second", provides_comm("second", Second()))])
     assert mgr.capabilities("comm") == UPSTREAM_COMM
     assert Second.calls == 0
     mgr.select({**UPSTREAM["plugins"], "comm": "second"})
     assert mgr.capabilities("comm") == CommHooks.caps
     assert Second.calls == 1
+    assert _infos(mgr)["second"].stages == ("comm",) and _infos(mgr)["second"].active_for == ("comm",)
 
 
 def test_weight_sync_routed_to_selected_plugin(fresh_pm):
@@ -398,42 +393,52 @@ def test_weight_sync_routed_to_selected_plugin(fresh_pm):
             sender.close()
 
 
-def test_unanswered_stage_hook_is_one_error_naming_hook_and_plugin(fresh_pm):
-    """A selected plugin whose open hook returns None (or an object that is not the stage's end) fails with one
-    PluginError naming the hook and the plugin, not a TypeError later."""
-    mgr = fresh_pm({"plugins": {**UPSTREAM["plugins"], "comm": "half"}}, plugins=[("half", CommHooks())])
+def test_unanswered_stage_method_is_one_error_naming_method_and_plugin(fresh_pm):
+    """A selected stage whose open method returns None (or an object that is not the stage's end) fails with one
+    PluginError naming the method and the plugin, not a TypeError later."""
+    mgr = fresh_pm(
+        {"plugins": {**UPSTREAM["plugins"], "comm": "half"}}, plugins=[("h", provides_comm("half", CommHooks()))]
+    )
     ctx = StageContext(config=mgr.config)
     with pytest.raises(
-        PluginError, match=r"plugin 'half' \(selected for comm\) left mrl_comm_open_consumer unanswered"
+        PluginError, match=r"comm plugin 'half': open_consumer returned None, expected ExperienceConsumer"
     ):
         mgr.comm_open_consumer(ctx=ctx, run_id="r", producers=1)
 
     class Wrong(CommHooks):
-        @hookimpl
-        def mrl_comm_open_consumer(self, ctx, run_id, producers):
+        def open_consumer(self, ctx, run_id, producers):
             return object()
 
-    mgr = fresh_pm({"plugins": {**UPSTREAM["plugins"], "comm": "wrong"}}, plugins=[("wrong", Wrong())])
+    mgr = fresh_pm(
+        {"plugins": {**UPSTREAM["plugins"], "comm": "wrong"}}, plugins=[("w", provides_comm("wrong", Wrong()))]
+    )
     with pytest.raises(
         PluginError,
-        match=r"plugin 'wrong': mrl_comm_open_consumer returned a object, which is not an? "
+        match=r"plugin 'wrong': open_consumer returned a object, which is not an? "
         r"ExperienceConsumer \(missing: capabilities, close, producer_handle, receive, stats",
     ):
         mgr.comm_open_consumer(ctx=ctx, run_id="r", producers=1)
 
 
-def test_plugin_missing_a_stage_hook_cannot_be_selected(fresh_pm):
+def test_plugin_missing_a_stage_method_cannot_be_selected(fresh_pm):
     class OnlyConsumer:
-        @hookimpl
-        def mrl_comm_open_consumer(self, ctx, run_id, producers):
+        def open_consumer(self, ctx, run_id, producers):
             return None
 
     with pytest.raises(
         PluginError,
-        match=r"plugins\.comm: plugin 'only' does not implement "
-        r"'mrl_comm_capabilities' or 'mrl_comm_open_producer'",
+        match=r"plugins\.comm: plugin 'only' does not implement 'capabilities' or 'open_producer'; a comm plugin's "
+        r"object is a CommStage",
     ):
-        fresh_pm({"plugins": {**UPSTREAM["plugins"], "comm": "only"}}, plugins=[("only", OnlyConsumer())])
+        fresh_pm(
+            {"plugins": {**UPSTREAM["plugins"], "comm": "only"}},
+            plugins=[("o", provides_comm("only", OnlyConsumer()))],
+        )
+
+
+def test_a_stage_plugin_name_from_two_plugins_names_both(fresh_pm):
+    with pytest.raises(PluginError, match=r"comm plugin 'upstream' is registered by both 'upstream' and 'mine'"):
+        fresh_pm(UPSTREAM, plugins=[("mine", provides_comm("upstream", CommHooks()))])
 
 
 # --------------------------------------------------------------------------- registrations
@@ -520,18 +525,30 @@ def test_registration_object_validation():
 def test_unknown_mrl_hook_fails_check_pending(fresh_pm):
     class Typo:
         @hookimpl
-        def mrl_comm_open_consumr(self, ctx, run_id, producers):
+        def mrl_comm_register_stage(self):
+            return []
+
+    with pytest.raises(PluginError, match=r"plugin 'typo' implements an unknown hook.*mrl_comm_register_stage\b"):
+        fresh_pm(UPSTREAM, plugins=[("typo", Typo())])
+
+
+def test_a_plugin_written_for_the_removed_stage_hooks_is_told_what_replaced_them(fresh_pm):
+    class OldStyle:
+        @hookimpl
+        def mrl_comm_open_consumer(self, ctx, run_id, producers):
             return None
 
-    with pytest.raises(PluginError, match=r"plugin 'typo' implements an unknown hook.*mrl_comm_open_consumr"):
-        fresh_pm(UPSTREAM, plugins=[("typo", Typo())])
+    with pytest.raises(
+        PluginError, match=r"plugin 'old' implements an unknown hook.*mrl_comm_open_consumer.*mrl_comm_register_stages"
+    ):
+        fresh_pm(UPSTREAM, plugins=[("old", OldStyle())])
 
 
 def test_hook_with_unknown_argument_is_plugin_error(fresh_pm):
     class ExtraArg:
         @hookimpl
-        def mrl_comm_open_consumer(self, ctx, run_id, producers, compression):
-            return None
+        def mrl_comm_register_codecs(self, compression):
+            return []
 
     with pytest.raises(PluginError, match=r"plugin 'extra'.*compression"):
         fresh_pm(UPSTREAM, plugins=[("extra", ExtraArg())])
@@ -542,10 +559,10 @@ def test_keyword_only_hook_parameters_rejected(fresh_pm):
 
     class KwOnly:
         @hookimpl
-        def mrl_comm_open_consumer(self, *, ctx, run_id, producers):
+        def mrl_shutdown(self, *, ctx, reason):
             return None
 
-    with pytest.raises(PluginError, match=r"plugin 'kw': hook mrl_comm_open_consumer declares keyword-only"):
+    with pytest.raises(PluginError, match=r"plugin 'kw': hook mrl_shutdown declares keyword-only"):
         fresh_pm(UPSTREAM, plugins=[("kw", KwOnly())])
 
 
@@ -587,7 +604,7 @@ def test_fresh_managers_are_independent(fresh_pm):
     class Extra(CommHooks):
         caps = Capabilities(zero_copy=True)
 
-    first = fresh_pm(UPSTREAM, plugins=[("extra", Extra())])
+    first = fresh_pm(UPSTREAM, plugins=[("extra", provides_comm("extra", Extra()))])
     second = fresh_pm(UPSTREAM)
     assert first is not second and first.pm is not second.pm
     assert "extra" in _names(first) and "extra" not in _names(second)
@@ -602,13 +619,13 @@ def test_fresh_managers_are_independent(fresh_pm):
 
 
 class Second(CommHooks):
-    """A second comm provider, registered late."""
+    """A second comm stage, registered late (as the plugin ``second``)."""
 
 
 def test_late_provider_does_not_take_over_selected_stage(fresh_pm):
     mgr = fresh_pm(UPSTREAM)
-    first = mgr.capabilities("comm")  # builds the routed caller
-    mgr.register(Second(), "second")
+    first = mgr.capabilities("comm")
+    mgr.register(provides_comm("second", Second()), "second")
     assert mgr.capabilities("comm") == first == UPSTREAM_COMM
     mgr.select({**UPSTREAM["plugins"], "comm": "second"})
     assert mgr.capabilities("comm") == Second.caps
@@ -622,7 +639,7 @@ def test_late_registration_appears_in_registry(fresh_pm):
 
 
 def test_blocking_a_selected_plugin_unselects_its_stage(fresh_pm):
-    mgr = fresh_pm(UPSTREAM, plugins=[("second", Second())])
+    mgr = fresh_pm(UPSTREAM, plugins=[("second", provides_comm("second", Second()))])
     mgr.select({**UPSTREAM["plugins"], "comm": "second"})
     assert mgr.capabilities("comm") == Second.caps
     mgr.block(["second"])
@@ -685,15 +702,12 @@ def test_hookspec_names_and_kinds():
 
     specs = _hookspecs()
     lifecycle = {"mrl_configure", "mrl_shutdown"}
-    stage_ops = {h for hooks in STAGE_HOOKS.values() for h in hooks}
-    assert set(specs) == lifecycle | stage_ops | set(REGISTRATION_HOOKS) | {"mrl_weight_sync_map_name"}
+    assert set(specs) == lifecycle | set(REGISTRATION_HOOKS) | {"mrl_weight_sync_map_name"}
     assert getattr(specs["mrl_weight_sync_map_name"], f"{PROJECT_NAME}_spec")["firstresult"] is True
-    for stage, hooks in STAGE_HOOKS.items():
-        for hook in hooks:
-            assert hook.startswith(f"mrl_{stage}_")
-            assert getattr(specs[hook], f"{PROJECT_NAME}_spec")["firstresult"] is True, hook
-    for hook, (stage, _cls, _what) in REGISTRATION_HOOKS.items():
+    assert set(STAGE_HOOKS.values()) <= set(REGISTRATION_HOOKS)
+    for hook, (stage, _cls, _what, key) in REGISTRATION_HOOKS.items():
         assert hook.startswith(f"mrl_{stage}_register_")
+        assert key == f"plugins.{stage}" if hook == STAGE_HOOKS[stage] else key.startswith(f"{stage}.")
     assert getattr(specs["mrl_configure"], f"{PROJECT_NAME}_spec")["historic"] is True
 
 
@@ -745,7 +759,7 @@ def test_disable_argument_as_string(fresh_pm):
 
 
 def test_same_object_under_two_names(fresh_pm):
-    tracer = Tracer()
+    tracer = _transports("rdma")
     mgr = fresh_pm(UPSTREAM, plugins=[("tracer", tracer)])
     with pytest.raises(PluginError, match="plugin 'tracer2'.*already registered"):
         mgr.register(tracer, "tracer2")

@@ -332,7 +332,7 @@ def test_the_bundled_compare_tools_config_trains_with_the_plugin(tmp_path):
     data["train"].update(steps=20, threads=1, output_dir=str(tmp_path), num_prompts=128)
     result = run_training(data, enable_plugins=True)
     assert result.steps == 20 and len(result.rewards) == 20 and result.final_reward > 0.3
-    assert result.plugins == {"rollout": "mrl.rollout", "weight_sync": "mrl.weight_sync", "comm": "mrl.comm"}
+    assert result.plugins == {"rollout": "mrl", "weight_sync": "mrl", "comm": "mrl"}
     totals = result.mrl_metrics
     assert totals.get("mrl/rollout/turns_batches", 0) >= 3  # the first steps: taking turns
     assert totals.get("mrl/rollout/ahead_batches", 0) >= 1, totals  # the split explored: batches ahead

@@ -67,7 +67,7 @@ def _trl() -> str:
     return exe
 
 
-@pytest.mark.parametrize(("value", "expected"), [(None, None), ("upstream", "upstream"), ("colocate", "mrl.rollout")])
+@pytest.mark.parametrize(("value", "expected"), [(None, None), ("upstream", "upstream"), ("colocate", "mrl")])
 def test_trl_cli_env_block(tmp_path, value, expected):
     ws = _workspace(tmp_path, value)
     probe = ws / "probe.json"
@@ -83,4 +83,4 @@ def test_mrl_trl_wrapper(tmp_path):
     mrl = shutil.which("mrl", path=os.path.dirname(sys.executable)) or "mrl"
     proc = _run([mrl, "trl", "grpo", "--config", str(ws / "grpo.yaml")], ws, probe)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert json.loads(probe.read_text())["rollout"] == "mrl.rollout"
+    assert json.loads(probe.read_text())["rollout"] == "mrl"

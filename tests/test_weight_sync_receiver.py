@@ -252,7 +252,7 @@ def test_sources_peft_merge_and_unmerge():
 
 
 def test_plugin_opens_both_ends_and_the_caller_counts_their_reports(fresh_pm):
-    """``mrl_weight_sync_open_sender``/``_open_receiver`` of the built-in stage build a shm sender and a
+    """``open_sender``/``open_receiver`` of the built-in stage build a shm sender and a
     double-buffered receiver carrying the transport's capabilities; the weight metrics come from the reports."""
     from mrl_plugins.hookspecs import WeightReceiver, WeightSender
     from mrl_plugins.metrics import record_publish, record_switch
@@ -300,7 +300,7 @@ def test_plugin_opens_both_ends_and_the_caller_counts_their_reports(fresh_pm):
 
 
 def test_hookimpl_marker_is_the_projects():
-    assert getattr(WeightSyncPlugin.mrl_weight_sync_open_sender, "mrl_plugins_impl", None) is not None
+    assert getattr(WeightSyncPlugin.mrl_weight_sync_register_stages, "mrl_plugins_impl", None) is not None
     assert hookimpl is not None
 
 

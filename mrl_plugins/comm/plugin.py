@@ -2,8 +2,8 @@
 ``torch_distributed``; codecs ``raw``, ``fp16``, ``bf16``.
 
 It opens the experience path's ends from the registrations that ``comm.transport`` and ``comm.codec`` name
-(third-party transports and codecs included): :func:`~mrl_plugins.hookspecs.spec.mrl_comm_open_consumer` on the
-trainer side, :func:`~mrl_plugins.hookspecs.spec.mrl_comm_open_producer` in each rollout worker (which builds
+(third-party transports and codecs included): ``open_consumer`` on the trainer side, ``open_producer`` in each
+rollout worker (which builds
 the codec from its own registry, so a codec needs to be installed, not pickled). Each end carries its
 transport's :class:`~mrl_plugins.hookspecs.channels.Capabilities`. The caller owns and closes the ends.
 """
@@ -14,7 +14,7 @@ import functools
 from collections.abc import Mapping
 from typing import Any
 
-from mrl_plugins.hookspecs import Capabilities, CommCodec, CommTransport, StageContext, hookimpl
+from mrl_plugins.hookspecs import Capabilities, CommCodec, CommTransport, StageContext, StagePlugin, hookimpl
 
 from .codec import Codec, resolve_codec
 from .config import CommConfig
@@ -81,7 +81,12 @@ def _transport(ctx: StageContext) -> Any:
 
 
 class CommPlugin:
-    """Stage plugin for ``comm`` (registered by the manager as ``mrl.comm``, selected as ``mrl``)."""
+    """The ``comm`` stage ``mrl`` (a :class:`~mrl_plugins.hookspecs.channels.CommStage`; the plugin registered by the
+    manager as ``mrl.comm``), with its transports and codecs."""
+
+    @hookimpl
+    def mrl_comm_register_stages(self) -> list[StagePlugin]:
+        return [StagePlugin("mrl", lambda: self, "transports shm / queue / torch_distributed, codecs (comm.*)")]
 
     @hookimpl
     def mrl_comm_register_transports(self) -> list[CommTransport]:
@@ -112,20 +117,17 @@ class CommPlugin:
             CommCodec("bf16", functools.partial(field_codec, "bf16"), "floats bf16"),
         ]
 
-    @hookimpl
-    def mrl_comm_capabilities(self, ctx: StageContext) -> Capabilities:
+    def capabilities(self, ctx: StageContext) -> Capabilities:
         return _transport(ctx).capabilities
 
-    @hookimpl
-    def mrl_comm_open_consumer(self, ctx: StageContext, run_id: str, producers: int) -> Any:
+    def open_consumer(self, ctx: StageContext, run_id: str, producers: int) -> Any:
         reg = _transport(ctx)
         codec = _codec(ctx)  # an unknown or broken codec fails here, before any worker starts
         consumer = reg.factory(ctx.config.comm, n_producers=producers, run_id=run_id, codec=codec)
         consumer.capabilities = reg.capabilities
         return consumer
 
-    @hookimpl
-    def mrl_comm_open_producer(self, ctx: StageContext, handle: Any, index: int) -> Any:
+    def open_producer(self, ctx: StageContext, handle: Any, index: int) -> Any:
         reg = _transport(ctx)
         producer = handle.attach(codec=_codec(ctx))
         producer.capabilities = reg.capabilities

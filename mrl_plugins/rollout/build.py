@@ -1,4 +1,4 @@
-"""The ``mrl`` rollout stage's trainer side, built for the host (``mrl_rollout_open_runtime``).
+"""The ``mrl`` rollout stage's trainer side, built for the host (``RolloutStage.open_runtime``).
 
 ``rollout.workers: 0`` (and no remote workers): a :class:`~mrl_plugins.rollout.runtime.LocalEngineRuntime`, an
 engine on an inference copy inside the trainer process, built when ``train()`` begins. Otherwise a

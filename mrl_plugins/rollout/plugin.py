@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 from typing import Any
 
-from mrl_plugins.hookspecs import RolloutEngine, RolloutSetup, StageContext, hookimpl
+from mrl_plugins.hookspecs import RolloutEngine, RolloutSetup, StageContext, StagePlugin, hookimpl
 
 
 def engine_registrations() -> Iterator[Any]:
@@ -39,15 +39,19 @@ def engine_registrations() -> Iterator[Any]:
 
 
 class RolloutPlugin:
-    """Engines (``transformers``, ``vllm``) and the runtime: an in-process engine or a pool of worker processes
-    (:mod:`mrl_plugins.rollout.build`), which opens the weight-sync and comm stages' ends through their hooks."""
+    """The rollout stage ``mrl`` (a :class:`~mrl_plugins.hookspecs.channels.RolloutStage`) and its engines
+    (``transformers``, ``vllm``): the runtime is an in-process engine or a pool of worker processes
+    (:mod:`mrl_plugins.rollout.build`), which opens the weight-sync and comm stages' ends through the manager."""
+
+    @hookimpl
+    def mrl_rollout_register_stages(self) -> list[StagePlugin]:
+        return [StagePlugin("mrl", lambda: self, "engines on their own cores / streams, in-process or in workers")]
 
     @hookimpl
     def mrl_rollout_register_engines(self) -> Iterable[RolloutEngine]:
         return list(engine_registrations())
 
-    @hookimpl
-    def mrl_rollout_open_runtime(self, ctx: StageContext, setup: RolloutSetup) -> Any:
+    def open_runtime(self, ctx: StageContext, setup: RolloutSetup) -> Any:
         from .build import open_runtime
 
         return open_runtime(ctx, setup)

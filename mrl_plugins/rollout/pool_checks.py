@@ -29,7 +29,7 @@ def stage_names(pm: Any, cfg: Any) -> tuple[str, str]:
         plugin = pm.selected.get(stage, "")
         if plugin == "upstream":
             return f"the 'upstream' {stage} ({upstream})"
-        if plugin == f"mrl.{stage}":
+        if plugin == "mrl":
             return f"{stage}.transport {transport!r}"
         return f"plugins.{stage} {plugin!r}"
 

@@ -1,8 +1,8 @@
 """The worker side of a rollout worker pool: :func:`worker_main` runs in every worker process.
 
 A worker builds its models from their configs, opens each model's weight receiver
-(``mrl_weight_sync_open_receiver`` of the selected weight-sync plugin, from the handle its sender gave the pool)
-and its experience producer (``mrl_comm_open_producer`` of the selected comm plugin), then serves
+(``open_receiver`` of the selected weight-sync stage, from the handle its sender gave the pool)
+and its experience producer (``open_producer`` of the selected comm stage), then serves
 requests from its queue: it switches to the version a request needs (``min_version``), generates,
 optionally scores the completions with further models, and sends the answer through the comm stage.
 A publish notice (:class:`~mrl_plugins.rollout.wire.WeightsNotice`) makes it fetch the new version at once;

@@ -4,9 +4,9 @@ Transports ``shm``, ``directory``, ``broadcast``, ``per_param`` and ``vllm``, ea
 (:class:`~mrl_plugins.hookspecs.channels.Capabilities`). It opens the weight stream's ends from the registration
 ``weight_sync.transport`` names (third-party transports included):
 
-* :func:`~mrl_plugins.hookspecs.spec.mrl_weight_sync_open_sender` (trainer): the transport's sender; a
+* ``open_sender`` (trainer): the transport's sender; a
   ``collective`` transport gets a group of the trainer plus one rank per receiver;
-* :func:`~mrl_plugins.hookspecs.spec.mrl_weight_sync_open_receiver` (worker or in-process copy): a
+* ``open_receiver`` (worker or in-process copy): a
   :class:`~mrl_plugins.weight_sync.receiver.DoubleBufferedReceiver` over the transport's receiving end, with names
   mapped through :func:`~mrl_plugins.hookspecs.spec.mrl_weight_sync_map_name`.
 
@@ -21,7 +21,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from mrl_plugins.errors import ConfigError, choices
-from mrl_plugins.hookspecs import Capabilities, StageContext, WeightTransport, hookimpl
+from mrl_plugins.hookspecs import Capabilities, StageContext, StagePlugin, WeightTransport, hookimpl
 
 from .broadcast import BroadcastHandle, BroadcastSender, PerParamSender
 from .directory import DirectorySender
@@ -61,7 +61,12 @@ def attach_handle(handle: Any, rank: int) -> Any:
 
 
 class WeightSyncPlugin:
-    """Transports ``shm``, ``directory``, ``broadcast``, ``per_param``, ``vllm`` and the two ends built from them."""
+    """The weight-sync stage ``mrl`` (a :class:`~mrl_plugins.hookspecs.channels.WeightSyncStage`): transports ``shm``,
+    ``directory``, ``broadcast``, ``per_param``, ``vllm`` and the two ends built from them."""
+
+    @hookimpl
+    def mrl_weight_sync_register_stages(self) -> list[StagePlugin]:
+        return [StagePlugin("mrl", lambda: self, "double-buffered, versioned weights over weight_sync.transport")]
 
     @hookimpl
     def mrl_weight_sync_register_transports(self) -> Iterator[WeightTransport]:
@@ -97,14 +102,10 @@ class WeightSyncPlugin:
             capabilities=Capabilities(collective=True),
         )
 
-    @hookimpl
-    def mrl_weight_sync_capabilities(self, ctx: StageContext) -> Capabilities:
+    def capabilities(self, ctx: StageContext) -> Capabilities:
         return _transport(ctx).capabilities
 
-    @hookimpl
-    def mrl_weight_sync_open_sender(
-        self, ctx: StageContext, model_id: str, run_id: str, receivers: int, same_process: bool
-    ) -> Any:
+    def open_sender(self, ctx: StageContext, model_id: str, run_id: str, receivers: int, same_process: bool) -> Any:
         reg = _transport(ctx)
         if reg.name == "vllm" and getattr(getattr(ctx.config, "rollout", None), "engine", None) != "vllm":
             raise ConfigError(
@@ -118,10 +119,7 @@ class WeightSyncPlugin:
             )
         return open_transport_sender(reg, ctx.config.weight_sync, model_id, run_id, receivers, _group_host(ctx))
 
-    @hookimpl
-    def mrl_weight_sync_open_receiver(
-        self, ctx: StageContext, model: Any, handle: Any, model_id: str, rank: int
-    ) -> Any:
+    def open_receiver(self, ctx: StageContext, model: Any, handle: Any, model_id: str, rank: int) -> Any:
         from .receiver import DoubleBufferedReceiver
 
         if isinstance(handle, VLLMTransferHandle):  # into the worker's vLLM engine: bound by the worker

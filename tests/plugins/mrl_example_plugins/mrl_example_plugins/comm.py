@@ -7,7 +7,7 @@ import time
 
 import torch
 
-from mrl_plugins.hookspecs import Capabilities, hookimpl
+from mrl_plugins.hookspecs import Capabilities, StagePlugin, hookimpl
 
 CAPS = Capabilities(rejoinable=True)  # a restarted worker writes into the same directory
 
@@ -75,19 +75,26 @@ class DirConsumer:
         shutil.rmtree(self.folder, ignore_errors=True)
 
 
-class ExampleComm:
-    @hookimpl
-    def mrl_comm_capabilities(self, ctx):
+class DirComm:
+    """The stage (a ``CommStage``): what its ends can do, and opening them."""
+
+    def capabilities(self, ctx):
         return CAPS
 
-    @hookimpl
-    def mrl_comm_open_consumer(self, ctx, run_id, producers):
+    def open_consumer(self, ctx, run_id, producers):
         return DirConsumer(run_id, producers)
 
-    @hookimpl
-    def mrl_comm_open_producer(self, ctx, handle, index):
+    def open_producer(self, ctx, handle, index):
         folder, index = handle
         return DirProducer(folder, index)
+
+
+class ExampleComm:
+    """The plugin: registers the stage under the name a config selects."""
+
+    @hookimpl
+    def mrl_comm_register_stages(self):
+        return [StagePlugin("example-comm", DirComm, "each batch one file in a directory")]
 
 
 plugin = ExampleComm()

@@ -4,7 +4,7 @@ weight-sync stage's ends, whichever plugin runs that stage: it opens a sender an
 
 import os
 
-from mrl_plugins.hookspecs import RolloutResult, hookimpl
+from mrl_plugins.hookspecs import RolloutResult, StagePlugin, hookimpl
 from mrl_plugins.weight_sync.sources import inference_copy
 
 
@@ -42,10 +42,15 @@ class ExampleRuntime:
         self.sender.close()
 
 
+class InProcessRollout:
+    def open_runtime(self, ctx, setup):
+        return ExampleRuntime(ctx, setup)
+
+
 class ExampleRollout:
     @hookimpl
-    def mrl_rollout_open_runtime(self, ctx, setup):
-        return ExampleRuntime(ctx, setup)
+    def mrl_rollout_register_stages(self):
+        return [StagePlugin("example-rollout", InProcessRollout, "the transformers engine in the trainer process")]
 
 
 plugin = ExampleRollout()

@@ -9,7 +9,7 @@ import time
 
 import torch
 
-from mrl_plugins.hookspecs import Capabilities, PublishReport, SwitchReport, hookimpl
+from mrl_plugins.hookspecs import Capabilities, PublishReport, StagePlugin, SwitchReport, hookimpl
 
 CAPS = Capabilities(rejoinable=True)
 
@@ -86,18 +86,21 @@ class FileReceiver:
         self.staged = None
 
 
-class ExampleWeights:
-    @hookimpl
-    def mrl_weight_sync_capabilities(self, ctx):
+class FileWeights:
+    def capabilities(self, ctx):
         return CAPS
 
-    @hookimpl
-    def mrl_weight_sync_open_sender(self, ctx, model_id, run_id, receivers, same_process):
+    def open_sender(self, ctx, model_id, run_id, receivers, same_process):
         return FileSender(model_id, run_id)
 
-    @hookimpl
-    def mrl_weight_sync_open_receiver(self, ctx, model, handle, model_id, rank):
+    def open_receiver(self, ctx, model, handle, model_id, rank):
         return FileReceiver(model, handle, model_id)
+
+
+class ExampleWeights:
+    @hookimpl
+    def mrl_weight_sync_register_stages(self):
+        return [StagePlugin("example-weights", FileWeights, "safetensors files, one per version")]
 
 
 plugin = ExampleWeights()
