@@ -233,7 +233,7 @@ def _install_rollout(trainer: Any, state: State, device: Any, plan: tuple | None
     state.patch(trainer, "_last_loaded_step", -1)
     from mrl_plugins.adapters.trl_agentic import install_agentic
 
-    state.agentic = install_agentic(trainer, state, gen)  # tools, environments, rollout_func: every turn served
+    install_agentic(trainer, state, gen)  # tools, environments, rollout_func: every turn served
     if state.shadow is not None:
         _add_step_end_callback(trainer, state, state.shadow.on_step_end)
     if cfg.rollout.old_logps == "engine":

@@ -45,7 +45,6 @@ class State:
         self.budget: tuple[list[int], int] | None = None  # (trainer cores, torch threads) while train() runs
         self.summary = ""
         self.has_workers = False  # rollout worker processes (a pool) rather than none or an in-process engine
-        self.agentic: list[str] = []  # TRL's tools / environments / rollout_func the rollout serves
         self.shadow: Any = None  # adapters.trl_shadow.ShadowLookahead: the next batch's rollout run ahead
         self.fixed_by: str | None = None  # why the rollout keeps its split (None: placement auto decides)
         self._patches: list[tuple[Any, str, Any]] = []

@@ -33,7 +33,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from mrl_plugins.cli.units import (
+from benchmarks.units import (
     format_count,
     format_rate,
     format_size,

@@ -13,7 +13,8 @@ import torch
 from mrl_plugins.comm import ChannelClosedError, CommConfig, PeerDeadError
 from mrl_plugins.comm.codec import Codec
 from mrl_plugins.comm.dist_transport import dist_factory
-from mrl_plugins.comm.plugin import CommPlugin, FrameCodec
+from mrl_plugins.comm.frame import decode_frame, encode_frame
+from mrl_plugins.comm.plugin import CommPlugin
 from mrl_plugins.comm.segment import shm_dir
 from mrl_plugins.comm.shm_ring import shm_factory
 from mrl_plugins.errors import StageTimeoutError
@@ -141,9 +142,9 @@ def test_plugin_hooks_through_the_manager(fresh_pm):
 
 def test_codec_registration_builds_field_codecs():
     regs = {r.name: r for r in CommPlugin().mrl_comm_register_codecs()}
-    codec = FrameCodec(_cfg(), regs["bf16"].factory(_cfg(lossless_fields=["logps"])))
-    assert isinstance(codec.codec, Codec) and codec.name == "bf16"
-    _, out = codec.decode(codec.encode(_batch(0), {}))
+    codec = regs["bf16"].factory(_cfg(lossless_fields=["logps"]))
+    assert isinstance(codec, Codec) and codec.name == "bf16"
+    _, out = decode_frame(bytes(encode_frame(_batch(0), {}, codec)))
     assert torch.equal(out["logps"], _batch(0)["logps"])  # kept lossless by name
     shm = shm_factory(_cfg(), n_producers=1, run_id=RUN)
     shm.close()

@@ -39,7 +39,7 @@ def test_device_selection_and_visible_devices(monkeypatch):
     import torch
 
     from mrl_plugins.config import load_config
-    from mrl_plugins.device import CudaDevice, collective_backend, get_device, set_visible_devices
+    from mrl_plugins.device import CudaDevice, collective_backend, get_device
     from mrl_plugins.device.placement import worker_placements
     from mrl_plugins.errors import ConfigError, DeviceError
 
@@ -53,8 +53,7 @@ def test_device_selection_and_visible_devices(monkeypatch):
     stats = auto.memory_stats()
     assert stats["total_bytes"] == torch.cuda.get_device_properties(0).total_memory > 0
 
-    env: dict[str, str] = {}
-    assert set_visible_devices("cuda", [0], env) == "CUDA_VISIBLE_DEVICES" and env == {"CUDA_VISIBLE_DEVICES": "0"}
+    env = {auto.visible_devices_env: "0"}
     assert _child_cuda_count(env) == 1  # the variable a worker gets selects the GPU in its process
     assert _child_cuda_count({"CUDA_VISIBLE_DEVICES": ""}) == 0
 
@@ -94,13 +93,6 @@ def test_high_priority_stream_and_budget():
         applied.stream.synchronize()
         assert torch.cuda.current_stream() == torch.cuda.default_stream()
         assert torch.allclose(y, (x @ x), atol=1e-3, rtol=1e-3)
-        start, end = dev.new_event(), dev.new_event()
-        start.record(applied.stream)
-        with dev.stream_context(applied.stream):
-            x @ x
-        end.record(applied.stream)
-        end.synchronize()
-        assert start.elapsed_time(end) > 0
     finally:
         applied.restore()
 

@@ -29,7 +29,6 @@ from mrl_plugins.device import (
     profile_peak,
     reservation_fraction,
     reserve_memory,
-    set_visible_devices,
     split_cores,
     visible_devices_env,
 )
@@ -95,41 +94,26 @@ def test_cuda_facts_without_gpu():
         cuda_priority_number("max", (0, -5))
 
 
-def test_visible_devices_env_and_setter():
+def test_visible_devices_env():
     assert visible_devices_env("npu") == "ASCEND_RT_VISIBLE_DEVICES"
     assert visible_devices_env("cuda") == "CUDA_VISIBLE_DEVICES"
     assert visible_devices_env("cpu") is None
-    env: dict[str, str] = {}
-    assert set_visible_devices("cuda", [1, 0], env) == "CUDA_VISIBLE_DEVICES" and env == {
-        "CUDA_VISIBLE_DEVICES": "1,0"
-    }
-    assert set_visible_devices("cpu", [0], env) is None and env == {"CUDA_VISIBLE_DEVICES": "1,0"}
-    with pytest.raises(ConfigError, match="duplicates"):
-        set_visible_devices("cuda", [0, 0], env)
-    with pytest.raises(ConfigError, match="non-negative"):
-        set_visible_devices("cuda", [-1], env)
     with pytest.raises(ConfigError, match="'tpu'.*'cpu', 'cuda' or 'npu'"):
         visible_devices_env("tpu")
 
 
-# --- CPU streams, events and memory -------------------------------------------------------------------------------
+# --- CPU streams and memory -------------------------------------------------------------------------------
 
 
-def test_cpu_stream_and_event_are_usable_no_ops():
+def test_cpu_stream_is_a_usable_no_op():
     dev = get_device("cpu")
     stream = dev.new_stream("high")
     assert stream.raw is None and stream.priority_honoured is False and stream.query()
-    start, end = dev.new_event(), dev.new_event()
-    assert not start.query()
     with dev.stream_context(stream) as s:
         assert s is stream
-        start.record(s)
         sum(range(20000))
-        end.record(s)
-    stream.wait_event(end)
     stream.synchronize()
     dev.synchronize()
-    assert start.query() and end.query() and start.elapsed_time(end) > 0.0
 
 
 def test_cpu_memory_stats_are_real():

@@ -34,7 +34,6 @@ from mrl_plugins.device import (
     measure_peak,
     probe,
     reserve_memory,
-    set_visible_devices,
     torch_npu_without_cann,
     versions,
 )
@@ -155,12 +154,6 @@ def test_npu_facts_and_visible_devices(monkeypatch, no_cuda):
     dev = get_device("npu")
     assert dev.collective_backend == "hccl"
     assert dev.visible_devices_env == "ASCEND_RT_VISIBLE_DEVICES"
-    env: dict[str, str] = {}
-    assert set_visible_devices("npu", [2, 3], env) == "ASCEND_RT_VISIBLE_DEVICES"
-    assert env == {"ASCEND_RT_VISIBLE_DEVICES": "2,3"}
-    with pytest.raises(ConfigError, match="ascending"):
-        set_visible_devices("npu", [3, 2], env)
-    assert env == {"ASCEND_RT_VISIBLE_DEVICES": "2,3"}  # unchanged by the refused call
 
 
 def test_npu_torch_device_in_subprocess():
@@ -194,14 +187,8 @@ def test_npu_streams_do_not_claim_priority(monkeypatch, no_cuda):
     with dev.stream_context(high):
         assert mod.npu.current_stream() is high.raw
     assert mod.npu.current_stream() is not high.raw and mod.npu.current_stream().stream_id == 0  # the default
-    start, end = dev.new_event(), dev.new_event()
-    start.record(high)
-    end.record(high)
-    assert end.query() and start.elapsed_time(end) >= 0.0
     dev.synchronize()
     assert ("synchronize", 1) in mod.calls
-    dev.activate()
-    assert mod.npu.current_device() == 1
     with pytest.raises(ConfigError, match="'urgent'.*'high', 'low' or 'normal'"):
         dev.new_stream("urgent")
 

@@ -1,5 +1,5 @@
 """``python -m benchmarks plan``: bandwidth budget arithmetic, the product's unit parsing
-(``mrl_plugins.cli.units``), the CLI table/JSON and exit codes."""
+(``benchmarks/units.py``), the CLI table/JSON and exit codes."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import subprocess
 import pytest
 
 from benchmarks.plan import build_plan, check_paths, cli, experience_budget, frame_bytes_from_report, weight_budget
-from mrl_plugins.cli.units import RATE_UNITS, format_rate, parse_rate, parse_size
+from benchmarks.units import RATE_UNITS, format_rate, parse_rate, parse_size
 from mrl_plugins.errors import ConfigError
 from tests.conftest import benchmarks_command, benchmarks_env
 

@@ -11,7 +11,6 @@ transport's :class:`~mrl_plugins.hookspecs.channels.Capabilities`. The caller ow
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping
 from typing import Any
 
 from mrl_plugins.hookspecs import Capabilities, CommCodec, CommTransport, StageContext, StagePlugin, hookimpl
@@ -19,7 +18,6 @@ from mrl_plugins.hookspecs import Capabilities, CommCodec, CommTransport, StageC
 from .codec import Codec, resolve_codec
 from .config import CommConfig
 from .dist_transport import dist_factory
-from .frame import FramePlan, decode_frame
 from .queue_transport import queue_factory
 from .shm_ring import shm_factory
 
@@ -39,36 +37,6 @@ def field_codec(name: str, config: Any = None) -> Codec:
     is resolved for ``comm.transport``: raw on shm/queue, fp16 on network transports)."""
     cfg = _comm_config(config)
     return Codec(resolve_codec(name, cfg.transport), cfg.lossless_fields)
-
-
-class FrameCodec:
-    """Encode/decode whole frames (bytes) with a field codec: for benchmarks and tests outside a transport.
-
-    :param config: a :class:`CommConfig` or a run config with a ``comm`` section (``checksum``).
-    :param codec: a field codec (default: ``Codec(config.codec, config.lossless_fields)``).
-    """
-
-    def __init__(self, config: Any = None, codec: Codec | None = None) -> None:
-        cfg = _comm_config(config)
-        self.codec = codec if codec is not None else field_codec(cfg.codec, cfg)
-        self.name = self.codec.name
-        self.checksum = cfg.checksum
-
-    @property
-    def fallbacks(self) -> int:
-        """Float fields sent in their original dtype because they would overflow."""
-        return self.codec.fallbacks
-
-    def encode(self, batch: Mapping[str, Any], meta: Mapping[str, Any]) -> bytes:
-        """One frame (bytes)."""
-        plan = FramePlan(batch, meta, self.codec, self.checksum)
-        out = bytearray(plan.nbytes)
-        plan.write_into(out)
-        return bytes(out)
-
-    def decode(self, frame: bytes | bytearray | memoryview, copy: bool = False) -> tuple[dict, dict]:
-        """``(meta, batch)``; see :func:`mrl_plugins.comm.frame.decode_frame`."""
-        return decode_frame(frame, copy=copy)
 
 
 def _codec(ctx: StageContext) -> Codec:

@@ -289,12 +289,10 @@ class _ArithmeticEnv:
     def __init__(self) -> None:
         self.calls: list[tuple[str, Any, Any, Any]] = []
         self.problem: tuple[int, int, str] | None = None
-        self.resets = 0
 
     def reset(self, a: int, b: int, op: str, prompt: Any = None, **example: Any) -> str | None:
         self.calls = []
         self.problem = (int(a), int(b), op)
-        self.resets += 1
         asked = prompt[-1]["content"] if isinstance(prompt, list) and prompt else prompt
         if isinstance(asked, str) and asked.endswith(question(a, b, op)):
             return None  # the prompt asks the whole question already (a tools= dataset)

@@ -24,7 +24,6 @@ from mrl_plugins.device.base import (
     VISIBLE_DEVICES_ENV,
     CoreLimitWarning,
     Device,
-    DeviceEvent,
     DeviceFallbackWarning,
     DeviceStream,
 )
@@ -64,7 +63,6 @@ from mrl_plugins.device.select import (
     collective_backend,
     get_device,
     parse_device_spec,
-    set_visible_devices,
     visible_devices_env,
 )
 
@@ -78,7 +76,6 @@ __all__ = [
     "CudaDevice",
     "DEVICE_TYPES",
     "Device",
-    "DeviceEvent",
     "DeviceFallbackWarning",
     "DeviceStream",
     "MemoryProfile",
@@ -103,7 +100,6 @@ __all__ = [
     "profile_peak",
     "reservation_fraction",
     "reserve_memory",
-    "set_visible_devices",
     "split_cores",
     "torch_npu_installed",
     "torch_npu_without_cann",

@@ -1,14 +1,13 @@
-"""The :class:`Device` interface shared by the CPU, CUDA and NPU implementations, plus streams and events.
+"""The :class:`Device` interface shared by the CPU, CUDA and NPU implementations, plus streams.
 
-Streams and events are wrapped in :class:`DeviceStream` / :class:`DeviceEvent` so that code written once runs
-on every backend: on CPU they are no-ops that still time work (``perf_counter``), on CUDA/NPU they hold the
-backend's own object in ``.raw`` (pass that to torch functions such as ``Tensor.record_stream``).
+Streams are wrapped in :class:`DeviceStream` so that code written once runs on every backend: on CPU they are
+no-ops, on CUDA/NPU they hold the backend's own object in ``.raw`` (pass that to torch functions such as
+``Tensor.record_stream``).
 """
 
 from __future__ import annotations
 
 import threading
-import time
 import warnings
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
@@ -102,62 +101,6 @@ class DeviceStream:
         """True when all queued work has finished (always True on CPU)."""
         return True if self.raw is None else bool(self.raw.query())
 
-    def wait_event(self, event: DeviceEvent) -> None:
-        """Make future work on this stream wait for ``event`` (no-op on CPU)."""
-        if self.raw is not None and event.raw is not None:
-            self.raw.wait_event(event.raw)
-
-    def wait_stream(self, other: DeviceStream) -> None:
-        """Make future work on this stream wait for work already queued on ``other`` (no-op on CPU)."""
-        if self.raw is not None and other.raw is not None:
-            self.raw.wait_stream(other.raw)
-
-
-@dataclass
-class DeviceEvent:
-    """An event of one device. ``raw`` is the backend event (``None`` on CPU, where it records host time)."""
-
-    device_type: str
-    raw: Any = None
-    _host_time: float | None = field(default=None, repr=False)
-
-    def record(self, stream: DeviceStream | None = None) -> None:
-        """Record the event on ``stream`` (the current stream when ``None``)."""
-        if self.raw is None:
-            self._host_time = time.perf_counter()
-        elif stream is None or stream.raw is None:
-            self.raw.record()
-        else:
-            self.raw.record(stream.raw)
-
-    def wait(self, stream: DeviceStream | None = None) -> None:
-        """Make ``stream`` (or the current one) wait for this event without blocking the host."""
-        if self.raw is None:
-            return
-        if stream is None or stream.raw is None:
-            self.raw.wait()
-        else:
-            self.raw.wait(stream.raw)
-
-    def synchronize(self) -> None:
-        """Block the host until the event has happened."""
-        if self.raw is not None:
-            self.raw.synchronize()
-
-    def query(self) -> bool:
-        """True when the event has happened (CPU: once recorded)."""
-        if self.raw is None:
-            return self._host_time is not None
-        return bool(self.raw.query())
-
-    def elapsed_time(self, end: DeviceEvent) -> float:
-        """Milliseconds from this event to ``end`` (both recorded)."""
-        if self.raw is None:
-            if self._host_time is None or end._host_time is None:
-                raise RuntimeError("both events must be recorded before elapsed_time()")
-            return (end._host_time - self._host_time) * 1000.0
-        return float(self.raw.elapsed_time(end.raw))
-
 
 @dataclass(eq=True)
 class Device(ABC):
@@ -207,13 +150,6 @@ class Device(ABC):
     def stream_context(self, stream: DeviceStream | None) -> Iterator[DeviceStream | None]:
         """Context in which work is queued on ``stream`` (``None``: leave the current stream)."""
         yield stream
-
-    def new_event(self, enable_timing: bool = True) -> DeviceEvent:
-        """A new event (timing enabled by default)."""
-        return DeviceEvent(self.type)
-
-    def activate(self) -> None:  # noqa: B027 - nothing to select on CPU; accelerators override it
-        """Make this the calling thread's current device (``torch.cuda.set_device`` / ``torch.npu.set_device``)."""
 
     def synchronize(self) -> None:  # noqa: B027 - a no-op is the right default (CPU); accelerators override it
         """Wait for all queued work on this device."""

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-from mrl_plugins.device.base import Device, DeviceEvent, DeviceStream, check_fraction, check_priority
+from mrl_plugins.device.base import Device, DeviceStream, check_fraction, check_priority
 
 
 def cuda_priority_number(priority: str, priority_range: tuple[int, int]) -> int:
@@ -43,18 +43,6 @@ class CudaDevice(Device):
 
         with torch.cuda.stream(None if stream is None else stream.raw):
             yield stream
-
-    def new_event(self, enable_timing: bool = True) -> DeviceEvent:
-        """``torch.cuda.Event(enable_timing=...)``."""
-        import torch
-
-        return DeviceEvent(self.type, raw=torch.cuda.Event(enable_timing=enable_timing))
-
-    def activate(self) -> None:
-        """``torch.cuda.set_device(index)``."""
-        import torch
-
-        torch.cuda.set_device(self.index)
 
     def synchronize(self) -> None:
         """``torch.cuda.synchronize(index)``."""

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from types import ModuleType
 
 from mrl_plugins.device import probe
-from mrl_plugins.device.base import Device, DeviceEvent, DeviceStream, check_fraction, check_priority
+from mrl_plugins.device.base import Device, DeviceStream, check_fraction, check_priority
 
 #: torch_npu stream pool per priority name (pool 1 = "high" pool; no scheduling effect, see module doc).
 NPU_POOL_PRIORITY: dict[str, int] = {"high": -1, "normal": 0, "low": 0}
@@ -48,14 +48,6 @@ class NpuDevice(Device):
         """``torch_npu.npu.stream(stream.raw)``."""
         with npu_namespace().stream(None if stream is None else stream.raw):
             yield stream
-
-    def new_event(self, enable_timing: bool = True) -> DeviceEvent:
-        """``torch_npu.npu.Event(enable_timing=...)``."""
-        return DeviceEvent(self.type, raw=npu_namespace().Event(enable_timing=enable_timing))
-
-    def activate(self) -> None:
-        """``torch_npu.npu.set_device(index)``."""
-        npu_namespace().set_device(self.index)
 
     def synchronize(self) -> None:
         """``torch_npu.npu.synchronize(index)``."""

@@ -7,9 +7,7 @@ reason; an explicit ``npu`` request raises :class:`~mrl_plugins.errors.DeviceErr
 
 from __future__ import annotations
 
-import os
 import re
-from collections.abc import Iterable, MutableMapping
 
 from mrl_plugins.device import probe
 from mrl_plugins.device.base import (
@@ -127,32 +125,3 @@ def collective_backend(device_type: str | None = None) -> str:
 def visible_devices_env(device_type: str) -> str | None:
     """``ASCEND_RT_VISIBLE_DEVICES`` (npu), ``CUDA_VISIBLE_DEVICES`` (cuda) or ``None`` (cpu)."""
     return VISIBLE_DEVICES_ENV[_check_type(device_type)]
-
-
-def set_visible_devices(
-    device_type: str, indices: Iterable[int], env: MutableMapping[str, str] | None = None
-) -> str | None:
-    """Set the visible-devices variable of ``device_type`` in ``env`` (default ``os.environ``) to ``indices``.
-
-    Call it before the process (or a child started with ``env``) initialises the device runtime. Returns the
-    variable name, or ``None`` for CPU (nothing to set). Indices must be distinct non-negative integers; for
-    NPU also ascending, because torch_npu counts zero devices when ``ASCEND_RT_VISIBLE_DEVICES`` is not in
-    ascending order.
-    """
-    env = os.environ if env is None else env
-    var = visible_devices_env(device_type)
-    ids = list(indices)
-    for i in ids:
-        if isinstance(i, bool) or not isinstance(i, int) or i < 0:
-            raise ConfigError(f"visible {device_type} device index {i!r} is not a non-negative integer")
-    if len(set(ids)) != len(ids):
-        raise ConfigError(f"visible {device_type} device indices {ids} contain duplicates")
-    if device_type == "npu" and ids != sorted(ids):
-        raise ConfigError(
-            f"visible npu device indices {ids} must be ascending (torch_npu sees no device otherwise); "
-            f"use {sorted(ids)}"
-        )
-    if var is None:
-        return None
-    env[var] = ",".join(str(i) for i in ids)
-    return var

@@ -33,10 +33,9 @@ class LocalEngineRuntime:
     replaces_host = True
 
     def __init__(self, pm: Any, ctx: StageContext, model: Any, sampling: Any, engine_factory: Any, seed: int) -> None:
-        import torch
+        from mrl_plugins.weight_sync.sources import inference_copy
 
         self.pm, self.ctx = pm, ctx
-        from mrl_plugins.weight_sync.sources import inference_copy
 
         self.model = inference_copy(_unwrap(model))  # PEFT: the merged base model, named as published
         options = dict(ctx.config.rollout.engine_options or {})
@@ -44,14 +43,13 @@ class LocalEngineRuntime:
             self.model, None, params=sampling, device=trainer_device(model).spec, seed=seed,
             **({"options": options} if options else {}),
         )  # fmt: skip
-        # the weight-sync stage's ends, opened through its plugin's hooks: the receiver loads into this copy
+        # the weight-sync stage's ends, opened through the manager: the receiver loads into this copy
         self.sender = pm.weight_sync_open_sender(
             ctx=ctx, model_id="policy", run_id=f"local{id(self):x}", receivers=1, same_process=True
         )
         self.receiver = pm.weight_sync_open_receiver(
             ctx=ctx, model=self.model, handle=self.sender.receiver_handle(), model_id="policy", rank=0
         )
-        self._torch = torch
 
     def publish(self, version: int, named_tensors: Any) -> Any:
         from mrl_plugins.metrics import record_publish

@@ -332,7 +332,7 @@ class ShardWriter:
             rows = t.shape[0]
             for r0, r1 in row_chunks(t, self.chunk_bytes):
                 part = t[r0:r1]
-                self._emit([(name, part, r0, rows if (r0, r1) != (0, rows) else None)], copy_sources=True)
+                self._emit([(name, part, r0, rows if (r0, r1) != (0, rows) else None)])
             return
         if self._pending_bytes + align(t.nbytes) > self.chunk_bytes:
             self.flush()
@@ -341,10 +341,10 @@ class ShardWriter:
 
     def flush(self) -> None:
         if self._pending:
-            self._emit([(n, t, 0, None) for n, t in self._pending], copy_sources=True)
+            self._emit([(n, t, 0, None) for n, t in self._pending])
             self._pending, self._pending_bytes = [], 0
 
-    def _emit(self, items: list[tuple[str, torch.Tensor, int, int | None]], copy_sources: bool) -> None:
+    def _emit(self, items: list[tuple[str, torch.Tensor, int, int | None]]) -> None:
         entries, data_len = layout(items)
         hlen = header_len(entries, self.model_id, data_len)
         handle, buf = self.sink.reserve(hlen + data_len)
