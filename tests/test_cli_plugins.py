@@ -68,7 +68,8 @@ def test_console_script_lists_builtins():
     assert rows["mrl.weight_sync"]["active"] == "weight_sync"
     assert rows["mrl.comm"]["active"] == "comm"
     assert rows["upstream"]["active"] == "-"
-    assert "comm codecs: " in proc.stdout and "weight transports: " in proc.stdout
+    assert "comm.codec (comm codecs): auto, bf16, fp16, raw" in proc.stdout
+    assert "plugins.comm (comm plugins): mrl, upstream" in proc.stdout and "weight_sync.transport (" in proc.stdout
 
 
 def test_console_script_unknown_plugin_exit_2():

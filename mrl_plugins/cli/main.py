@@ -46,6 +46,7 @@ def _selection_config(ns: argparse.Namespace) -> dict:
 
 
 def cmd_plugins(ns: argparse.Namespace) -> int:
+    from mrl_plugins.hookspecs import REGISTRATION_HOOKS
     from mrl_plugins.manager import get_plugin_manager
 
     data = _selection_config(ns)
@@ -58,13 +59,8 @@ def cmd_plugins(ns: argparse.Namespace) -> int:
         active = "blocked" if r.blocked else (", ".join(r.active_for) or "-")
         print(f"{r.name:<{width}}{r.source:<12}{stages:<30}{active}")
     print()
-    for hook, label in (
-        ("mrl_rollout_register_engines", "rollout engines"),
-        ("mrl_weight_sync_register_transports", "weight transports"),
-        ("mrl_comm_register_transports", "comm transports"),
-        ("mrl_comm_register_codecs", "comm codecs"),
-    ):
-        print(f"{label}: {', '.join(sorted(mgr.registry(hook)))}")
+    for hook, (_stage, _cls, what, key) in REGISTRATION_HOOKS.items():  # every name the config can select
+        print(f"{key} ({what}s): {', '.join(sorted(mgr.registry(hook)))}")
     return 0
 
 
