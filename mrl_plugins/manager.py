@@ -239,10 +239,16 @@ class MrlPluginManager:
             table = self._table(STAGE_HOOKS[stage])[0]
             if name not in table:
                 blocked = _is_blocked(name, self._disabled) or _is_blocked(f"{name}.{stage}", self._disabled)
-                what = f"{name!r} is blocked (disable list / MRL_DISABLED_PLUGINS)" if blocked else "unknown plugin"
+                what = f"{name!r} is blocked (disable list, MRL_DISABLED_PLUGINS)" if blocked else "unknown plugin"
                 what = what if blocked else f"{what} {name!r}"
                 raise PluginError(f"plugins.{stage}: {what}; available for {stage}: {choices(table)}")
-            obj = table[name].factory()
+            try:
+                obj = table[name].factory()
+            except Exception as exc:  # noqa: BLE001 - name the plugin whose stage could not be built, keep the cause
+                owner = self._table(STAGE_HOOKS[stage])[1][name]
+                raise PluginError(
+                    f"plugins.{stage}: plugin {name!r} (from {owner!r}) failed to build: {type(exc).__name__}: {exc}"
+                ) from exc
             protocol = STAGE_PROTOCOLS[stage]
             if not isinstance(obj, protocol):
                 lacking = [m for m in _members(protocol) if not callable(getattr(obj, m, None))]

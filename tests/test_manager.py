@@ -436,6 +436,23 @@ def test_plugin_missing_a_stage_method_cannot_be_selected(fresh_pm):
         )
 
 
+def test_a_stage_that_fails_to_build_is_one_error_naming_it(fresh_pm):
+    def broken():
+        raise RuntimeError("no such device")
+
+    class Provider:
+        @hookimpl
+        def mrl_comm_register_stages(self):
+            return [StagePlugin("flaky", broken)]
+
+    mgr = fresh_pm(UPSTREAM, plugins=[("flakyplug", Provider())])
+    with pytest.raises(
+        PluginError, match=r"plugins\.comm: plugin 'flaky' \(from 'flakyplug'\) failed to build: RuntimeError: no such"
+    ):
+        mgr.select({**UPSTREAM["plugins"], "comm": "flaky"})
+    assert mgr.selected == {stage: "upstream" for stage in STAGES}  # nothing half-applied
+
+
 def test_a_stage_plugin_name_from_two_plugins_names_both(fresh_pm):
     with pytest.raises(PluginError, match=r"comm plugin 'upstream' is registered by both 'upstream' and 'mine'"):
         fresh_pm(UPSTREAM, plugins=[("mine", provides_comm("upstream", CommHooks()))])
