@@ -26,6 +26,19 @@ def _no_plugin_env(monkeypatch):
         monkeypatch.delenv(var, raising=False)
 
 
+def _registered(output: str) -> dict[str, dict[str, str]]:
+    """The registry listing after the table: ``key (what)`` -> {name: description}."""
+    listed: dict[str, dict[str, str]] = {}
+    section = None
+    for line in output.split("\n\n", 1)[1].splitlines():
+        if line and not line.startswith(" "):
+            section = listed.setdefault(line.rstrip(":"), {})
+        elif line.strip():
+            name, _, desc = line.strip().partition(" ")
+            section[name] = desc.strip()
+    return listed
+
+
 def _rows(output: str) -> dict[str, dict[str, str]]:
     """Parse the table: plugin -> {source, stages, active}; column starts come from the header line."""
     lines = output.splitlines()
@@ -68,8 +81,11 @@ def test_console_script_lists_builtins():
     assert rows["mrl.weight_sync"]["active"] == "weight_sync"
     assert rows["mrl.comm"]["active"] == "comm"
     assert rows["upstream"]["active"] == "-"
-    assert "comm.codec (comm codecs): auto, bf16, fp16, raw" in proc.stdout
-    assert "plugins.comm (comm plugins): mrl, upstream" in proc.stdout and "weight_sync.transport (" in proc.stdout
+    listed = _registered(proc.stdout)  # every name the config can select, each with its description
+    assert set(listed["comm.codec (comm codecs)"]) == {"auto", "raw", "fp16", "bf16"}
+    assert set(listed["plugins.comm (comm plugins)"]) == {"mrl", "upstream"}
+    assert listed["weight_sync.transport (weight-sync transports)"]["shm"].startswith("shared memory")
+    assert all(desc != "-" for names in listed.values() for desc in names.values())
 
 
 def test_console_script_unknown_plugin_exit_2():

@@ -58,9 +58,11 @@ def cmd_plugins(ns: argparse.Namespace) -> int:
         stages = ", ".join(r.stages) or "-"
         active = "blocked" if r.blocked else (", ".join(r.active_for) or "-")
         print(f"{r.name:<{width}}{r.source:<12}{stages:<30}{active}")
-    print()
     for hook, (_stage, _cls, what, key) in REGISTRATION_HOOKS.items():  # every name the config can select
-        print(f"{key} ({what}s): {', '.join(sorted(mgr.registry(hook)))}")
+        table = mgr.registry(hook)
+        print(f"\n{key} ({what}s):")
+        for name in sorted(table):
+            print(f"  {name:<18}{table[name].description or '-'}")
     return 0
 
 
