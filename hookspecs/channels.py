@@ -315,8 +315,9 @@ class CommStage(Protocol):
 STAGE_PROTOCOLS: dict[str, type] = {"rollout": RolloutStage, "weight_sync": WeightSyncStage, "comm": CommStage}
 
 
-def check_end(obj: Any, protocol: type, what: str, plugin: str) -> Any:
-    """``obj`` if it satisfies ``protocol`` (methods and attributes present), else a PluginError naming both."""
+def check_end(obj: Any, protocol: type, what: str, who: str) -> Any:
+    """``obj`` if it satisfies ``protocol`` (methods and attributes present), else a PluginError naming ``who``
+    (the plugin) and ``what`` returned it."""
     if not isinstance(obj, protocol):
         from mrl_plugins.errors import PluginError
 
@@ -324,7 +325,7 @@ def check_end(obj: Any, protocol: type, what: str, plugin: str) -> Any:
             n for n in getattr(protocol, "__protocol_attrs__", _protocol_attrs(protocol)) if not hasattr(obj, n)
         ]
         raise PluginError(
-            f"plugin {plugin!r}: {what} returned a {type(obj).__name__}, which is not a {protocol.__name__} "
+            f"{who}: {what} returned a {type(obj).__name__}, which is not a {protocol.__name__} "
             f"(missing: {', '.join(sorted(missing)) or '?'}; see mrl_plugins.hookspecs.channels)"
         )
     return obj

@@ -55,8 +55,9 @@ def mrl_configure(config: MrlConfig) -> None:
 
     :param config: the :class:`mrl_plugins.config.MrlConfig` of this run.
 
-    Called once after all plugins are registered and blocked plugins removed, before any stage
-    hook. Historic: a plugin registered later is called immediately on registration.
+    Called once after all plugins are registered, blocked plugins removed and the selected stage objects
+    built, before any stage method is called. Historic: a plugin registered later is called immediately on
+    registration.
 
     Example::
 

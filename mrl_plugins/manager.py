@@ -88,14 +88,15 @@ class MrlPluginManager:
     # ------------------------------------------------------------------ loading
     def block(self, names: Iterable[str]) -> None:
         """Block plugin names (and ``name.*``) before loading; already-registered ones are removed, and a stage
-        one of them provided is unselected (its calls then raise "no plugin selected")."""
+        whose selected implementation one of them registered is unselected (its calls then raise "no plugin
+        selected"); the other stages keep theirs."""
         for name in names:
             if name not in self._disabled:
                 self._disabled.append(name)
             self.pm.set_blocked(name)
             for registered in [n for n, _ in self.pm.list_name_plugin() if _is_blocked(n, [name])]:
-                for stage in self._provided(registered):
-                    self._stages.pop(stage, None)
+                for stage in [s for s in self._stages if self._owner(s) == registered]:
+                    del self._stages[stage]
                 self.pm.unregister(name=registered)
                 self.pm.set_blocked(registered)
                 self._sources.pop(registered, None)
@@ -208,6 +209,10 @@ class MrlPluginManager:
             raise ConfigError(f"{key}: unknown {what} {name!r}; valid: {choices(table)}")
         return table[name]
 
+    def _owner(self, stage: str) -> str | None:
+        """The plugin that registered the implementation selected for ``stage``."""
+        return self._table(STAGE_HOOKS[stage])[1].get(self._stages[stage][0]) if stage in self._stages else None
+
     def _provided(self, plugin_name: str) -> tuple[str, ...]:
         """The stages ``plugin_name`` registers an implementation of."""
         return tuple(s for s in STAGES if plugin_name in self._table(STAGE_HOOKS[s])[1].values())
@@ -217,7 +222,7 @@ class MrlPluginManager:
         for name, plugin in sorted(self.pm.list_name_plugin(), key=lambda x: x[0]):
             if plugin is None:
                 continue
-            active = tuple(s for s, pick in self.selected.items() if self._table(STAGE_HOOKS[s])[1].get(pick) == name)
+            active = tuple(s for s in self._stages if self._owner(s) == name)
             rows.append(PluginInfo(name, self._provided(name), self._sources.get(name, "manual"), active))
         for name in self._disabled:
             rows.append(PluginInfo(name, (), "blocked", (), blocked=True))
@@ -238,10 +243,7 @@ class MrlPluginManager:
             name = selection[stage]
             table = self._table(STAGE_HOOKS[stage])[0]
             if name not in table:
-                blocked = _is_blocked(name, self._disabled) or _is_blocked(f"{name}.{stage}", self._disabled)
-                what = f"{name!r} is blocked (disable list, MRL_DISABLED_PLUGINS)" if blocked else "unknown plugin"
-                what = what if blocked else f"{what} {name!r}"
-                raise PluginError(f"plugins.{stage}: {what}; available for {stage}: {choices(table)}")
+                raise PluginError(self._unknown(stage, name, table))
             try:
                 obj = table[name].factory()
             except Exception as exc:  # noqa: BLE001 - name the plugin whose stage could not be built, keep the cause
@@ -249,15 +251,18 @@ class MrlPluginManager:
                 raise PluginError(
                     f"plugins.{stage}: plugin {name!r} (from {owner!r}) failed to build: {type(exc).__name__}: {exc}"
                 ) from exc
-            protocol = STAGE_PROTOCOLS[stage]
-            if not isinstance(obj, protocol):
-                lacking = [m for m in _members(protocol) if not callable(getattr(obj, m, None))]
-                raise PluginError(
-                    f"plugins.{stage}: plugin {name!r} does not implement {choices(lacking)}; a {stage} plugin's "
-                    f"object is a {protocol.__name__} (see mrl_plugins.hookspecs.channels)"
-                )
+            _check_stage(stage, name, obj)
             built[stage] = (name, obj)
         self._stages = built
+
+    def _unknown(self, stage: str, name: str, table: dict[str, Any]) -> str:
+        """Why ``name`` is not a plugin for ``stage``: blocked (``mrl`` blocks ``mrl.<stage>``) or unknown; a blocked
+        plugin registers nothing, so the blocked names are listed beside the available ones."""
+        available = f"available for {stage}: {choices(table)}"
+        if _is_blocked(name, self._disabled) or _is_blocked(f"{name}.{stage}", self._disabled):
+            return f"plugins.{stage}: {name!r} is blocked (disable list, MRL_DISABLED_PLUGINS); {available}"
+        unasked = f" (blocked, so not asked: {', '.join(self._disabled)})" if self._disabled else ""
+        return f"plugins.{stage}: unknown plugin {name!r}; {available}{unasked}"
 
     @property
     def selected(self) -> dict[str, str]:
@@ -272,11 +277,12 @@ class MrlPluginManager:
         declares (``check_backend(key, registration, registrations)``, e.g. the engine's capabilities) checks it
         and sets what follows from it here, before anything is built.
 
-        Stages run by ``upstream`` are skipped: TRL's own path ignores those keys.
+        Only the built-in ``mrl`` stages read those keys: for a stage another plugin runs (``upstream``, a third
+        party's) they are skipped.
         """
         for hook, (stage, _cls, _what, key) in REGISTRATION_HOOKS.items():
             section, _, field = key.partition(".")
-            if section == "plugins" or (self._stages and self.is_upstream(stage)):
+            if section == "plugins" or (self._stages and self.selected.get(stage) != "mrl"):
                 continue
             part = getattr(config, section)
             registration = self.backend(hook, getattr(part, field))
@@ -314,7 +320,7 @@ class MrlPluginManager:
             raise PluginError(f"mrl_shutdown failed in plugin {name!r}: {type(exc).__name__}: {exc}{more}") from exc
 
     # ------------------------------------------------------------------ the stages, pass-through
-    def _call(self, stage: str, method: str, ctx: Any, protocol: type | None, **kwargs: Any) -> Any:
+    def _call(self, stage: str, method: str, ctx: Any, protocol: type, **kwargs: Any) -> Any:
         """``method`` of the object selected for ``stage``; an answer of ``None``, or one that is not a ``protocol``,
         is one PluginError naming the method and the plugin."""
         if stage not in self._stages:
@@ -324,13 +330,10 @@ class MrlPluginManager:
             ctx.plugins = self
         result = getattr(obj, method)(ctx=ctx, **kwargs)
         if result is None:
-            expected = protocol.__name__ if protocol is not None else "an answer"
-            raise PluginError(f"{stage} plugin {name!r}: {method} returned None, expected {expected}")
-        if protocol is not None:
-            from mrl_plugins.hookspecs.channels import check_end
+            raise PluginError(f"{stage} plugin {name!r}: {method} returned None, expected {protocol.__name__}")
+        from mrl_plugins.hookspecs.channels import check_end
 
-            check_end(result, protocol, method, name)
-        return result
+        return check_end(result, protocol, method, f"{stage} plugin {name!r}")
 
     def rollout_open_runtime(self, *, ctx: Any, setup: Any) -> Any:
         """The selected rollout plugin's :class:`~mrl_plugins.hookspecs.channels.RolloutRuntime`."""
@@ -346,13 +349,7 @@ class MrlPluginManager:
         if stage not in ("weight_sync", "comm"):
             raise PluginError(f"capabilities: valid stages are {choices(('weight_sync', 'comm'))}, got {stage!r}")
         ctx = ctx if ctx is not None else StageContext(config=self.config, plugins=self)
-        caps = self._call(stage, "capabilities", ctx, None)
-        if not isinstance(caps, Capabilities):
-            raise PluginError(
-                f"plugin {self.selected[stage]!r}: {stage} capabilities returned a {type(caps).__name__}, "
-                f"expected Capabilities"
-            )
-        return caps
+        return self._call(stage, "capabilities", ctx, Capabilities)
 
     def weight_sync_open_sender(
         self, *, ctx: Any, model_id: str, run_id: str, receivers: int, same_process: bool = False
@@ -399,8 +396,28 @@ class MrlPluginManager:
         return self._call("comm", "open_producer", ctx, ExperienceProducer, handle=handle, index=index)
 
 
-def _members(protocol: type) -> list[str]:
-    return [n for n in vars(protocol) if not n.startswith("_") and callable(vars(protocol)[n])]
+def _check_stage(stage: str, name: str, obj: Any) -> None:
+    """``obj`` has every method of its stage's protocol, each taking the protocol's keyword arguments; otherwise one
+    PluginError naming the methods (checked at selection, not at the first call deep inside a run)."""
+    protocol = STAGE_PROTOCOLS[stage]
+    members = [n for n in vars(protocol) if not n.startswith("_") and callable(vars(protocol)[n])]
+    lacking = [m for m in members if not callable(getattr(obj, m, None))]
+    if lacking:
+        raise PluginError(
+            f"plugins.{stage}: plugin {name!r} does not implement {choices(lacking)}; a {stage} plugin's object is a "
+            f"{protocol.__name__} (see mrl_plugins.hookspecs.channels)"
+        )
+    for method in members:
+        wanted = [p for p in inspect.signature(vars(protocol)[method]).parameters if p != "self"]
+        try:
+            inspect.signature(getattr(obj, method)).bind(**dict.fromkeys(wanted))
+        except TypeError as exc:
+            raise PluginError(
+                f"plugins.{stage}: plugin {name!r}: {method} cannot be called as {method}({', '.join(wanted)}) "
+                f"({exc}); see {protocol.__name__} in mrl_plugins.hookspecs.channels"
+            ) from exc
+        except ValueError:  # no signature (a builtin): called as it is
+            pass
 
 
 def _one_line(exc: BaseException) -> str:
@@ -442,8 +459,8 @@ def get_plugin_manager(
     """Build a fresh manager for ``config`` (an :class:`~mrl_plugins.config.MrlConfig`, path, dict or None).
 
     Order: block (config + env + ``disable``) -> built-ins -> ``plugins`` given here -> entry points
-    (unless autoload is off) -> ``check_pending`` -> backend-name validation -> stage selection ->
-    ``mrl_configure``. Every error is raised before the caller has applied anything.
+    (unless autoload is off) -> ``check_pending`` -> stage selection (the selected stage objects are built) ->
+    backend-name validation -> ``mrl_configure``. Every error is raised before the caller has applied anything.
     """
     from mrl_plugins.config import apply_env_overrides, load_config
 

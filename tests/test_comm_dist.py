@@ -112,7 +112,7 @@ def test_torch_distributed_dead_producer_detected():
 
 
 def test_plugin_hooks_through_the_manager(fresh_pm):
-    """The comm stage opens both ends through its hooks from the registrations: a shm consumer and producer
+    """The comm stage opens both ends through its stage methods from the registrations: a shm consumer and producer
     carrying the transport's capabilities and the configured codec (fp16: the overflow fallback is counted)."""
     from mrl_plugins.hookspecs import ExperienceConsumer, ExperienceProducer
 

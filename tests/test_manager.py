@@ -224,6 +224,13 @@ def test_blocked_via_env(fresh_pm, monkeypatch):
     assert _names(mgr) == {"mrl.rollout", "mrl.weight_sync"}
 
 
+def test_a_blocked_third_party_stage_is_named_as_unasked(fresh_pm):
+    """A blocked plugin registers nothing, so the manager cannot know its stage names: the error lists what was
+    blocked beside the available names."""
+    with pytest.raises(PluginError, match=r"plugins\.comm: unknown plugin 'zmq'.*\(blocked, so not asked: acme\)"):
+        fresh_pm({**UPSTREAM, "plugins": {**UPSTREAM["plugins"], "comm": "zmq"}}, disable=["acme"])
+
+
 def test_blocked_via_argument(fresh_pm):
     with pytest.raises(PluginError, match="'upstream' is blocked"):
         fresh_pm(UPSTREAM, disable=["upstream"])
@@ -453,6 +460,44 @@ def test_a_stage_that_fails_to_build_is_one_error_naming_it(fresh_pm):
     assert mgr.selected == {stage: "upstream" for stage in STAGES}  # nothing half-applied
 
 
+def test_stage_methods_are_checked_when_selected_not_at_the_first_call(fresh_pm):
+    """A method that is an attribute, or one whose parameters are not the protocol's, is refused at selection with one
+    error naming it (pluggy used to check hook signatures; the manager checks the stage's now)."""
+
+    class CapsAttribute(CommHooks):
+        capabilities = Capabilities()  # the ends carry this attribute; the stage answers a call
+
+    class Renamed(CommHooks):
+        def open_consumer(self, ctx, run_id, n_producers):
+            return None
+
+    for obj, message in (
+        (CapsAttribute(), r"plugins\.comm: plugin 'bad' does not implement 'capabilities'"),
+        (
+            Renamed(),
+            r"plugins\.comm: plugin 'bad': open_consumer cannot be called as open_consumer\(ctx, run_id, prod",
+        ),
+    ):
+        mgr = fresh_pm(UPSTREAM, plugins=[("b", provides_comm("bad", obj))])
+        with pytest.raises(PluginError, match=message):
+            mgr.select({**UPSTREAM["plugins"], "comm": "bad"})
+        assert mgr.selected == {stage: "upstream" for stage in STAGES}
+
+
+def test_backend_keys_are_checked_only_for_the_mrl_stages(fresh_pm):
+    """With the built-in comm stage blocked and a third party's selected, comm.transport (which only ``mrl`` reads)
+    is not looked up; the mrl stages' keys still are."""
+    mgr = fresh_pm(
+        {"plugins": {"comm": "mine"}}, disable=["mrl.comm"], plugins=[("m", provides_comm("mine", CommHooks()))]
+    )
+    assert mgr.selected == {"rollout": "mrl", "weight_sync": "mrl", "comm": "mine"}
+    with pytest.raises(ConfigError, match=r"weight_sync\.transport: unknown weight-sync transport 'rdma'"):
+        fresh_pm(
+            {"plugins": {"comm": "mine"}, "weight_sync": {"transport": "rdma"}},
+            plugins=[("m", provides_comm("mine", CommHooks()))],
+        )
+
+
 def test_a_stage_plugin_name_from_two_plugins_names_both(fresh_pm):
     with pytest.raises(PluginError, match=r"comm plugin 'upstream' is registered by both 'upstream' and 'mine'"):
         fresh_pm(UPSTREAM, plugins=[("mine", provides_comm("upstream", CommHooks()))])
@@ -661,8 +706,12 @@ def test_blocking_a_selected_plugin_unselects_its_stage(fresh_pm):
     assert mgr.capabilities("comm") == Second.caps
     mgr.block(["second"])
     assert "second" not in _names(mgr) and "comm" not in mgr.selected
+    assert mgr.selected == {"rollout": "upstream", "weight_sync": "upstream"}  # the other stages keep theirs
     with pytest.raises(PluginError, match="no plugin selected for stage 'comm'"):
         mgr.capabilities("comm")
+    mgr = fresh_pm()
+    mgr.block(["upstream"])  # provides every stage, selected for none
+    assert mgr.selected == {stage: "mrl" for stage in STAGES}
 
 
 def test_select_needs_every_stage(fresh_pm):

@@ -61,8 +61,9 @@ def cmd_plugins(ns: argparse.Namespace) -> int:
     for hook, (_stage, _cls, what, key) in REGISTRATION_HOOKS.items():  # every name the config can select
         table = mgr.registry(hook)
         print(f"\n{key} ({what}s):")
+        width = max((len(n) for n in table), default=0) + 2
         for name in sorted(table):
-            print(f"  {name:<18}{table[name].description or '-'}")
+            print(f"  {name:<{width}}{table[name].description or '-'}")
     return 0
 
 

@@ -1,4 +1,5 @@
-"""Third-party stage plugins for mrl-plugins, one per stage, each selected by its entry-point name:
+"""Third-party stage plugins for mrl-plugins, one per stage, each selected by the name its
+``StagePlugin`` registers (here the same as its entry point's):
 
 * ``plugins.comm: example-comm`` -- experience batches as files in a directory (:mod:`.comm`);
 * ``plugins.weight_sync: example-weights`` -- weight versions as files plus a ``latest`` pointer (:mod:`.weights`);
