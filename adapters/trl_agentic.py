@@ -46,11 +46,11 @@ def agentic_kinds(trainer: Any) -> list[str]:
     return kinds
 
 
-def install_agentic(trainer: Any, state: Any, gen: Any) -> list[str]:
-    """Route TRL's agentic rollouts through ``gen`` (see the module docstring); returns :func:`agentic_kinds`."""
+def install_agentic(trainer: Any, state: Any, gen: Any) -> None:
+    """Route TRL's agentic rollouts through ``gen`` (see the module docstring), for each of :func:`agentic_kinds`."""
     kinds = agentic_kinds(trainer)
     if not kinds:
-        return kinds
+        return
     rc = state.ctx.config.rollout
     timeout = rc.tool_timeout_s
     shadow = None

@@ -33,6 +33,7 @@ on other hosts, ``collective`` for the order of a publish and its notices.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Iterable, Mapping
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
@@ -331,6 +332,32 @@ def check_end(obj: Any, protocol: type, what: str, who: str) -> Any:
     return obj
 
 
+def check_stage(obj: Any, protocol: type, who: str) -> Any:
+    """``obj`` if it has every method of the stage ``protocol``, each taking the protocol's keyword arguments; else one
+    PluginError naming ``who`` and the methods (checked when a stage is selected, not at its first call in a run)."""
+    from mrl_plugins.errors import PluginError, choices
+
+    methods = [n for n in _protocol_attrs(protocol) if callable(getattr(protocol, n, None))]
+    lacking = [m for m in methods if not callable(getattr(obj, m, None))]
+    if lacking:
+        raise PluginError(
+            f"{who} does not implement {choices(lacking)}; its object is a {protocol.__name__} "
+            f"(see mrl_plugins.hookspecs.channels)"
+        )
+    for method in methods:
+        wanted = [p for p in inspect.signature(getattr(protocol, method)).parameters if p != "self"]
+        try:
+            inspect.signature(getattr(obj, method)).bind(**dict.fromkeys(wanted))
+        except TypeError as exc:
+            raise PluginError(
+                f"{who}: {method} cannot be called as {method}({', '.join(wanted)}) ({exc}); see "
+                f"{protocol.__name__} in mrl_plugins.hookspecs.channels"
+            ) from exc
+        except ValueError:  # no signature (a builtin): called as it is
+            pass
+    return obj
+
+
 def _protocol_attrs(protocol: type) -> list[str]:
     names = set()
     for base in protocol.__mro__:
@@ -356,4 +383,5 @@ __all__ = [
     "WeightSender",
     "WeightSyncStage",
     "check_end",
+    "check_stage",
 ]

@@ -28,6 +28,7 @@ import pluggy
 
 from mrl_plugins.errors import ConfigError, PluginError, choices
 from mrl_plugins.hookspecs import PROJECT_NAME, REGISTRATION_HOOKS, STAGE_HOOKS, STAGE_PROTOCOLS, STAGES, spec
+from mrl_plugins.hookspecs.channels import check_end, check_stage
 
 ENTRY_POINT_GROUP = "mrl_plugins"
 
@@ -251,7 +252,7 @@ class MrlPluginManager:
                 raise PluginError(
                     f"plugins.{stage}: plugin {name!r} (from {owner!r}) failed to build: {type(exc).__name__}: {exc}"
                 ) from exc
-            _check_stage(stage, name, obj)
+            check_stage(obj, STAGE_PROTOCOLS[stage], f"plugins.{stage}: plugin {name!r}")
             built[stage] = (name, obj)
         self._stages = built
 
@@ -331,8 +332,6 @@ class MrlPluginManager:
         result = getattr(obj, method)(ctx=ctx, **kwargs)
         if result is None:
             raise PluginError(f"{stage} plugin {name!r}: {method} returned None, expected {protocol.__name__}")
-        from mrl_plugins.hookspecs.channels import check_end
-
         return check_end(result, protocol, method, f"{stage} plugin {name!r}")
 
     def rollout_open_runtime(self, *, ctx: Any, setup: Any) -> Any:
@@ -394,30 +393,6 @@ class MrlPluginManager:
         from mrl_plugins.hookspecs.channels import ExperienceProducer
 
         return self._call("comm", "open_producer", ctx, ExperienceProducer, handle=handle, index=index)
-
-
-def _check_stage(stage: str, name: str, obj: Any) -> None:
-    """``obj`` has every method of its stage's protocol, each taking the protocol's keyword arguments; otherwise one
-    PluginError naming the methods (checked at selection, not at the first call deep inside a run)."""
-    protocol = STAGE_PROTOCOLS[stage]
-    members = [n for n in vars(protocol) if not n.startswith("_") and callable(vars(protocol)[n])]
-    lacking = [m for m in members if not callable(getattr(obj, m, None))]
-    if lacking:
-        raise PluginError(
-            f"plugins.{stage}: plugin {name!r} does not implement {choices(lacking)}; a {stage} plugin's object is a "
-            f"{protocol.__name__} (see mrl_plugins.hookspecs.channels)"
-        )
-    for method in members:
-        wanted = [p for p in inspect.signature(vars(protocol)[method]).parameters if p != "self"]
-        try:
-            inspect.signature(getattr(obj, method)).bind(**dict.fromkeys(wanted))
-        except TypeError as exc:
-            raise PluginError(
-                f"plugins.{stage}: plugin {name!r}: {method} cannot be called as {method}({', '.join(wanted)}) "
-                f"({exc}); see {protocol.__name__} in mrl_plugins.hookspecs.channels"
-            ) from exc
-        except ValueError:  # no signature (a builtin): called as it is
-            pass
 
 
 def _one_line(exc: BaseException) -> str:

@@ -434,8 +434,8 @@ def test_plugin_missing_a_stage_method_cannot_be_selected(fresh_pm):
 
     with pytest.raises(
         PluginError,
-        match=r"plugins\.comm: plugin 'only' does not implement 'capabilities' or 'open_producer'; a comm plugin's "
-        r"object is a CommStage",
+        match=r"plugins\.comm: plugin 'only' does not implement 'capabilities' or 'open_producer'; its object "
+        r"is a CommStage",
     ):
         fresh_pm(
             {"plugins": {**UPSTREAM["plugins"], "comm": "only"}},
