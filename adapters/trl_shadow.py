@@ -114,8 +114,8 @@ class ShadowLookahead:
     def usable(self) -> bool:
         """The workers serve the split and are ready (a rollout ahead never uses the trainer's own model)."""
         runtime = self.gen.runtime
-        pool = getattr(runtime, "_pool", None)
-        return getattr(runtime, "arrangement", "split") == "split" and pool is not None and pool.ready
+        pool, where = getattr(runtime, "_pool", None), getattr(runtime, "where", None)
+        return where is not None and where.arrangement == "split" and pool is not None and pool.ready
 
     # ---------------------------------------------------------------- starting
     def schedule(self, inputs: list[dict[str, Any]] | None) -> None:
