@@ -139,7 +139,8 @@ def _weight_sync_defaults() -> str:
         if name not in DEFAULT_CHUNK_BYTES:  # 'vllm': vLLM's backend sizes its own transfer
             rows.append(f"| {name} | (unused: vLLM's weight-transfer backend) | (unused) |")
             continue
-        rows.append(f"| {name} | {_value(DEFAULT_CHUNK_BYTES[name])} | {_value(DEFAULT_BUCKET_BYTES[name])} |")
+        bucket = _value(DEFAULT_BUCKET_BYTES[name]) if name in DEFAULT_BUCKET_BYTES else "(unused)"
+        rows.append(f"| {name} | {_value(DEFAULT_CHUNK_BYTES[name])} | {bucket} |")
     head = "Per-transport sizes (`mrl_plugins.weight_sync.config`; measured in `python -m benchmarks weights`):"
     return head + "\n\n" + "\n".join(rows)
 

@@ -24,6 +24,7 @@ import io
 import itertools
 import multiprocessing as mp
 import os
+import sys
 import threading
 import time
 import traceback
@@ -31,7 +32,6 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from mrl_plugins.device.memory import is_out_of_memory
 from mrl_plugins.errors import ConfigError, MrlError, StageTimeoutError
 from mrl_plugins.rollout.engine import EngineOutput, SamplingParams
 
@@ -47,6 +47,24 @@ __all__ = [
 ]
 
 _POLL_S = 0.05
+
+
+_OOM_TEXT = ("out of memory", "can't allocate memory", "cannot allocate memory")
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    """True for an allocation failure on any backend.
+
+    ``torch.OutOfMemoryError`` (CUDA, and torch_npu's "NPU out of memory"), ``MemoryError``, and the
+    ``RuntimeError`` texts of the CPU allocator ("can't allocate memory") and of older torch_npu releases.
+    """
+    if isinstance(exc, MemoryError):
+        return True
+    torch = sys.modules.get("torch")
+    oom_type = getattr(torch, "OutOfMemoryError", None) if torch is not None else None
+    if oom_type is not None and isinstance(exc, oom_type):
+        return True
+    return isinstance(exc, RuntimeError) and any(t in str(exc).lower() for t in _OOM_TEXT)
 
 
 class EngineOutOfMemoryError(MrlError, MemoryError):

@@ -9,6 +9,7 @@ loopback. Instead every rank binds to its address on the route towards the group
 
 from __future__ import annotations
 
+import datetime
 import os
 import socket
 from typing import Any
@@ -37,4 +38,19 @@ def gloo_devices(peer: str, count: int = 1) -> list[Any]:
     return [dist.ProcessGroupGloo.create_device(hostname=addr) for _ in range(count)]
 
 
-__all__ = ["gloo_devices", "local_address"]
+def td(seconds: float) -> datetime.timedelta:
+    """``seconds`` as the ``timedelta`` torch.distributed takes."""
+    return datetime.timedelta(seconds=float(seconds))
+
+
+def gloo_group(store: Any, rank: int, world: int, timeout: float, host: str, connections: int = 1) -> Any:
+    """A ``ProcessGroupGloo`` on ``store``: a ``timeout``-second timeout, ``connections`` :func:`gloo_devices`."""
+    import torch.distributed as dist
+
+    opts = dist.ProcessGroupGloo._Options()
+    opts._timeout = td(timeout)
+    opts._devices = gloo_devices(host, connections)
+    return dist.ProcessGroupGloo(store, rank, world, opts)
+
+
+__all__ = ["gloo_devices", "gloo_group", "local_address", "td"]

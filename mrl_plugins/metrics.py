@@ -68,29 +68,25 @@ class StageMetrics:
             return {k if k.startswith("mrl/") else f"mrl/{k}": v for k, v in self.totals.items()}
 
 
-def _emit(metrics: object, counters: Mapping[str, float], gauges: Mapping[str, float] | None = None) -> None:
-    """Counters add to what the log window holds already; gauges replace it (a StageMetrics or a plain dict)."""
+def _emit(
+    metrics: StageMetrics | None, counters: Mapping[str, float], gauges: Mapping[str, float] | None = None
+) -> None:
+    """Counters add to what the log window holds already; gauges replace it."""
     if metrics is None:
         return
-    add, gauge = getattr(metrics, "add", None), getattr(metrics, "gauge", None)
-    if callable(add) and callable(gauge):
-        for k, v in counters.items():
-            add(k, v)
-        for k, v in (gauges or {}).items():
-            gauge(k, v)
-    elif isinstance(metrics, dict):
-        for k, v in counters.items():
-            metrics[k] = metrics.get(k, 0.0) + v
-        metrics.update(gauges or {})
+    for k, v in counters.items():
+        metrics.add(k, v)
+    for k, v in (gauges or {}).items():
+        metrics.gauge(k, v)
 
 
-def record_publish(metrics: object, report: object) -> None:
+def record_publish(metrics: StageMetrics | None, report: object) -> None:
     """Counter ``mrl/weights/publish_seconds``: a weight sender's own time for one version (any plugin's report)."""
     if report is not None:
         _emit(metrics, {"mrl/weights/publish_seconds": float(getattr(report, "seconds", 0.0))})
 
 
-def record_switch(metrics: object, report: object, stats: Mapping[str, float] | None = None) -> None:
+def record_switch(metrics: StageMetrics | None, report: object, stats: Mapping[str, float] | None = None) -> None:
     """One switch of a weight receiver: counters ``mrl/weights/received_bytes``, ``receive_seconds`` (fetch +
     switch), ``switches``; gauges ``active_version``, ``switch_ms``, ``fetch_gbps``, ``ignored_versions``."""
     if report is None:

@@ -15,8 +15,8 @@ import torch
 
 from mrl_plugins.comm import CommConfig, PeerDeadError
 from mrl_plugins.comm.base import Heartbeat
-from mrl_plugins.comm.segment import remove_stale, shm_dir, unlink
 from mrl_plugins.comm.shm_ring import shm_factory
+from mrl_plugins.shmem import remove_stale, shm_dir, unlink
 
 RUN = f"tlive{os.getpid()}"
 CTX = mp.get_context("spawn")

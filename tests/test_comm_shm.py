@@ -13,9 +13,9 @@ import torch
 
 from mrl_plugins.comm import CommConfig, FrameError, PeerDeadError
 from mrl_plugins.comm.queue_transport import queue_factory
-from mrl_plugins.comm.segment import shm_dir
 from mrl_plugins.comm.shm_ring import shm_factory
 from mrl_plugins.errors import StageTimeoutError
+from mrl_plugins.shmem import shm_dir
 
 RUN = f"tcomm{os.getpid()}"
 CTX = mp.get_context("spawn")

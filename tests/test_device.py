@@ -13,6 +13,7 @@ import textwrap
 
 import pytest
 
+from benchmarks.engine_server import is_out_of_memory
 from mrl_plugins.device import (
     ComputeBudget,
     CpuDevice,
@@ -23,10 +24,8 @@ from mrl_plugins.device import (
     collective_backend,
     get_device,
     is_cuda_available,
-    is_out_of_memory,
     measure_peak,
     parse_device_spec,
-    profile_peak,
     reservation_fraction,
     reserve_memory,
     split_cores,
@@ -108,7 +107,7 @@ def test_visible_devices_env():
 def test_cpu_stream_is_a_usable_no_op():
     dev = get_device("cpu")
     stream = dev.new_stream("high")
-    assert stream.raw is None and stream.priority_honoured is False and stream.query()
+    assert stream.raw is None and stream.priority_honoured is False
     with dev.stream_context(stream) as s:
         assert s is stream
         sum(range(20000))
@@ -134,7 +133,7 @@ def test_cpu_memory_fraction_recorded_not_enforced():
     assert dev.memory_fraction == 0.3
 
 
-def test_profile_peak_sees_a_real_allocation():
+def test_measure_peak_sees_a_real_allocation():
     import torch
 
     dev = get_device("cpu")
@@ -150,7 +149,6 @@ def test_profile_peak_sees_a_real_allocation():
         pytest.skip("kernel does not allow resetting peak RSS here (/proc/self/clear_refs)")
     assert prof.increase_bytes >= 0.9 * size, prof
     assert prof.peak_bytes >= prof.baseline_bytes + 0.9 * size
-    assert profile_peak(work, dev) >= 0.9 * size
     assert 0 < prof.reservation_fraction() < 1
 
 
@@ -239,8 +237,6 @@ def test_invalid_core_is_refused_before_anything_changes():
     assert "[4096]" in str(err.value) and f"valid cores: {allowed_cores()}" in str(err.value)
     with pytest.raises(ConfigError, match="threads=8 exceeds the 1 cores"):
         apply_compute_budget(ComputeBudget(cores=[0], threads=8), get_device("cpu"))
-    with pytest.raises(ConfigError, match="scope"):
-        apply_compute_budget(ComputeBudget(), get_device("cpu"), scope="machine")
     assert os.sched_getaffinity(0) == before_aff and torch.get_num_threads() == before_threads
 
 
@@ -277,22 +273,6 @@ def _budget_child(queue, core: int) -> None:
         applied.restore()
         out["after"] = (sorted(os.sched_getaffinity(0)), torch.get_num_threads())
         out["worker_after"] = sorted(os.sched_getaffinity(worker_aff["tid"]))
-
-        # scope="thread": only the calling thread is pinned
-        result: dict = {}
-
-        def pin_self():
-            a = apply_compute_budget(ComputeBudget(cores=[core]), dev, scope="thread")
-            result["thread"] = sorted(os.sched_getaffinity(0))
-            result["main_meanwhile"] = sorted(os.sched_getaffinity(main_tid))
-            a.restore()
-            result["thread_after"] = sorted(os.sched_getaffinity(0))
-
-        main_tid = threading.get_native_id()
-        t2 = threading.Thread(target=pin_self)
-        t2.start()
-        t2.join(30)
-        out["thread_scope"] = result
         stop.set()
         t.join(30)
     except BaseException as exc:  # report instead of dying silently
@@ -320,13 +300,11 @@ def test_cpu_budget_really_changes_affinity_and_threads_then_restores():
     assert "error" not in out, out.get("error")
     assert out["before"] == (cores, len(cores))
     assert out["during"] == ([core], 1)
-    assert out["worker_during"] == [core]  # scope="process" pins threads that already existed
+    assert out["worker_during"] == [core]  # pins threads that already existed
     assert out["matmul"] == 64.0
     assert out["applied"]["cores"] == [core] and out["applied"]["threads"] == 1
     assert out["after"] == (cores, len(cores))
     assert out["worker_after"] == cores
-    ts = out["thread_scope"]
-    assert ts["thread"] == [core] and ts["main_meanwhile"] == cores and ts["thread_after"] == cores
 
 
 def test_package_import_is_cheap_and_lazy():

@@ -247,8 +247,8 @@ def test_device_budget_reaches_set_device_limit(monkeypatch, no_cuda):
 def test_stream_budget_reaches_set_stream_limit_and_restores(monkeypatch, no_cuda):
     mod = fake_torch_npu.install(monkeypatch)
     dev = get_device("npu")
-    stream = dev.new_stream()
-    applied = apply_compute_budget(ComputeBudget(npu_cube_cores=4, npu_vector_cores=8), dev, stream=stream)
+    applied = apply_compute_budget(ComputeBudget(npu_cube_cores=4, npu_vector_cores=8, stream_priority="high"), dev)
+    stream = applied.stream
     sid = stream.raw.stream_id
     assert ("set_stream_limit", sid, 4, 8) in mod.calls
     assert mod.npu.get_stream_limit(stream.raw) == {"cube_core_num": 4, "vector_core_num": 8}

@@ -223,9 +223,9 @@ def test_sources_plain_ddp_like_and_peft_names():
             super().__init__()
             self.module = m
 
-    got = dict(iter_trainer_weights(Wrapper(model), name_map=lambda n: "m." + n))
-    assert set(got) == {"m." + n for n in names}
-    assert torch.equal(got["m.0.weight"], model[0].weight)
+    got = dict(iter_trainer_weights(Wrapper(model)))
+    assert set(got) == set(names)
+    assert torch.equal(got["0.weight"], model[0].weight)
     assert peft_base_name("base_model.model.layers.0.q_proj.base_layer.weight") == "layers.0.q_proj.weight"
     assert peft_base_name("base_model.model.layers.0.q_proj.lora_A.default.weight") is None
     assert peft_base_name("base_model.model.score.original_module.weight") is None
@@ -247,8 +247,6 @@ def test_sources_peft_merge_and_unmerge():
         "base_model.model.0.base_layer.weight"])  # fmt: skip
     after = {n: p.detach() for n, p in pm.named_parameters()}
     assert all(torch.allclose(after[n], before[n], atol=1e-6) for n in before)  # unmerged again
-    adapters = dict(iter_trainer_weights(pm, mode="adapters"))
-    assert adapters and all("lora_" in n for n in adapters)
 
 
 def test_plugin_opens_both_ends_and_the_caller_counts_their_reports(fresh_pm):
@@ -287,12 +285,6 @@ def test_plugin_opens_both_ends_and_the_caller_counts_their_reports(fresh_pm):
         recv.poll(2.0)
         record_switch(metrics, recv.switch(5), recv.stats())
         assert metrics.flush()["mrl/weights/switches"] == 1  # the next window starts from zero
-        plain: dict[str, float] = {}  # a plain mapping accumulates the same way
-        for v in (6, 7):
-            s.publish(v, filled(model, v))
-            recv.poll(2.0)
-            record_switch(plain, recv.switch(5), recv.stats())
-        assert plain["mrl/weights/switches"] == 2 and plain["mrl/weights/active_version"] == 7
     finally:
         recv.close()
         s.close()

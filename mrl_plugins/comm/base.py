@@ -26,8 +26,7 @@ class Received:
     """One received batch: ``meta`` (dict), ``batch`` (field -> tensor/array), ``nbytes`` (frame bytes).
 
     For the shared-memory ring, raw fields of ``batch`` are zero-copy views into the ring, valid
-    until :meth:`release` (also called on leaving a ``with`` block); copy what you keep longer
-    (:meth:`detach` does it for you).
+    until :meth:`release` (also called on leaving a ``with`` block); copy what you keep longer (:func:`owned`).
     """
 
     __slots__ = ("meta", "batch", "nbytes", "producer", "_release")
@@ -51,13 +50,6 @@ class Received:
         rel, self._release = self._release, None
         if rel is not None:
             rel()
-
-    def detach(self) -> Received:
-        """Copy every field out of the transport buffer and release it; returns ``self``."""
-        if self._release is not None:
-            self.batch = {k: owned(v) for k, v in self.batch.items()}
-            self.release()
-        return self
 
     @property
     def released(self) -> bool:

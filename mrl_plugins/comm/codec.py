@@ -62,6 +62,8 @@ import torch
 
 from mrl_plugins.errors import ConfigError, choices
 
+from .config import LOCAL_COMM_TRANSPORTS, CommConfig
+
 #: wire methods
 RAW, CAST, BITPACK = 0, 1, 2
 
@@ -151,11 +153,8 @@ class Codec:
 
 
 def _narrowest_int(a: np.ndarray, dt: torch.dtype) -> FieldChoice:
-    """The narrowest integer dtype that holds every value of ``a`` (lossless), else ``dt`` itself.
-
-    One pass in the common case: the max of the values read as unsigned is their max when none is
-    negative (a negative value reads as >= 2**(bits-1); then min and max are taken as signed).
-    """
+    """The narrowest integer dtype that holds every value of ``a`` (lossless), else ``dt`` itself (the method: the
+    module docstring; a negative value read as unsigned is >= 2**(bits-1))."""
     hi = int(np.maximum.reduce(a.view(_UNSIGNED[a.dtype.itemsize]), axis=None))
     if hi < _SIGN[a.dtype.itemsize]:  # the usual case: non-negative ids and masks
         if hi < 128:
@@ -174,28 +173,10 @@ def _narrowest_int(a: np.ndarray, dt: torch.dtype) -> FieldChoice:
     return _raw(dt)
 
 
-def fits_finite_range(
-    t: torch.Tensor, target: torch.dtype, scratch: dict | None = None, a: np.ndarray | None = None
-) -> bool:
-    """True when every finite value of ``t`` lies within ``target``'s finite range (source check, no clamp).
-
-    ``scratch`` (``"mask"`` -> bool array) lets the exact pass reuse one buffer; ``a`` is a numpy
-    view of ``t`` if the caller has one. See :func:`_fits` for the method.
-    """
-    fmax = _FMAX.get(target) or torch.finfo(target).max
-    return _fits(t.numpy() if a is None else a, fmax, scratch, False)[0]
-
-
 def _fits(a: np.ndarray, fmax: float, scratch: dict | None, expect_neginf: bool) -> tuple[bool, bool]:
-    """``(every finite value of a is within [-fmax, fmax], a holds -inf)``; reads the source only.
-
-    numpy's SIMD max and min (~2x faster than ``torch.aminmax`` here) answer when both are finite.
-    A side whose bound is non-finite (the field holds inf/nan of its own) is checked exactly: the
-    values beyond the limit must all be infinities, i.e. the max of the values ``< -fmax`` (a mask
-    pass, then a masked reduction) is -inf (nan compares false). With ``expect_neginf`` (the field
-    held -inf last time, e.g. masked logprobs) the min is skipped and the low side checked straight
-    away; the answer is the same either way. The second item is only a hint for the next call.
-    """
+    """``(every finite value of a is within [-fmax, fmax], a holds -inf)``, reading the source only (the method:
+    the module docstring's overflow guard). ``expect_neginf``: the field held -inf last time, so the min is skipped;
+    the second item is that hint for the next call. ``scratch`` lends the mask buffer (:func:`_mask`)."""
     hi = float(np.maximum.reduce(a, axis=None))  # nan if the field holds one
     if not hi <= fmax and math.isfinite(hi):
         return False, expect_neginf  # a finite bound above the range
@@ -235,26 +216,19 @@ def _mask(a: np.ndarray, scratch: dict | None) -> np.ndarray:
     return m
 
 
-#: transports whose frames stay in this host's memory: a lossy codec costs CPU there and saves no time
-#: (``python -m benchmarks comm``: fp16 0.7-0.8x raw's batches/s on the shm ring); every other transport crosses a link
-LOCAL_TRANSPORTS = ("shm", "queue")
-
-
 def resolve_codec(name: str, transport: str) -> str:
-    """The codec ``comm.codec`` means on ``transport``: ``auto`` is ``raw`` on :data:`LOCAL_TRANSPORTS` and
+    """The codec ``comm.codec`` means on ``transport``: ``auto`` is ``raw`` on the local transports
+    (:data:`~mrl_plugins.comm.config.LOCAL_COMM_TRANSPORTS`), where frames stay in this host's memory and a lossy codec
+    costs CPU and saves no time (``python -m benchmarks comm``: fp16 0.7-0.8x raw's batches/s on the shm ring), and
     ``fp16`` (overflow-guarded) on network transports (``torch_distributed``, third-party ones), where bytes cost
     time (``python -m benchmarks comm --link 1gbit``: fp16 2.4x raw's batches/s); other names are returned as they
     are."""
     if name != "auto":
         return name
-    return "raw" if transport in LOCAL_TRANSPORTS else "fp16"
+    return "raw" if transport in LOCAL_COMM_TRANSPORTS else "fp16"
 
 
-def make_codec(config=None, name: str | None = None) -> Codec:
-    """Codec from a :class:`~mrl_plugins.comm.config.CommConfig` (or defaults), optionally overriding its name;
-    ``auto`` is resolved for the config's transport (:func:`resolve_codec`)."""
-    cname = name or (config.codec if config is not None else "fp16")
-    if config is not None:
-        cname = resolve_codec(cname, config.transport)
-    lossless = config.lossless_fields if config is not None else ()
-    return Codec(cname, lossless)
+def make_codec(config: CommConfig, name: str | None = None) -> Codec:
+    """Codec from a :class:`~mrl_plugins.comm.config.CommConfig`, optionally overriding its name (the built-in
+    codecs' registered factory binds ``name``); ``auto`` is resolved for the config's transport."""
+    return Codec(resolve_codec(name or config.codec, config.transport), config.lossless_fields)

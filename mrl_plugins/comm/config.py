@@ -9,6 +9,9 @@ from typing import Any
 from mrl_plugins.config_fields import internal
 from mrl_plugins.errors import ConfigError, choices
 
+#: experience transports between processes of one host (a heartbeat older than 5 s there means a hung process)
+LOCAL_COMM_TRANSPORTS = ("shm", "queue")
+
 CODECS: tuple[str, ...] = ("auto", "raw", "fp16", "bf16")
 CHECKSUMS: tuple[str, ...] = ("xxh3", "crc32c", "none")
 

@@ -10,10 +10,8 @@ and forms the pair group of that incarnation; the consumer starts a receiver for
 restarted worker (a new process on this or another host) sends again under the same index while its dead
 predecessor's group is abandoned. Producers attach independently: frames flow as soon as one has joined.
 
-Backend: :func:`mrl_plugins.device.collective_backend` when the device layer provides it, else
-``"gloo"``. Frames live in host memory, so they always travel over gloo: an ``hccl``/``nccl``
-backend would need each frame copied to the device and back; the backend the device layer names is
-kept in ``DistConsumer.device_backend`` for the logs.
+Backend: always gloo, whatever the device layer names: frames live in host memory, and an ``hccl``/``nccl``
+backend would need each frame copied to the device and back.
 
 Every wait has a deadline. Gloo's own timeouts break the connection, so blocking gloo waits run
 in receiver threads (consumer) and a sender thread (producer) with a week-long group timeout,
@@ -26,7 +24,6 @@ producer is watched again).
 
 from __future__ import annotations
 
-import datetime
 import queue
 import threading
 import time
@@ -35,14 +32,14 @@ from typing import Any
 
 import torch
 
-from mrl_plugins._net import gloo_devices
+from mrl_plugins._net import gloo_group, td
 from mrl_plugins.errors import MrlError, StageTimeoutError
+from mrl_plugins.shmem import check_run_id
 
 from .base import ChannelClosedError, Heartbeat, PeerDeadError, Received, deadline_of
 from .codec import make_codec
 from .config import CommConfig
 from .frame import FrameError, FramePlan, decode_frame
-from .segment import check_run_id
 
 _TAG_LEN, _TAG_FRAME = 11, 12
 #: seconds between two looks of the consumer for producers that joined (a new one or a restarted one)
@@ -51,29 +48,14 @@ JOIN_POLL_S = 0.05
 CLOSE_JOIN_S = 2.0
 
 
-def device_backend() -> str:
-    """The collective backend named by the device layer (``gloo`` when it names none)."""
-    try:
-        from mrl_plugins.device import collective_backend  # type: ignore[attr-defined]
-    except ImportError:
-        return "gloo"
-    try:
-        return str(collective_backend())
-    except Exception:  # a device layer that cannot answer on this host
-        return "gloo"
-
-
 def _pair_group(host: str, port: int, rank: int, prefix: str, timeout_s: float) -> tuple[Any, Any]:
     """``(store client, group)``: the two-rank gloo group under ``prefix`` of the consumer's store, on a store
     connection of its own (a blocking wait on a shared client would hold up the other users)."""
     import torch.distributed as dist
 
-    td = datetime.timedelta(seconds=timeout_s)
-    store = dist.TCPStore(host, port, None, False, timeout=td)
-    opts = dist.ProcessGroupGloo._Options()
-    opts._timeout = datetime.timedelta(days=7)  # gloo timeouts kill the pair: deadlines are enforced above it
-    opts._devices = gloo_devices(host)  # this host's address towards the store's, not the host name's
-    return store, dist.ProcessGroupGloo(dist.PrefixStore(prefix, store), rank, 2, opts)
+    store = dist.TCPStore(host, port, None, False, timeout=td(timeout_s))
+    # a week: gloo timeouts kill the pair, so deadlines are enforced above it
+    return store, gloo_group(dist.PrefixStore(prefix, store), rank, 2, 7 * 86400, host)
 
 
 def _prefix(run_id: str, index: int, incarnation: int) -> str:
@@ -94,10 +76,8 @@ class DistConsumer:
         self.n = n_producers
         self.run_id = check_run_id(run_id)
         self.host = host
-        self.device_backend = device_backend()
         self._timeout = max(config.receive_timeout_s, config.send_timeout_s)
-        td = datetime.timedelta(seconds=self._timeout)
-        self._master = dist.TCPStore(host, 0, None, True, timeout=td, wait_for_workers=False)
+        self._master = dist.TCPStore(host, 0, None, True, timeout=td(self._timeout), wait_for_workers=False)
         self.port = self._master.port
         self._err: BaseException | None = None
         self._closing = threading.Event()
@@ -276,7 +256,7 @@ class DistProducer:
         t = timeout if timeout is not None else max(config.send_timeout_s, config.receive_timeout_s)
         import torch.distributed as dist
 
-        self._store = dist.TCPStore(h.host, h.port, None, False, timeout=datetime.timedelta(seconds=t))
+        self._store = dist.TCPStore(h.host, h.port, None, False, timeout=td(t))
         self.incarnation = int(self._store.add(f"join/{h.index}", 1))
         self._link = _pair_group(h.host, h.port, 1, _prefix(h.run_id, h.index, self.incarnation), t)
         self._pg = self._link[1]

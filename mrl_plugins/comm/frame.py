@@ -40,6 +40,7 @@ import torch
 from mrl_plugins.errors import MrlError
 
 from .codec import BITPACK, CAST, RAW, Codec
+from .config import CHECKSUMS
 
 MAGIC = b"MRLF"
 FORMAT_VERSION = 1
@@ -52,7 +53,6 @@ _ZEROS = (0,) * MAX_NDIM  # shape padding of a field entry
 _HCRC_OFF = 4 + 2 + 2 + 4 + 8 + 8 + 8 + 4 + 4 + 4  # offset of the header crc slot
 FLAG_CHECKSUM = 1
 FLAG_XXH3 = 2
-CHECKSUMS = ("xxh3", "crc32c", "none")
 
 
 def _payload_sum(data: memoryview, flags: int) -> int:

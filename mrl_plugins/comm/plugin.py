@@ -3,9 +3,9 @@
 
 It opens the experience path's ends from the registrations that ``comm.transport`` and ``comm.codec`` name
 (third-party transports and codecs included): ``open_consumer`` on the trainer side, ``open_producer`` in each
-rollout worker (which builds
-the codec from its own registry, so a codec needs to be installed, not pickled). Each end carries its
-transport's :class:`~mrl_plugins.hookspecs.channels.Capabilities`. The caller owns and closes the ends.
+rollout worker (which builds the codec from its own registry, so a codec needs to be installed, not pickled). Each
+end carries its transport's :class:`~mrl_plugins.hookspecs.channels.Capabilities`. The caller owns and closes the
+ends.
 """
 
 from __future__ import annotations
@@ -15,28 +15,13 @@ from typing import Any
 
 from mrl_plugins.hookspecs import Capabilities, CommCodec, CommTransport, StageContext, StagePlugin, hookimpl
 
-from .codec import Codec, resolve_codec
-from .config import CommConfig
+from .codec import Codec, make_codec
 from .dist_transport import dist_factory
 from .queue_transport import queue_factory
 from .shm_ring import shm_factory
 
 TRANSPORTS = "mrl_comm_register_transports"
 CODECS = "mrl_comm_register_codecs"
-
-
-def _comm_config(config: Any) -> CommConfig:
-    if isinstance(config, CommConfig):
-        return config
-    sub = getattr(config, "comm", None)
-    return sub if isinstance(sub, CommConfig) else CommConfig()
-
-
-def field_codec(name: str, config: Any = None) -> Codec:
-    """The built-in codecs' factory: ``Codec(name, comm.lossless_fields)`` (registrations bind ``name``; ``auto``
-    is resolved for ``comm.transport``: raw on shm/queue, fp16 on network transports)."""
-    cfg = _comm_config(config)
-    return Codec(resolve_codec(name, cfg.transport), cfg.lossless_fields)
 
 
 def _codec(ctx: StageContext) -> Codec:
@@ -79,10 +64,13 @@ class CommPlugin:
     @hookimpl
     def mrl_comm_register_codecs(self) -> list[CommCodec]:
         return [
-            CommCodec("auto", functools.partial(field_codec, "auto"), "raw on shm/queue, fp16 on network transports"),
-            CommCodec("raw", functools.partial(field_codec, "raw"), "lossless, every field as is"),
-            CommCodec("fp16", functools.partial(field_codec, "fp16"), "floats fp16 (overflow-guarded)"),
-            CommCodec("bf16", functools.partial(field_codec, "bf16"), "floats bf16"),
+            CommCodec(name, functools.partial(make_codec, name=name), description)
+            for name, description in (
+                ("auto", "raw on shm/queue, fp16 on network transports"),
+                ("raw", "lossless, every field as is"),
+                ("fp16", "floats fp16 (overflow-guarded)"),
+                ("bf16", "floats bf16"),
+            )
         ]
 
     def capabilities(self, ctx: StageContext) -> Capabilities:

@@ -22,10 +22,10 @@ import numpy as np
 import torch
 
 from mrl_plugins.errors import MrlError, StageTimeoutError
+from mrl_plugins.shmem import check_run_id
 
 from .base import ChannelClosedError, Heartbeat, PeerDeadError, Received, deadline_of, pid_alive
 from .config import CommConfig
-from .segment import check_run_id
 
 _FREE, _ATTACHED, _CLOSED = 0, 1, 2
 

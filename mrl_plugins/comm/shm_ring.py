@@ -1,6 +1,7 @@
 """Shared-memory ring transport: N producer processes -> one consumer on the same host.
 
-One segment, allocated and pre-faulted once by the consumer, is reused for every frame. Each
+One segment (``mrl-comm-<run_id>-p<pid>-<8 hex>``, see :mod:`mrl_plugins.shmem`), allocated and pre-faulted
+once by the consumer, is reused for every frame. Each
 producer owns a single-producer/single-consumer ring of ``ring_slots`` slots of ``slot_bytes``
 bytes, so producers never contend and a killed producer cannot leave a lock held. Frames are
 written straight into the slot (codec casts included) and read back as zero-copy views.
@@ -36,19 +37,20 @@ from __future__ import annotations
 
 import os
 import secrets
+import select
 import struct
 import time
 from collections.abc import Mapping
 from typing import Any
 
 from mrl_plugins.errors import MrlError, StageTimeoutError
+from mrl_plugins.shmem import Segment, new_path, register, remove_stale
+from mrl_plugins.shmem import unlink as unlink_path
 
 from .base import ChannelClosedError, Heartbeat, PeerDeadError, Received, deadline_of, pid_alive
 from .codec import make_codec
 from .config import CommConfig
 from .frame import FrameError, FramePlan, decode_frame
-from .segment import Segment, kick, make_fifo, new_path, open_fifo, remove_stale, wait_fd
-from .segment import unlink as unlink_path
 
 _MAGIC = b"MRLR"
 _LAYOUT = 2
@@ -70,6 +72,38 @@ def _layout(n_producers: int, slots: int, slot_bytes: int) -> tuple[int, int]:
     return data, data + n_producers * slots * slot_bytes
 
 
+def make_fifo(path: str) -> int:
+    """Create a FIFO owned by this process (registered for cleanup) and open it read-write, non-blocking."""
+    os.mkfifo(path, 0o600)
+    register(path)
+    return open_fifo(path)
+
+
+def open_fifo(path: str) -> int:
+    """Open an existing FIFO read-write and non-blocking (never blocks, never gets EPIPE)."""
+    return os.open(path, os.O_RDWR | os.O_NONBLOCK)
+
+
+def kick(fd: int) -> None:
+    """Wake whoever waits on the FIFO ``fd`` (a full FIFO is readable already, so EAGAIN is fine)."""
+    try:
+        os.write(fd, b"\0")
+    except (BlockingIOError, OSError):
+        pass
+
+
+def wait_fd(fd: int, timeout: float) -> None:
+    """Block until the FIFO ``fd`` has bytes or ``timeout`` s passed, then drain it."""
+    if timeout > 0:
+        r, _, _ = select.select([fd], [], [], timeout)
+        if not r:
+            return
+    try:
+        os.read(fd, 65536)
+    except (BlockingIOError, OSError):
+        pass
+
+
 class ShmConsumer:
     """The receiving end (trainer). Build with :func:`shm_factory`; hand :meth:`producer_handle` to workers."""
 
@@ -83,7 +117,7 @@ class ShmConsumer:
         self.slot_bytes = config.slot_bytes
         remove_stale()
         self._data, size = _layout(n_producers, self.slots, self.slot_bytes)
-        self.seg = Segment.create(new_path(run_id), size)
+        self.seg = Segment.create(new_path("comm", run_id), size)
         self.token = secrets.token_bytes(16)
         # heartbeat 0 ("not started"): the heartbeat thread below stamps the first beat
         _GLOBAL.pack_into(
@@ -268,12 +302,6 @@ class ShmConsumer:
                 unlink_path(f)
         self.seg.close(unlink_file=unlink)
 
-    def __enter__(self) -> ShmConsumer:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
 
 def _nbytes(v: Any) -> int:
     return int(v.nbytes) if hasattr(v, "nbytes") else int(v.numel() * v.element_size())
@@ -363,7 +391,7 @@ class ShmProducer:
         return f"consumer pid {self.consumer_pid} is dead: {why}" if why else None
 
     def send(self, batch: Mapping[str, Any], meta: Mapping[str, Any], timeout: float | None = None) -> int:
-        """Encode ``batch`` into the next slot; returns the frame bytes (0 if dropped by ``drop_newest``)."""
+        """Encode ``batch`` into the next slot; returns the frame bytes."""
         buf = self.seg.buf
         if buf is None:
             raise MrlError("send on a closed shm producer")
@@ -419,7 +447,7 @@ class ShmProducer:
             self._stats["wait_s"] += time.perf_counter() - t0
 
     def stats(self) -> dict[str, float]:
-        """Counters: frames, bytes, raw_bytes, fallbacks, wait_s, dropped, queue_depth."""
+        """Counters: frames, bytes, raw_bytes, fallbacks, wait_s, queue_depth."""
         out = dict(self._stats)
         if self.seg.buf is not None:
             out["queue_depth"] = self._head - _U64.unpack_from(self.seg.buf, self._cb + 128)[0]
@@ -435,12 +463,6 @@ class ShmProducer:
         os.close(self._data_fd)
         os.close(self._space_fd)
         self.seg.close()
-
-    def __enter__(self) -> ShmProducer:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
 
 def _stale(pid: int, age: float, config: CommConfig) -> str | None:

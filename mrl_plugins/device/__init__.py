@@ -38,9 +38,7 @@ from mrl_plugins.device.cpu import CpuDevice
 from mrl_plugins.device.cuda import CudaDevice
 from mrl_plugins.device.memory import (
     MemoryProfile,
-    is_out_of_memory,
     measure_peak,
-    profile_peak,
     reservation_fraction,
     reserve_memory,
 )
@@ -92,12 +90,10 @@ __all__ = [
     "core_limit_apis",
     "get_device",
     "is_cuda_available",
-    "is_out_of_memory",
     "is_torch_npu_available",
     "measure_peak",
     "npu_status",
     "parse_device_spec",
-    "profile_peak",
     "reservation_fraction",
     "reserve_memory",
     "split_cores",

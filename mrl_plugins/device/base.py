@@ -97,10 +97,6 @@ class DeviceStream:
         if self.raw is not None:
             self.raw.synchronize()
 
-    def query(self) -> bool:
-        """True when all queued work has finished (always True on CPU)."""
-        return True if self.raw is None else bool(self.raw.query())
-
 
 @dataclass(eq=True)
 class Device(ABC):

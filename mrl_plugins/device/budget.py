@@ -22,8 +22,6 @@ from typing import Any
 from mrl_plugins.device.base import STREAM_PRIORITIES, CoreLimitWarning, Device, DeviceStream, warn_once
 from mrl_plugins.errors import ConfigError, DeviceError, choices
 
-SCOPES: tuple[str, ...] = ("process", "thread")
-
 
 def _parse_cpu_list(text: str) -> set[int]:
     """Parse a kernel CPU list such as ``0-3,8,10-11``."""
@@ -133,7 +131,6 @@ class AppliedBudget:
     """
 
     device: str
-    scope: str
     cores: list[int] | None = None
     threads: int | None = None
     stream: DeviceStream | None = None
@@ -156,11 +153,9 @@ class AppliedBudget:
             return
         self._restored = True
         if self._previous_affinity:
-            # process scope: every thread now, threads started since then get the main thread's old affinity;
-            # thread scope: only the thread that applied it (by native id, so restore() works from any thread).
+            # every thread now, threads started since then get the main thread's old affinity
             main = self._previous_affinity.get(os.getpid())
-            tids = _thread_ids() if self.scope == "process" else list(self._previous_affinity)
-            for tid in tids:
+            for tid in _thread_ids():
                 prev = self._previous_affinity.get(tid, main)
                 if prev:
                     try:
@@ -185,7 +180,6 @@ class AppliedBudget:
         """Plain dict for reports and logs."""
         return {
             "device": self.device,
-            "scope": self.scope,
             "cores": self.cores,
             "threads": self.threads,
             "stream_priority": None if self.stream is None else self.stream.priority,
@@ -204,8 +198,7 @@ def _thread_ids() -> list[int]:
 
 
 def _set_affinity(applied: AppliedBudget, cores: list[int]) -> None:
-    tids = _thread_ids() if applied.scope == "process" else [threading.get_native_id()]
-    for tid in tids:
+    for tid in _thread_ids():
         try:
             prev = os.sched_getaffinity(tid)
         except (ProcessLookupError, PermissionError):
@@ -267,7 +260,7 @@ def _apply_npu_limits(
         raise DeviceError(
             f"torch_npu allows set_device_limit once per process and it was already called "
             f"(npu:{index} limit now {current}); cannot set cube={cube}, vector={vector}. "
-            "Give this side its own stream (apply_compute_budget(..., stream=...)) to use set_stream_limit instead"
+            "Give this side its own stream (budget.stream_priority high or low) to use set_stream_limit instead"
         )
     # CANN's aclrtSetDeviceResLimit must follow aclrtSetDevice: make the device current first.
     npu.set_device(index)
@@ -276,26 +269,19 @@ def _apply_npu_limits(
     applied.notes.append(f"npu:{index} made the current device (set_device_limit requires it)")
 
 
-def apply_compute_budget(
-    budget: ComputeBudget, device: Device, stream: DeviceStream | None = None, scope: str = "process"
-) -> AppliedBudget:
+def apply_compute_budget(budget: ComputeBudget, device: Device) -> AppliedBudget:
     """Apply ``budget`` for ``device`` in this process and return what was applied.
 
-    * ``cores`` -> ``os.sched_setaffinity`` of every thread of the process (``scope="process"``; threads started
-      later inherit it) or of the calling thread only (``scope="thread"``). ConfigError naming the allowed
-      cores if one is not on this machine.
+    * ``cores`` -> ``os.sched_setaffinity`` of every thread of the process (threads started later inherit it).
+      ConfigError naming the allowed cores if one is not on this machine.
     * ``threads`` -> ``torch.set_num_threads`` (process-wide in torch). ConfigError if it exceeds the cores
-      given (oversubscription made work 15-200x slower in our measurements).
-    * ``stream_priority`` other than ``normal`` with no ``stream`` given -> a new stream of that priority on
-      ``device`` (returned in ``AppliedBudget.stream``).
-    * NPU cube/vector cores -> ``set_stream_limit`` on the stream (given or created), else ``set_device_limit``.
+      given (oversubscribed, a 2-thread forward ran 15x slower: doctor_checks.check_threads).
+    * ``stream_priority`` other than ``normal`` -> a new stream of that priority on ``device`` (returned in
+      ``AppliedBudget.stream``).
+    * NPU cube/vector cores -> ``set_stream_limit`` on that stream, else ``set_device_limit``.
       On other devices they are skipped with one :class:`CoreLimitWarning`.
     """
     budget.validate()
-    if scope not in SCOPES:
-        raise ConfigError(f"scope {scope!r} is not valid; choose {choices(SCOPES)}")
-    if stream is not None and stream.device_type != device.type:
-        raise ConfigError(f"stream belongs to a {stream.device_type} device, budget is for {device.spec}")
     # --- checks, before anything changes --------------------------------------------------------------------
     if budget.cores is not None:
         allowed = allowed_cores()
@@ -310,7 +296,7 @@ def apply_compute_budget(
             )
     wants_npu_limit = budget.npu_cube_cores is not None or budget.npu_vector_cores is not None
 
-    applied = AppliedBudget(device=device.spec, scope=scope)
+    applied = AppliedBudget(device=device.spec)
     try:
         if budget.cores is not None:
             _set_affinity(applied, list(budget.cores))
@@ -320,10 +306,8 @@ def apply_compute_budget(
             applied._previous_threads = torch.get_num_threads()
             torch.set_num_threads(budget.threads)
             applied.threads = budget.threads
-        if stream is None and budget.stream_priority != "normal":
-            stream = device.new_stream(budget.stream_priority)
-        if stream is not None:
-            applied.stream = stream
+        if budget.stream_priority != "normal":
+            stream = applied.stream = device.new_stream(budget.stream_priority)
             applied.priority_honoured = stream.priority_honoured
             if not stream.priority_honoured and stream.priority != "normal":
                 applied.notes.append(
@@ -331,7 +315,7 @@ def apply_compute_budget(
                 )
         if wants_npu_limit:
             if device.type == "npu":
-                _apply_npu_limits(applied, budget, device, stream)
+                _apply_npu_limits(applied, budget, device, applied.stream)
             else:
                 warn_once(
                     f"NPU core limits requested but the device is {device.type}: skipped",

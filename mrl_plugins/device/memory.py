@@ -9,11 +9,10 @@ recorded and reported, not enforced.
 
 from __future__ import annotations
 
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TypeVar
 
 from mrl_plugins.device.base import Device
 from mrl_plugins.errors import ConfigError
@@ -63,18 +62,6 @@ class MemoryProfile:
         """:func:`reservation_fraction` of this profile's peak."""
         return reservation_fraction(self.peak_bytes, self.total_bytes, headroom)
 
-    def as_dict(self) -> dict[str, Any]:
-        """Plain dict for reports."""
-        return {
-            "device": self.device,
-            "baseline_bytes": self.baseline_bytes,
-            "peak_bytes": self.peak_bytes,
-            "increase_bytes": self.increase_bytes,
-            "total_bytes": self.total_bytes,
-            "seconds": self.seconds,
-            "peak_was_reset": self.peak_was_reset,
-        }
-
 
 def measure_peak(fn: Callable[[], T], device: Device | None = None) -> tuple[T, MemoryProfile]:
     """Run ``fn()`` once on ``device`` (default: the ``auto`` device) and return its result and a profile.
@@ -105,11 +92,6 @@ def measure_peak(fn: Callable[[], T], device: Device | None = None) -> tuple[T, 
     return result, profile
 
 
-def profile_peak(fn: Callable[[], Any], device: Device | None = None) -> int:
-    """Peak bytes held on ``device`` while ``fn()`` ran (see :func:`measure_peak`)."""
-    return measure_peak(fn, device)[1].peak_bytes
-
-
 def reserve_memory(
     device: Device, peak_bytes: int, headroom: float = DEFAULT_HEADROOM, total_bytes: int | None = None
 ) -> float:
@@ -125,21 +107,3 @@ def reserve_memory(
         raise ConfigError(f"peak_bytes={peak_bytes} gives an empty reservation on {device.spec}; profile real work")
     device.set_memory_fraction(fraction)
     return fraction
-
-
-_OOM_TEXT = ("out of memory", "can't allocate memory", "cannot allocate memory")
-
-
-def is_out_of_memory(exc: BaseException) -> bool:
-    """True for an allocation failure on any backend.
-
-    ``torch.OutOfMemoryError`` (CUDA, and torch_npu's "NPU out of memory"), ``MemoryError``, and the
-    ``RuntimeError`` texts of the CPU allocator ("can't allocate memory") and of older torch_npu releases.
-    """
-    if isinstance(exc, MemoryError):
-        return True
-    torch = sys.modules.get("torch")
-    oom_type = getattr(torch, "OutOfMemoryError", None) if torch is not None else None
-    if oom_type is not None and isinstance(exc, oom_type):
-        return True
-    return isinstance(exc, RuntimeError) and any(t in str(exc).lower() for t in _OOM_TEXT)

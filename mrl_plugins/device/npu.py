@@ -26,7 +26,7 @@ NPU_POOL_PRIORITY: dict[str, int] = {"high": -1, "normal": 0, "low": 0}
 
 def npu_namespace() -> ModuleType:
     """``torch_npu.npu`` (imports torch_npu; only call when an NPU device was selected)."""
-    return probe.torch_npu_module().npu
+    return probe._import_torch_npu().npu
 
 
 @dataclass(eq=True)

@@ -138,11 +138,6 @@ def is_torch_npu_available() -> bool:
     return npu_status().usable
 
 
-def torch_npu_module() -> ModuleType:
-    """The imported torch_npu module (for code that already knows an NPU is usable)."""
-    return _import_torch_npu()
-
-
 def core_limit_apis() -> dict[str, bool]:
     """Which torch_npu core-limit functions exist (``torch_npu.npu.<name>``). All False without torch_npu.
 
@@ -194,16 +189,15 @@ def cuda_device_count() -> int:
 # ---------------------------------------------------------------------------------------------------------------------
 
 
-def cann_home(env: Mapping[str, str] | None = None, defaults: tuple[str, ...] | None = None) -> str | None:
-    """The CANN toolkit folder: ``ASCEND_TOOLKIT_HOME`` or ``ASCEND_HOME_PATH`` if it exists, else a default path
-    (``defaults``, by default :data:`DEFAULT_CANN_HOMES`)."""
+def cann_home(env: Mapping[str, str] | None = None) -> str | None:
+    """The CANN toolkit folder: ``ASCEND_TOOLKIT_HOME`` or ``ASCEND_HOME_PATH`` if it exists, else the first of
+    :data:`DEFAULT_CANN_HOMES` that exists."""
     env = os.environ if env is None else env
-    defaults = DEFAULT_CANN_HOMES if defaults is None else defaults
     for var in CANN_ENV_VARS:
         path = env.get(var)
         if path and os.path.isdir(path):
             return path
-    for path in defaults:
+    for path in DEFAULT_CANN_HOMES:
         if os.path.isdir(path):
             return path
     return None
@@ -213,13 +207,13 @@ _INSTALL_INFO = re.compile(r"^ascend_.*_install\.info$")
 _VERSION_LINE = re.compile(r"^\s*(?:version|Version)\s*=\s*(\S+)")
 
 
-def cann_version(env: Mapping[str, str] | None = None, defaults: tuple[str, ...] | None = None) -> str | None:
+def cann_version(env: Mapping[str, str] | None = None) -> str | None:
     """CANN version from the toolkit's ``ascend_*_install.info`` (``version=8.0.RC3``) or ``version.info`` files.
 
     Looks in :func:`cann_home` and at most three folder levels below it (bounded, cheap). ``None`` when no
     toolkit or no version file is found.
     """
-    home = cann_home(env, defaults)
+    home = cann_home(env)
     if home is None:
         return None
     root = os.path.realpath(home)

@@ -1,14 +1,5 @@
 """Weight-sync stage: versioned sharded safetensors, transports, double-buffered receiver, sources.
 
-Public API::
-
-    from mrl_plugins.weight_sync import (
-        WeightSyncConfig, WeightSyncError,
-        ShmSender, DirectorySender, BroadcastSender, PerParamSender,
-        DoubleBufferedReceiver,
-        iter_trainer_weights,
-    )
-
 Heavy optional libraries (deepspeed, peft) are imported lazily.
 """
 

@@ -36,17 +36,9 @@ transfer only when a newer version is being sent.
     no group) device tensors are copied to host memory on the sender and from host memory into the destination on
     the receiver (unverified on hardware; on CPU tested with the device layer naming nccl).
 
-    Measured with ``python -m benchmarks weights`` (988 MB Qwen2.5-0.5B-like list, 2 processes on 2 shared
-    cores, load average ~2 from other jobs): 2.9-3.0 GB/s with checksums, 3.8-4.0 without, per-param
-    baseline 2.2-2.3 (1.30-1.33x and 1.69-1.76x). On a quiet host the baseline reaches 2.8-3.1 GB/s and
-    this transport 3.3-3.5 with checksums (1.13-1.22x), 4.2 without (1.41-1.53x). The earlier design
-    (one async broadcast per tensor of >= 1 MiB, 64 MiB buckets, crc32c) reached 1.03x with checksums
-    and 1.36x without. In
-    interleaved A/B runs: tagged send/recv with xxh3 checksums after each message 1.1-1.25x, a
-    second connection +0-20% (+10-20% in most runs), a window of 128 instead of 16 MiB +5-10%;
-    4, 16 and 64 MiB messages are within noise, 1 MiB is slower. Checksums still cost ~20% of the
-    throughput: xxh3 reads every byte once more on each side (~60 ms of CPU per side per GB) while
-    the transfer alone already keeps both cores mostly busy.
+    Measured: benchmarks/README.md (``python -m benchmarks weights``). What chose this design, in interleaved A/B
+    runs: the earlier one (an async broadcast per tensor >= 1 MiB, 64 MiB buckets, crc32c) reached 1.03x per_param
+    with checksums; a second connection adds 0-20%, a window of 128 instead of 16 MiB 5-10%.
 
 ``per_param`` (baseline)
     One control message listing every tensor, then one synchronous broadcast per parameter: what
@@ -72,6 +64,7 @@ from typing import Any
 
 import torch
 
+from mrl_plugins._net import td
 from mrl_plugins.errors import StageTimeoutError
 from mrl_plugins.hookspecs import PublishReport
 
@@ -87,12 +80,10 @@ from .broadcast_group import (  # noqa: F401 - re-exported: the transports' cons
     _Group,
     _row_split,
     _tag,
-    _td,
-    backend_name,
 )
 from .broadcast_rx import BroadcastHandle, BroadcastReceiver
 from .config import WeightSyncConfig
-from .shards import WeightSyncError, align, as_bytes, chunk_checksums, st_dtype
+from .shards import WeightSyncError, align, as_bytes, check_newer, chunk_checksums, st_dtype
 
 
 class _BaseSender:
@@ -106,7 +97,6 @@ class _BaseSender:
         model_id: str = "policy",
         run_id: str = "run",
         host: str = "127.0.0.1",
-        port: int = 0,
         world_size: int = 2,
         group: Any = None,
         **_: Any,
@@ -119,10 +109,10 @@ class _BaseSender:
         self.timeout = float(config.timeout_s)
         self.host, self.world = host, world_size
         self.store = dist.TCPStore(
-            host, port, world_size=world_size, is_master=True, timeout=_td(self.timeout), wait_for_workers=False
+            host, 0, world_size=world_size, is_master=True, timeout=td(self.timeout), wait_for_workers=False
         )
         self.port = self.store.port
-        if group is not None or not hasattr(dist.ProcessGroupGloo, "_Options"):
+        if group is not None:
             self.connections = 1
         self.g = _Group(self.store, 0, world_size, self.timeout, group, self.connections, host)
         # gloo moves host tensors only; device backends (hccl/nccl, via ``group``) take device tensors
@@ -145,10 +135,7 @@ class _BaseSender:
     def _start(self, version: int) -> None:
         if self._closed:
             raise WeightSyncError(f"{self.kind} sender is closed")
-        if self._latest is not None and version <= self._latest:
-            raise WeightSyncError(
-                f"model_id={self.model_id}: version {version} is not newer than the published {self._latest}"
-            )
+        check_newer(self.model_id, version, self._latest)
         self.store.set(f"{self.model_id}/latest", str(version))
         self.g.connect(self.timeout)
 
@@ -355,4 +342,4 @@ class PerParamSender(_BaseSender):
         return PublishReport(self.model_id, version, nbytes, time.perf_counter() - t0, len(items))
 
 
-__all__ = ["BroadcastHandle", "BroadcastReceiver", "BroadcastSender", "PerParamSender", "backend_name"]
+__all__ = ["BroadcastHandle", "BroadcastReceiver", "BroadcastSender", "PerParamSender"]

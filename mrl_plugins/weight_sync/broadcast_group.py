@@ -4,7 +4,6 @@
 
 from __future__ import annotations
 
-import datetime
 import json
 import logging
 import struct
@@ -12,7 +11,7 @@ from typing import Any
 
 import torch
 
-from mrl_plugins._net import gloo_devices
+from mrl_plugins._net import gloo_group, td
 from mrl_plugins.errors import StageTimeoutError
 
 from .shards import WeightSyncError
@@ -28,22 +27,6 @@ WINDOW_BYTES = 128 << 20  # the sender waits for (and checksums) its oldest mess
 CONNECTIONS = 2  # TCP connections per pair of the built-in gloo group (one gloo I/O thread each)
 ALGO = "xxh3"
 TAG_SPAN = (1 << 31) - 2  # gloo tags are non-negative 32-bit ints; tag 0 is each publish's first control
-
-
-def backend_name() -> str:
-    """The collective backend from the device layer when it provides one, else ``gloo``."""
-    try:
-        from mrl_plugins.device import collective_backend  # type: ignore[attr-defined]
-    except ImportError:
-        return "gloo"
-    try:
-        return str(collective_backend())
-    except Exception:  # noqa: BLE001 - device layer unavailable: CPU path
-        return "gloo"
-
-
-def _td(s: float) -> datetime.timedelta:
-    return datetime.timedelta(seconds=float(s))
 
 
 def _peer_error(exc: BaseException, what: str, timeout: float) -> StageTimeoutError:
@@ -68,9 +51,12 @@ class _Group:
     def connect(self, timeout: float) -> None:
         if self.pg is not None or self.group is not None:
             return
-        import torch.distributed as dist
+        from mrl_plugins import device
 
-        backend = backend_name()
+        try:
+            backend = device.collective_backend()
+        except Exception:  # noqa: BLE001 - device layer unavailable: CPU path
+            backend = "gloo"
         if backend != "gloo" and not _said_host_path:  # a CUDA / NPU host: the built-in group still moves host bytes
             _said_host_path.append(backend)
             LOG.info(
@@ -78,14 +64,7 @@ class _Group:
                 "device's %s carries the stream only in a group handed in as group=)", backend
             )  # fmt: skip
         try:
-            if hasattr(dist.ProcessGroupGloo, "_Options"):
-                opts = dist.ProcessGroupGloo._Options()
-                opts._timeout = _td(timeout)
-                # bound to this host's address towards the store (the trainer's), not to the host name's
-                opts._devices = gloo_devices(self.host, self.connections)
-                self.pg = dist.ProcessGroupGloo(self.store, self.rank, self.world, opts)
-            else:
-                self.pg = dist.ProcessGroupGloo(self.store, self.rank, self.world, _td(timeout))
+            self.pg = gloo_group(self.store, self.rank, self.world, timeout, self.host, self.connections)
         except (RuntimeError, OSError) as exc:
             raise _peer_error(exc, "creating the weight-sync process group", timeout) from None
 
@@ -98,10 +77,10 @@ class _Group:
             else:
                 opts = dist.BroadcastOptions()
                 opts.rootRank = 0
-                opts.timeout = _td(timeout)
+                opts.timeout = td(timeout)
                 work = self.pg.broadcast([t], opts)
             if not async_op:
-                work.wait(_td(timeout))
+                work.wait(td(timeout))
                 return None
             return work
         except RuntimeError as exc:
@@ -120,7 +99,7 @@ class _Group:
 
     def wait(self, work: Any, timeout: float) -> None:
         try:
-            work.wait(_td(timeout))  # a handed-in group's backend may also enforce its own timeout
+            work.wait(td(timeout))  # a handed-in group's backend may also enforce its own timeout
         except RuntimeError as exc:
             raise _peer_error(exc, "weight transfer", timeout) from None
 

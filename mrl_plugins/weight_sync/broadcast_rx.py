@@ -10,9 +10,10 @@ from typing import Any
 
 import torch
 
+from mrl_plugins._net import td
 from mrl_plugins.errors import choices
 
-from .broadcast_group import CTRL_BYTES, HEAD, _ctrl_head, _Group, _peer_error, _tag, _td
+from .broadcast_group import CTRL_BYTES, HEAD, _ctrl_head, _Group, _peer_error, _tag
 from .shards import CHECKSUM_ALGOS, ST_TO_DTYPE, Dest, WeightSyncError, as_bytes, chunk_checksums
 
 
@@ -77,7 +78,7 @@ class BroadcastReceiver:
         self.h = h
         try:
             self.store = dist.TCPStore(
-                h.host, h.port, world_size=h.world_size, is_master=False, timeout=_td(h.timeout_s)
+                h.host, h.port, world_size=h.world_size, is_master=False, timeout=td(h.timeout_s)
             )
         except RuntimeError as exc:
             raise _peer_error(exc, f"connecting to the weight-sync store {h.host}:{h.port}", h.timeout_s) from None

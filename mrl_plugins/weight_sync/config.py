@@ -23,10 +23,8 @@ broadcast   4 MiB         16 MiB        988 MB Qwen2.5-0.5B-like list, 2 process
 per_param   (unused)      (unused)      one collective per parameter (baseline)
 ==========  ============  ============  ===================================================
 
-crc32c runs at ~16 GB/s on an idle core (4.9 GB/s under the load above); it is the main cost of
-``verify_checksum`` on the shm path. The broadcast transport uses xxh3-64 instead (~21 GB/s from
-memory, ~60 GB/s on cache-resident data, on an idle core) and checksums each message right after
-its transfer; its checksums then cost it about 20% of the no-checksum throughput on 2 cores.
+crc32c (the shard format's checksum, 4.9 GB/s under the load above) is the main cost of ``verify_checksum`` on
+the shm path.
 """
 
 from __future__ import annotations
@@ -42,7 +40,7 @@ STAGING_CHOICES = ("device", "host")
 
 #: per-transport defaults (see the module docstring)
 DEFAULT_CHUNK_BYTES = {"shm": 4 << 20, "directory": 64 << 20, "broadcast": 4 << 20, "per_param": 4 << 20}
-DEFAULT_BUCKET_BYTES = {"shm": 64 << 20, "directory": 64 << 20, "broadcast": 16 << 20, "per_param": 64 << 20}
+DEFAULT_BUCKET_BYTES = {"broadcast": 16 << 20}
 
 
 @dataclass
@@ -147,15 +145,13 @@ class WeightSyncConfig:
             raise ConfigError(f"unknown weight_sync key {unknown[0]!r}; valid keys: {', '.join(valid)}")
         return cls(**d).validate()
 
-    def chunk_for(self, transport: str | None = None) -> int:
-        """Effective chunk size for ``transport`` (default: this config's)."""
-        t = transport or self.transport
-        return self.chunk_bytes if self.chunk_bytes is not None else DEFAULT_CHUNK_BYTES.get(t, 4 << 20)
+    def chunk_for(self, transport: str) -> int:
+        """Effective chunk size for ``transport``."""
+        return self.chunk_bytes if self.chunk_bytes is not None else DEFAULT_CHUNK_BYTES[transport]
 
-    def bucket_for(self, transport: str | None = None) -> int:
-        """Effective bucket size for ``transport`` (default: this config's)."""
-        t = transport or self.transport
-        return self.bucket_bytes if self.bucket_bytes is not None else DEFAULT_BUCKET_BYTES.get(t, 64 << 20)
+    def bucket_for(self, transport: str) -> int:
+        """Effective bucket size for ``transport``."""
+        return self.bucket_bytes if self.bucket_bytes is not None else DEFAULT_BUCKET_BYTES[transport]
 
 
 __all__ = ["KNOWN_TRANSPORTS", "STAGING_CHOICES", "WeightSyncConfig"]

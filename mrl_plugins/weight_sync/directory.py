@@ -32,7 +32,7 @@ from mrl_plugins.errors import StageTimeoutError
 from mrl_plugins.hookspecs import PublishReport
 
 from .config import WeightSyncConfig
-from .shards import Dest, ShardWriter, VersionGoneError, WeightSyncError, read_shards
+from .shards import Dest, ShardWriter, VersionGoneError, WeightSyncError, check_newer, read_shards
 
 LOG = logging.getLogger("mrl_plugins.weight_sync")
 
@@ -105,10 +105,7 @@ class DirectorySender:
 
     def publish(self, version: int, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> PublishReport:
         """Write all shards of ``version``, rename the folder into place, then replace the manifest."""
-        if self._latest is not None and version <= self._latest:
-            raise WeightSyncError(
-                f"model_id={self.model_id}: version {version} is not newer than the published {self._latest}"
-            )
+        check_newer(self.model_id, version, self._latest)
         t0 = time.perf_counter()
         final = os.path.join(self.root, f"weight_v{version}")
         tmp = os.path.join(self.root, f".weight_v{version}.tmp-{os.getpid()}")

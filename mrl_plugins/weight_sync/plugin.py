@@ -35,22 +35,11 @@ def _transport(ctx: StageContext) -> Any:
     return ctx.plugins.backend(TRANSPORTS, ctx.config.weight_sync.transport)
 
 
-def open_transport_sender(
-    reg: Any, config: Any, model_id: str, run_id: str, receivers: int, host: str = "127.0.0.1"
-) -> Any:
-    """The sender of registration ``reg`` (a collective one sized for ``receivers``, its group's store listening on
-    ``host``), carrying its capabilities."""
-    group = {"world_size": receivers + 1, "host": host} if reg.capabilities.collective else {}
-    sender = reg.factory(config, model_id=model_id, run_id=run_id, **group)
-    sender.capabilities = reg.capabilities
-    return sender
-
-
 def _group_host(ctx: StageContext) -> str:
     """Where a collective sender's store listens: where workers on other hosts reach the trainer (the
     ``rollout.rendezvous`` host) when there are any, else loopback."""
-    rollout = getattr(ctx.config, "rollout", None)
-    if rollout is not None and getattr(rollout, "remote_workers", 0):
+    rollout = ctx.config.rollout
+    if rollout.remote_workers:
         return str(rollout.rendezvous).rpartition(":")[0]
     return "127.0.0.1"
 
@@ -107,7 +96,7 @@ class WeightSyncPlugin:
 
     def open_sender(self, ctx: StageContext, model_id: str, run_id: str, receivers: int, same_process: bool) -> Any:
         reg = _transport(ctx)
-        if reg.name == "vllm" and getattr(getattr(ctx.config, "rollout", None), "engine", None) != "vllm":
+        if reg.name == "vllm" and ctx.config.rollout.engine != "vllm":
             raise ConfigError(
                 f"weight_sync.transport 'vllm' loads the weights into vLLM engines; it needs rollout.engine: vllm "
                 f"(got {ctx.config.rollout.engine!r}), or use transport {choices(['shm', 'broadcast'])}"
@@ -117,7 +106,11 @@ class WeightSyncPlugin:
                 f"weight_sync.transport {reg.name!r} sends through a process group, which an inference copy in the "
                 f"trainer process cannot join; use 'shm' (or rollout.workers >= 1)"
             )
-        return open_transport_sender(reg, ctx.config.weight_sync, model_id, run_id, receivers, _group_host(ctx))
+        # a collective sender is sized for the receivers, its group's store listening where they reach it
+        group = {"world_size": receivers + 1, "host": _group_host(ctx)} if reg.capabilities.collective else {}
+        sender = reg.factory(ctx.config.weight_sync, model_id=model_id, run_id=run_id, **group)
+        sender.capabilities = reg.capabilities
+        return sender
 
     def open_receiver(self, ctx: StageContext, model: Any, handle: Any, model_id: str, rank: int) -> Any:
         from .receiver import DoubleBufferedReceiver
@@ -137,4 +130,4 @@ class WeightSyncPlugin:
         return receiver
 
 
-__all__ = ["WeightSyncPlugin", "attach_handle", "open_transport_sender"]
+__all__ = ["WeightSyncPlugin", "attach_handle"]

@@ -12,13 +12,9 @@ Atomicity: ``with receiver.active() as model:`` marks a request in flight. ``swi
 requests from entering, waits (with a timeout) until the in-flight ones drained, flips, and lets
 requests in again: no forward pass inside ``active()`` ever sees two versions.
 
-Transports: with ``shm``/``directory`` a receiver fetches whenever it likes; with ``broadcast`` and
-``per_param`` the sender's ``publish`` blocks until every receiver joins the collective, so the
-inference side must poll (or be notified) while the trainer publishes.
-
 Versions are monotonic per ``model_id``: a version older than (or equal to) the active or staged one is
-ignored and logged once;
-a version that failed verification leaves ``staging`` invalid and the active version untouched.
+ignored and logged once; a version that failed verification leaves ``staging`` invalid and the active version
+untouched.
 """
 
 from __future__ import annotations
@@ -112,14 +108,11 @@ class DoubleBufferedReceiver:
         model_id: str = "policy",
         staging: str = "device",
         name_map: Callable[[str], str] | None = None,
-        logger: logging.Logger | None = None,
-        initial_version: int = -1,
     ) -> None:
         if staging not in ("device", "host"):
             raise ConfigError(f"staging must be {choices(('device', 'host'))}, got {staging!r}")
         self.model, self.tr, self.model_id, self.staging_kind = model, transport_receiver, model_id, staging
         self.name_map = name_map
-        self.log = logger or LOG
         self._params = list(model.named_parameters())  # tied parameters once
         self._aliases = {n: p for n, p in model.named_parameters(remove_duplicate=False)}
         specs = [(n, p.dtype, tuple(p.shape), p.device) for n, p in self._params]
@@ -130,7 +123,7 @@ class DoubleBufferedReceiver:
                 p.data = self._a.views[n]
         self._b = _FlatSet(specs, staging)
         self._by_param = {id(p): n for n, p in self._params}
-        self.version = initial_version
+        self.version = -1
         self._staged: int | None = None
         self._cv = threading.Condition()
         self._fetch_lock = threading.Lock()
@@ -183,9 +176,7 @@ class DoubleBufferedReceiver:
                 out_of_time = deadline is not None and deadline - time.monotonic() <= 0
                 if newer is None or newer <= v or out_of_time or lost == GONE_RETRIES:
                     raise
-                self.log.info(
-                    "model_id=%s version %d was replaced by %d while it was fetched", self.model_id, v, newer
-                )
+                LOG.info("model_id=%s version %d was replaced by %d while it was fetched", self.model_id, v, newer)
         return None  # not reached: the last lost version raises
 
     def _not_newer(self, version: int, log: bool = True) -> bool:
@@ -197,7 +188,7 @@ class DoubleBufferedReceiver:
             self._ignored.add(version)
             what = "older than" if version < held else "repeats"
             staged = "" if self._staged is None else f", staged {self._staged}"
-            self.log.info(
+            LOG.info(
                 "ignored model_id=%s version %d (%s active %d%s)", self.model_id, version, what, self.version, staged
             )
         return True
@@ -226,7 +217,7 @@ class DoubleBufferedReceiver:
             self._bytes += nbytes
             self._seconds += dt
             self._last_fetch = (nbytes, dt)
-            self.log.debug("staged model_id=%s version %d bytes=%d seconds=%.4f", self.model_id, version, nbytes, dt)
+            LOG.debug("staged model_id=%s version %d bytes=%d seconds=%.4f", self.model_id, version, nbytes, dt)
             return version
         finally:
             self._fetch_lock.release()
@@ -283,7 +274,7 @@ class DoubleBufferedReceiver:
             self._switches += 1
             self._last_switch_ms = sw * 1e3
             nbytes, fetch_s = self._last_fetch
-            self.log.info(
+            LOG.info(
                 "switch model_id=%s %d -> %d bytes=%d seconds=%.4f", self.model_id, old, new, nbytes, fetch_s + sw
             )
             return SwitchReport(self.model_id, old, new, nbytes, fetch_s + sw)

@@ -50,6 +50,7 @@ from .shards import (
     WeightSyncError,
     align,
     check_meta,
+    check_newer,
     copy_entry,
     parse_shard,
 )
@@ -179,10 +180,7 @@ class ShmSender:
         """
         if self._closed:
             raise WeightSyncError("shm sender is closed")
-        if self._latest is not None and version <= self._latest:
-            raise WeightSyncError(
-                f"model_id={self.model_id}: version {version} is not newer than the published {self._latest}"
-            )
+        check_newer(self.model_id, version, self._latest)
         t0 = time.perf_counter()
         si = 1 - self._latest_slot
         seg = self.slots[si]
@@ -319,7 +317,9 @@ class ShmReceiver:
             elif w == version + 1 and wslot < len(self.slots):
                 seg = self.slots[wslot]
             else:
-                self._wait(version, latest, deadline, timeout, delay)
+                detail = f"(latest {latest})"
+                self._check_sender(version, deadline, timeout, "before publishing", "not published", detail)
+                time.sleep(delay)
                 delay = min(delay * 2, 0.002)
                 continue
             _flock(seg.fd, False, deadline, f"shm slot {seg.path}")
@@ -345,10 +345,6 @@ class ShmReceiver:
             raise StageTimeoutError(
                 f"model_id={self.h.model_id}: version {version} {late} within {timeout:.1f}s {detail}"
             )
-
-    def _wait(self, version: int, latest: int | None, deadline: float, timeout: float, delay: float) -> None:
-        self._check_sender(version, deadline, timeout, "before publishing", "not published", f"(latest {latest})")
-        time.sleep(delay)
 
     def _read_slot(self, seg: Segment, version: int, dest: Dest, deadline: float, timeout: float) -> int | None:
         """Stream the shards of ``version`` from ``seg`` (shared lock held); ``None`` if the slot moved on."""

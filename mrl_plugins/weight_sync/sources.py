@@ -7,26 +7,21 @@
   ``deepspeed.zero.GatheredParameters(bucket, modifier_rank=None)``; peak extra memory is about one
   bucket. Gathering is a collective, so **every rank must iterate** the generator (non-publishing
   ranks just drain it);
-* PEFT/LoRA: ``mode="merge"`` merges the adapters, yields the base weights under the base model's
-  names (``base_model.model.`` and ``.base_layer`` stripped, adapter tensors and
-  ``original_module`` copies skipped, ``modules_to_save.default.`` removed, like TRL's vLLM sync)
-  and unmerges afterwards (also when the consumer stops early); ``mode="adapters"`` yields only the
-  adapter tensors under their PEFT names. With ZeRO-3 the whole model is gathered for the merge
-  (sharded merging is not supported by PEFT), as TRL does.
-
-``name_map`` rewrites each yielded name (e.g. to the receiver's parameter names).
+* PEFT/LoRA: the adapters are merged, the base weights yielded under the base model's names
+  (``base_model.model.`` and ``.base_layer`` stripped, adapter tensors and ``original_module`` copies
+  skipped, ``modules_to_save.default.`` removed, like TRL's vLLM sync) and the adapters unmerged
+  afterwards (also when the consumer stops early). With ZeRO-3 the whole model is gathered for the
+  merge (sharded merging is not supported by PEFT), as TRL does.
 """
 
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import nullcontext
 from typing import Any
 
 import torch
-
-from mrl_plugins.errors import ConfigError, choices
 
 DEFAULT_GATHER_BUCKET = 64 << 20
 
@@ -58,7 +53,7 @@ def inference_copy(model: Any) -> Any:
     """A deep copy of ``model`` to generate with, in eval mode and without gradients.
 
     PEFT: the copy is the merged base model (``merge_and_unload``), whose parameter names are the ones
-    ``iter_trainer_weights(mode="merge")`` publishes, so every later version lands by name.
+    ``iter_trainer_weights`` publishes, so every later version lands by name.
 
     Forward methods patched onto module instances are dropped, so every module of the copy runs its class's
     forward: such patches close over the *original* module (TRL 1.16's fused LM head keeps the original
@@ -110,60 +105,43 @@ def iter_trainer_weights(
     accelerator: Any = None,
     *,
     bucket_bytes: int | None = None,
-    name_map: Callable[[str], str] | None = None,
-    mode: str = "merge",
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield the trainer's current weights, one tensor at a time (see the module docstring).
 
     :param bucket_bytes: ZeRO-3 gather unit (default 64 MiB); the tensors yielded inside a bucket are
         valid until the generator is resumed past that bucket.
-    :param mode: PEFT only: ``"merge"`` (merged base weights) or ``"adapters"``.
     """
-    if mode not in ("merge", "adapters"):
-        raise ConfigError(f"mode must be {choices(('merge', 'adapters'))}, got {mode!r}")
     model = unwrap(model, accelerator)
-    fix = name_map or (lambda n: n)
     zero3 = is_zero3(model)
-    bucket = bucket_bytes or DEFAULT_GATHER_BUCKET
 
     if is_peft(model):
         prefix = getattr(model, "prefix", "lora_")
-        if mode == "adapters":
-            items = [(n, p) for n, p in model.named_parameters() if prefix in n]
-            if zero3:
-                for group in _zero3_buckets(items, bucket):
-                    yield from _gathered(group, fix)
-            else:
-                for n, p in items:
-                    yield fix(n), p.detach()
-            return
-        ctx = _gather_all(model) if zero3 else nullcontext()
-        with ctx:
+        with _gather_all(model) if zero3 else nullcontext():
             model.merge_adapter()
             try:
                 for n, p in model.named_parameters():
                     base = peft_base_name(n, prefix)
                     if base is not None:
-                        yield fix(base), p.detach()
+                        yield base, p.detach()
             finally:
                 model.unmerge_adapter()
         return
 
     items = list(model.named_parameters())
     if zero3:
-        for group in _zero3_buckets(items, bucket):
-            yield from _gathered(group, fix)
+        for group in _zero3_buckets(items, bucket_bytes or DEFAULT_GATHER_BUCKET):
+            yield from _gathered(group)
         return
     for n, p in items:
-        yield fix(n.replace("_checkpoint_wrapped_module.", "")), p.detach()
+        yield n.replace("_checkpoint_wrapped_module.", ""), p.detach()
 
 
-def _gathered(group: list[tuple[str, torch.nn.Parameter]], fix: Callable[[str], str]) -> Iterator:
+def _gathered(group: list[tuple[str, torch.nn.Parameter]]) -> Iterator:
     import deepspeed
 
     with deepspeed.zero.GatheredParameters([p for _, p in group], modifier_rank=None):
         for n, p in group:
-            yield fix(n), p.data.detach()
+            yield n, p.data.detach()
 
 
 def _gather_all(model: torch.nn.Module) -> Any:

@@ -5,16 +5,14 @@
   engine takes its source once, at ``trainer_init``; each publish refills it).
 * ``mrl_gloo``: a weight-transfer backend over a dedicated gloo group (host tensors), registered in both of vLLM's
   factories (``WeightTransferEngineFactory`` for the inference side, ``WeightTransferTrainerFactory`` for the
-  trainer side). vLLM's own backends move device memory (``nccl``, ``ipc``; vllm-ascend may add ``hccl``) and do not
-  run on a CPU host; ``mrl_gloo`` fills the same slot there, so the whole protocol (``init_weight_transfer_engine``,
-  ``start_weight_update``, ``update_weights``, ``finish_weight_update``, layerwise reload) runs and is tested on
-  vLLM's CPU backend. On the inference side it receives each tensor by broadcast from the trainer (group rank 0) and
-  loads it with the model's ``load_weights`` inside vLLM's layerwise reload, like vLLM's dense nccl engine.
+  trainer side): vLLM's own backends do not run on a CPU host, so this one runs the whole protocol there (what the
+  tests exercise on vLLM's CPU backend). On the inference side it receives each tensor by broadcast from the trainer
+  (group rank 0) and loads it with the model's ``load_weights`` inside vLLM's layerwise reload, like vLLM's dense
+  nccl engine.
 """
 
 from __future__ import annotations
 
-import datetime
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
@@ -32,7 +30,7 @@ from vllm.distributed.weight_transfer.base import (
 )
 from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory, WeightTransferTrainerFactory
 
-from mrl_plugins._net import gloo_devices
+from mrl_plugins._net import gloo_group, td
 
 GLOO_BACKEND = "mrl_gloo"
 
@@ -54,12 +52,10 @@ class PairsSource(WeightSource):
 def _group(host: str, port: int, rank: int, world: int, timeout: float, is_master: bool) -> Any:
     import torch.distributed as dist
 
-    td = datetime.timedelta(seconds=float(timeout))
-    store = dist.TCPStore(host, port, world_size=world, is_master=is_master, timeout=td, wait_for_workers=False)
-    opts = dist.ProcessGroupGloo._Options()
-    opts._timeout = td
-    opts._devices = gloo_devices(host, 1)
-    return store, dist.ProcessGroupGloo(store, rank, world, opts)
+    store = dist.TCPStore(
+        host, port, world_size=world, is_master=is_master, timeout=td(timeout), wait_for_workers=False
+    )
+    return store, gloo_group(store, rank, world, timeout, host)
 
 
 def _bcast(pg: Any, t: torch.Tensor, timeout: float) -> None:
@@ -67,7 +63,7 @@ def _bcast(pg: Any, t: torch.Tensor, timeout: float) -> None:
 
     opts = dist.BroadcastOptions()
     opts.rootRank = 0
-    opts.timeout = datetime.timedelta(seconds=float(timeout))
+    opts.timeout = td(timeout)
     pg.broadcast([t], opts).wait(opts.timeout)
 
 

