@@ -200,8 +200,8 @@ class TrainerShare:
 
 
 class Placement:
-    """Where each batch is generated (see the module docstring): warm-up, split or turns, the trainer's share and
-    lending, hybrid rebalancing, and the workers' CPU priority while they start in the background.
+    """Where each batch is generated (see the module docstring), and the workers' CPU priority while they start in
+    the background.
 
     ``controller``: the :class:`~mrl_plugins.rollout.autoplace.PlacementController` (``placement: auto``) or None;
     ``warmup``: the trainer's own model answers while the workers start; ``balancer_factory(pool)``: hybrid

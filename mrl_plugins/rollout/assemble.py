@@ -14,12 +14,10 @@ class Ticket:
     """One submitted request: its chunks (one per active worker) and the answers that arrived."""
 
     req_id: int
-    prompts: list[list[int]]
     num_generations: int
     model_id: str
     min_version: int
     chunks: dict[int, tuple[int, list[list[int]]]]  # chunk -> (worker or -1 while queued, prompts)
-    submitted: float
     results: dict[int, Any] = field(default_factory=dict)
 
 

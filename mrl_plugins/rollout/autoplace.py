@@ -25,7 +25,7 @@ The policy (pure functions below, :class:`PlacementController` applies them to a
   CPU priority) or the split (the workers start at full speed on their cores; the trainer's own model answers on
   the trainer's cores until they are ready: those warm-up steps are not a measurement of either arrangement);
 * the first decision comes after ``probe`` measured steps; the projection is a guess until both arrangements
-  have run, so unless the other one is projected hopeless (slower by more than ``explore_band``) the run
+  have run, so unless the other one is projected hopeless (slower by more than ``EXPLORE_BAND``) the run
   *explores* it for ``probe`` steps and then keeps whichever of the two *measured* faster, as an autotuner does;
 * once an arrangement has been measured after a switch, the projection that led to it is calibrated by the
   measurement (``calibration[arr] = measured / projected``), so a wrong scaling guess is corrected from then on;
@@ -38,9 +38,7 @@ The policy (pure functions below, :class:`PlacementController` applies them to a
   measurement over, skipping the first sample after it (the transition), so the policy cannot flap on one
   noisy step.
 
-Each decision is logged in one line and reported as metrics: ``mrl/rollout/placement`` (0 split, 1 turns),
-``mrl/rollout/placement_projected_split_steps_per_s``, ``..._turns_steps_per_s``,
-``mrl/rollout/placement_measured_steps_per_s`` and ``mrl/rollout/placement_switches``.
+Each decision is logged in one line and reported as metrics (``docs/metrics.md``).
 """
 
 from __future__ import annotations
@@ -111,13 +109,6 @@ def project_split(train_s: float, generate_s: float, scaling: Scaling, overhead:
     return max(train_s * scaling.train, generate_s * scaling.generate) * (1.0 + overhead)
 
 
-def project_other(current: str, train_s: float, generate_s: float, scaling: Scaling) -> float:
-    """Seconds per step of the arrangement that is not ``current``, from ``current``'s measured stage times."""
-    if current == SPLIT:
-        return project_turns(train_s, generate_s, scaling)
-    return project_split(train_s, generate_s, scaling)
-
-
 def other(arrangement: str) -> str:
     return TURNS if arrangement == SPLIT else SPLIT
 
@@ -171,12 +162,11 @@ def decide(
     ``other_measured`` (its steps/s measured just before), that measurement with no margin (the faster of two
     measurements wins). ``explore_band``: the other one was never measured; it is tried unless projected slower
     than ``(1 - explore_band)`` x the measured."""
-    if not samples:
-        raise ValueError("decide: no samples")
     step = statistics.median(s.step_s for s in samples)
     train = statistics.median(s.train_s for s in samples)
     gen = statistics.median(s.generate_s for s in samples)
-    raw = project_other(current, train, gen, scaling)
+    project = project_turns if current == SPLIT else project_split  # the other arrangement, from current's times
+    raw = project(train, gen, scaling)
     projected_other_s = raw * calibration
     measured = 1.0 / step if step > 0 else math.inf
     rate = 1.0 / projected_other_s if projected_other_s > 0 else math.inf
@@ -201,7 +191,6 @@ class PlacementController:
     margin: float = 0.1
     probe: int = 3
     explore: bool = True
-    explore_band: float = EXPLORE_BAND
     metrics: Any = None
     on_decision: Callable[[Decision], None] | None = None
     current: str = field(init=False)
@@ -209,14 +198,6 @@ class PlacementController:
     switches: int = field(default=0, init=False)
 
     def __post_init__(self) -> None:
-        from mrl_plugins.errors import ConfigError, choices
-
-        if self.initial not in ARRANGEMENTS:
-            raise ConfigError(f"placement: unknown arrangement {self.initial!r}; valid: {choices(ARRANGEMENTS)}")
-        if self.interval < 1 or self.probe < 1:
-            raise ConfigError(f"placement: interval and probe must be >= 1, got {self.interval} and {self.probe}")
-        if not 0 <= self.margin < 1:
-            raise ConfigError(f"placement: margin must be in [0, 1), got {self.margin}")
         self.current = self.initial
         self.calibration = {a: 1.0 for a in ARRANGEMENTS}
         self._samples: list[Sample] = []
@@ -279,7 +260,7 @@ class PlacementController:
             explore = False  # too few generations left to repay trying a possibly slower arrangement
         decision = decide(
             self.current, samples, self.scaling, margin=self.margin, calibration=calibration,
-            other_measured=measured_other, explore_band=self.explore_band if explore else None,
+            other_measured=measured_other, explore_band=EXPLORE_BAND if explore else None,
         )  # fmt: skip
         if decision.switch and generations_left is not None and generations_left <= self.probe + 1:
             decision = replace(decision, chosen=self.current, reason="horizon")

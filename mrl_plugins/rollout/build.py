@@ -1,9 +1,8 @@
 """The ``mrl`` rollout stage's trainer side, built for the host (``RolloutStage.open_runtime``).
 
-``rollout.workers: 0`` (and no remote workers): a :class:`~mrl_plugins.rollout.runtime.LocalEngineRuntime`, an
-engine on an inference copy inside the trainer process, built when ``train()`` begins. Otherwise a
-:class:`~mrl_plugins.rollout.runtime.PoolRuntime` over a :class:`~mrl_plugins.rollout.pool.WorkerPool` started at
-the same point, with the trainer's own model answering while the workers start (``rollout.local_warmup``) and,
+No local or remote workers: a :class:`LazyLocalRuntime`. Otherwise a
+:class:`~mrl_plugins.rollout.runtime.PoolRuntime` over a :class:`~mrl_plugins.rollout.pool.WorkerPool` started when
+``train()`` begins, with the trainer's own model answering while the workers start (``rollout.local_warmup``) and,
 with ``rollout.rebalance``, a :class:`~mrl_plugins.rollout.hybrid.HybridBalancer`. Either one opens the weight-sync
 and comm ends through the stages' hooks (``ctx.plugins``) and owns them.
 """
@@ -92,8 +91,7 @@ def placement_kwargs(
     placements: the cores the workers are spawned on (CPU), the warm-up switch and, where ``rollout.placement:
     auto`` decides (``auto``), the controller and the trainer's budget in each arrangement (split: as configured;
     turns: every core of the trainer and its workers, one torch thread each) and whether it lends
-    (``rollout.lend_cores``, derived: never over a weight path whose publish is a collective, e.g. the upstream
-    weight sync's per-parameter group, which lending cannot time)."""
+    (``rollout.lend_cores``)."""
     import os
 
     from .autoplace import SPLIT, TURNS, PlacementController, default_scaling
@@ -119,7 +117,8 @@ def placement_kwargs(
         metrics=ctx.metrics,
     )
     out["budgets"] = budgets
-    # a publish every worker joins as it runs (a collective group) cannot be timed around a lend: no lending
+    # a publish every worker joins as it runs (a collective group, e.g. the upstream weight sync's per-parameter
+    # one) cannot be timed around a lend: no lending
     out["lend"] = bool(rc.lend_cores) and not ctx.plugins.capabilities("weight_sync", ctx).collective
     return out
 

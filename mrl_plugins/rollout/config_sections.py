@@ -239,5 +239,3 @@ class SchedulingSection:
 
 #: (title, group) in the order the reference shows them
 SECTIONS = (("engine", EngineSection), ("deployment", DeploymentSection), ("scheduling", SchedulingSection))
-
-__all__ = ["SECTIONS", "DeploymentSection", "EngineSection", "SchedulingSection"]

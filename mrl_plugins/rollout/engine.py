@@ -23,9 +23,8 @@ filter: renormalising over the kept tokens lowers the ratios (measured on the ti
 yet changed: 0.009 to 0.7 instead of 1), a repetition penalty raises them (a penalised token sampled anyway) up
 to masking, whatever the staleness. Without filters the two definitions are the same number.
 This matches TRL's transformers generate path (filters applied, no IS correction: the loss treats the samples as
-on-policy). TRL's own vLLM path differs: it asks vLLM for ``processed_logprobs`` (trl/generation/vllm_generation.py,
-"so temperature scaling/logit tweaking affects the TIS log probs"), i.e. it weighs the filter itself away, as
-this plugin did before (the ratios above).
+on-policy); TRL's own vLLM path asks vLLM for ``processed_logprobs`` (trl/generation/vllm_generation.py), i.e. it
+weighs the filter itself away, as this plugin did before (the ratios above).
 
 Outputs are ordered prompt-major (prompt 0 generation 0..N-1, prompt 1 ...), completions are cut after the first
 EOS (the EOS is kept, as TRL does).
@@ -41,23 +40,9 @@ from typing import Any
 
 from mrl_plugins.errors import ConfigError
 
-__all__ = [
-    "EngineOutput",
-    "SamplingParams",
-    "TransformersEngine",
-    "inference_mode",
-    "process_logits",
-    "teacher_forced_logps",
-]
-
 #: keys of a host's ``generation_kwargs`` that map onto :class:`SamplingParams` fields (the TRL adapter reads them)
 GEN_KWARGS = {
-    "max_new_tokens": "max_new_tokens",
-    "temperature": "temperature",
-    "top_p": "top_p",
-    "top_k": "top_k",
-    "min_p": "min_p",
-    "repetition_penalty": "repetition_penalty",
+    **{k: k for k in ("max_new_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty")},
     "eos_token_id": "eos_token_ids",
     "pad_token_id": "pad_token_id",
 }
@@ -202,6 +187,19 @@ def inference_mode(model: Any) -> Iterator[None]:
 _SCORE_CHUNK_FLOATS = 1 << 28
 
 
+def _left_padded(seqs: Sequence[Sequence[int]], pad_id: int, dev: Any) -> tuple[Any, Any, Any]:
+    """``(input_ids, attention_mask, position_ids)`` of ``seqs`` left-padded with ``pad_id`` to one width."""
+    import torch
+
+    width = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), width), int(pad_id), dtype=torch.long, device=dev)
+    mask = torch.zeros((len(seqs), width), dtype=torch.long, device=dev)
+    for r, s in enumerate(seqs):
+        ids[r, width - len(s) :] = torch.tensor(s, dtype=torch.long)
+        mask[r, width - len(s) :] = 1
+    return ids, mask, (mask.cumsum(-1) - 1).clamp(min=0)
+
+
 def teacher_forced_logps(
     model: Any,
     prompts: Sequence[Sequence[int]],
@@ -234,13 +232,7 @@ def teacher_forced_logps(
             chunk = todo[start : start + rows]
             seqs = [list(prompts[i]) + list(completions[i]) for i in chunk]
             keep = max(len(completions[i]) for i in chunk) + 1  # <= width: every prompt has a token
-            width = max(len(s) for s in seqs)
-            ids = torch.full((len(seqs), width), int(pad_id), dtype=torch.long, device=dev)
-            mask = torch.zeros((len(seqs), width), dtype=torch.long, device=dev)
-            for r, s in enumerate(seqs):
-                ids[r, width - len(s) :] = torch.tensor(s, dtype=torch.long)
-                mask[r, width - len(s) :] = 1
-            position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
+            ids, mask, position_ids = _left_padded(seqs, pad_id, dev)
             logits = model(
                 input_ids=ids, attention_mask=mask, position_ids=position_ids, use_cache=False, logits_to_keep=keep
             ).logits  # [rows, keep, V]: position width - keep + j predicts token width - keep + j + 1
@@ -295,14 +287,10 @@ class TransformersEngine:
     ) -> None:
         import torch
 
-        if not isinstance(params, SamplingParams):
-            raise ConfigError(f"params: expected SamplingParams, got {type(params).__name__}")
         params.fill_from_tokenizer(tokenizer)
         self.params = params
-        self.tokenizer = tokenizer
         self.device = torch.device(device)
         self.model = model.to(self.device).eval()
-        self.seed = seed
         self.generator: torch.Generator | None = None
         if seed is not None:
             self.generator = torch.Generator(device=self.device)
@@ -348,16 +336,10 @@ class TransformersEngine:
 
         _check_prompts(prompts, num_generations)
         start = time.perf_counter()
-        with self._inference():
+        with inference_mode(self.model):
             completions, logprobs = self._sample([list(p) for p in prompts for _ in range(num_generations)])
         repeated = [list(p) for p in prompts for _ in range(num_generations)]
         return EngineOutput(repeated, completions, logprobs, seconds=time.perf_counter() - start)
-
-    @contextmanager
-    def _inference(self) -> Iterator[None]:
-        """:func:`inference_mode` on this engine's model."""
-        with inference_mode(self.model):
-            yield
 
     def score(self, prompts: list[list[int]], completions: list[list[int]]) -> list[list[float]]:
         """Teacher-forced log-probabilities of ``completions[i]`` after ``prompts[i]`` under this engine's model.
@@ -375,14 +357,8 @@ class TransformersEngine:
         p = self.params
         dev = self.device
         batch = len(seqs)
-        width = max(len(s) for s in seqs)
         pad = p.resolved_pad()
-        input_ids = torch.full((batch, width), pad, dtype=torch.long, device=dev)
-        mask = torch.zeros((batch, width), dtype=torch.long, device=dev)
-        for i, s in enumerate(seqs):
-            input_ids[i, width - len(s) :] = torch.tensor(s, dtype=torch.long)
-            mask[i, width - len(s) :] = 1
-        position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
+        input_ids, mask, position_ids = _left_padded(seqs, pad, dev)
         seen = None
         if p.repetition_penalty != 1.0:
             vocab = int(self.model.get_output_embeddings().weight.shape[0])
@@ -430,9 +406,3 @@ class TransformersEngine:
             completions.append(toks[:n])
             logprobs.append(lps[:n])
         return completions, logprobs
-
-
-def _transformers_factory(
-    model: Any, tokenizer: Any = None, *, params: SamplingParams, device: str = "cpu", seed: int | None = None
-) -> TransformersEngine:
-    return TransformersEngine(model, tokenizer, device=device, params=params, seed=seed)

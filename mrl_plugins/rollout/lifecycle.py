@@ -1,17 +1,13 @@
 """Lifetime of rollout worker processes, apart from the pool object so that nothing here keeps a pool (or the
 trainer behind it) alive.
 
-- :func:`spawn_quiet` starts a process with SIGINT ignored (and SIGTERM at its default): Ctrl-C reaches the
-  whole foreground process group, and the trainer, not each worker, decides what happens (it stops them).
-- :func:`start_method` picks how a worker process starts: ``fork`` where it is safe (a CPU worker with one thread
-  of an engine registered ``fork_safe``, nothing device- or collective-related initialised in the trainer), so the
-  worker inherits the imported torch, transformers (and vLLM) instead of importing them again (seconds of one core
-  on a small host), else ``spawn``.
-- :class:`ReadyClock` records when every worker of a pool was first ready (``mrl/rollout/worker_ready_s``).
-- :func:`teardown` releases a pool's processes, queues and shared memory. It is the pool's ``weakref.finalize``
-  callback, so it runs on ``close()``, when the pool is garbage-collected, or at interpreter exit, whichever comes
-  first, and only once. A worker still starting (not ready) is terminated at once: it reads no stop request
-  before its imports are done, and one torn down while it unpickles its queues dies on their semaphores.
+Workers start with SIGINT ignored (:func:`spawn_quiet`): Ctrl-C reaches the whole foreground process group, and
+the trainer, not each worker, decides what happens (it stops them). They are forked where :func:`start_method`
+finds that safe, inheriting the trainer's imports (seconds of one core on a small host), else spawned.
+:func:`teardown` is the pool's ``weakref.finalize`` callback: it runs on ``close()``, when the pool is
+garbage-collected, or at interpreter exit, whichever comes first, and only once. A worker still starting (not
+ready) is terminated at once: it reads no stop request before its imports are done, and one torn down while it
+unpickles its queues dies on their semaphores.
 """
 
 from __future__ import annotations

@@ -9,18 +9,15 @@ from mrl_plugins.hookspecs import RolloutEngine, RolloutSetup, StageContext, Sta
 
 
 def engine_registrations() -> Iterator[Any]:
-    """Registration objects for ``rollout.engine``: ``transformers`` and ``vllm``.
-
-    Factories take ``factory(model, tokenizer, *, params: SamplingParams, device="cpu", seed=None)``.
-    """
+    """Registration objects for ``rollout.engine``: ``transformers`` and ``vllm``."""
     from mrl_plugins.optional import check_vllm_installed
 
-    from .engine import _transformers_factory
+    from .engine import TransformersEngine
     from .vllm_engine import VLLM_START_S, check_vllm_servable, vllm_factory
 
     yield RolloutEngine(
         name="transformers",
-        factory=_transformers_factory,
+        factory=TransformersEngine,
         description="Hugging Face model, KV-cache sampling loop with the trainer's per-token logprobs",
         scores=True,
         fork_safe=True,

@@ -3,13 +3,11 @@ weight-sync stage and returns experience through the comm stage.
 
 Trainer side: :class:`WorkerPool` owns the other stages' ends it opens (a weight sender per served model, the
 experience consumer), submits requests (prompt ids, small: a plain queue), collects the answers as comm frames
-and publishes weights; the processes are its :class:`~mrl_plugins.rollout.supervisor.WorkerSupervisor`'s, which
-detects dead workers (exit code, a worker's error, a remote one's silence) and restarts them when
-``rollout.restart_workers`` allows; a collect waits at most ``rollout.timeout_s``. Worker side:
-:func:`~mrl_plugins.rollout.worker.worker_main`.
+and publishes weights; the processes are its :class:`~mrl_plugins.rollout.supervisor.WorkerSupervisor`'s; a
+collect waits at most ``rollout.timeout_s``. Worker side: :func:`~mrl_plugins.rollout.worker.worker_main`.
 
 Requests (one chunk of prompts per worker) wait in one first-in-first-out queue and are handed to a worker only
-when it has fewer than ``inflight_per_worker`` outstanding, so a backlog waits here, not in a worker's queue, and a
+when it has fewer than ``INFLIGHT_PER_WORKER`` outstanding, so a backlog waits here, not in a worker's queue, and a
 restarted or moved worker's chunks go to the others. ``score_models`` (e.g. the frozen reference) are held by every
 worker besides the policy and never generate: each policy completion is scored with them right after it is
 generated (teacher-forced logprobs, ``RolloutResult.scores``), in the same frame.
@@ -40,6 +38,9 @@ from .worker import ServedModel, WorkerSpec, budget_metrics, param_dtypes
 
 log = logging.getLogger("mrl_plugins.rollout")
 
+#: requests handed to one worker before it answers; the rest wait in the pool's queue, first in first out
+INFLIGHT_PER_WORKER = 2
+
 
 class WorkerPool:
     """Trainer-side handle on the rollout workers: requests routed to them, their answers assembled, weights
@@ -49,8 +50,6 @@ class WorkerPool:
     :param model: the policy (model_id ``"policy"``); ``score_models``: models every worker holds to *score* each
         policy completion (its per-token logprobs under that model, e.g. the reference model's, in
         ``RolloutResult.scores``), published once or whenever they change.
-    :param inflight_per_worker: requests handed to one worker before it answers (>= 1); the rest wait in the
-        pool's queue, first in first out.
     """
 
     def __init__(
@@ -64,25 +63,17 @@ class WorkerPool:
         engine_factory: Any,
         seed: int = 0,
         score_models: dict[str, Any] | None = None,
-        inflight_per_worker: int = 2,
     ) -> None:
-        from mrl_plugins.errors import ConfigError
-
         cfg = ctx.config
         self.pm, self.ctx, self.cfg = pm, ctx, cfg
         remote = cfg.rollout.remote_workers
         self.n = len(placements) + remote
         comm_caps, ws_caps = check_pool_config(pm, cfg, len(placements))
         self.score_with = tuple(score_models or ())
-        if "policy" in self.score_with:
-            raise ConfigError("score_models: 'policy' is the model that generates")
         self.models = {"policy": model, **(score_models or {})}
-        if inflight_per_worker < 1:
-            raise ConfigError(f"inflight_per_worker: must be >= 1, got {inflight_per_worker}")
         self._waiting: collections.deque[tuple[int, int]] = collections.deque()  # (req_id, chunk), FIFO
         self._queued_at: dict[tuple[int, int], float] = {}
         self._waits: collections.deque[float] = collections.deque(maxlen=2048)  # seconds a chunk waited
-        self.inflight_per_worker = inflight_per_worker
         self.run_id = f"mrl{os.getpid()}{uuid.uuid4().hex[:6]}"
         self._ids = itertools.count(1)
         self._tickets: dict[int, Ticket] = {}
@@ -182,7 +173,7 @@ class WorkerPool:
             self._versions.pop((i, mid), None)
         for key in [k for k in self._assigned[i] if k[0] not in self._tickets]:
             self._assigned[i].discard(key)
-            self._finish(key)
+            self._queued_at.pop(key, None)
 
     def _resubmit_worker(self, i: int) -> None:
         """A restarted worker ``i`` gets the chunks its predecessor had not answered (an answer already received,
@@ -223,25 +214,20 @@ class WorkerPool:
             GenerateRequest(t.req_id, chunk, prompts, t.num_generations, t.model_id, t.min_version, tuple(score_with))
         )
 
-    def move_worker(self, i: int, placement: dict, timeout: float | None = None, *, wait: bool = True) -> None:
+    def move_worker(self, i: int, placement: dict, *, wait: bool = True) -> None:
         """Move worker ``i`` to ``placement`` (``cores``/``threads``/``env``/``device``, as the adapter builds
         them) without stopping the service: new requests skip it, its unanswered chunks are handed to the other
         workers first, then it is stopped and restarted in its new place (hybrid mode: shifting capacity between
-        the colocated and the dedicated pool). ``wait=True`` returns once it is ready again, at most ``timeout``
-        (``rollout.start_timeout_s``); ``wait=False`` returns after the restart and lets it take requests when
-        it reports ready (a StageTimeoutError surfaces from a later call if it does not within ``timeout``)."""
+        the colocated and the dedicated pool; a local worker). ``wait=True`` returns once it is ready again, at
+        most ``rollout.start_timeout_s``; ``wait=False`` returns after the restart and lets it take requests when
+        it reports ready (a StageTimeoutError surfaces from a later call if it does not within that bound)."""
         from mrl_plugins.errors import ConfigError
 
-        if not 0 <= i < self.n:
-            raise ConfigError(f"move_worker: no worker {i}; workers are 0..{self.n - 1}")
         workers = self.workers
-        if workers.procs[i] is None:
-            raise ConfigError(f"move_worker: worker {i} runs on another host; restart its `mrl worker` instead")
         if i in workers.draining or len(workers.active) < 2:
             raise ConfigError("move_worker: needs another active worker to serve while this one moves")
         if workers.no_rejoin is not None:
             raise ConfigError(f"move_worker restarts the worker: {workers.no_rejoin}")
-        timeout = self.cfg.rollout.start_timeout_s if timeout is None else timeout
         workers.draining.add(i)
         try:
             others = workers.active
@@ -250,7 +236,7 @@ class WorkerPool:
                     if worker == i and chunk not in t.results:
                         self._assigned[i].discard((t.req_id, chunk))
                         self._send(others[chunk % len(others)], t, chunk, prompts)
-            workers.move(i, placement, timeout)
+            workers.move(i, placement, self.cfg.rollout.start_timeout_s)
         except BaseException:
             workers.draining.discard(i)
             raise
@@ -267,10 +253,6 @@ class WorkerPool:
     def publish(self, version: int, named_tensors: Any, model_id: str = "policy") -> Any:
         """Publish ``version`` of ``model_id`` (every worker fetches it and switches between two requests; a request
         names the version it needs)."""
-        if model_id not in self.models:
-            from mrl_plugins.errors import ConfigError, choices
-
-            raise ConfigError(f"publish: model_id {model_id!r} is not served; valid: {choices(self.models)}")
         # every worker gets a notice: idle ones fetch at once instead of at their next poll. A collective transport
         # needs them to join while the publish runs (notice first); the others read a finished version (after)
         collective = self.senders[model_id].capabilities.collective
@@ -321,9 +303,8 @@ class WorkerPool:
         per = -(-len(prompts) // len(active))
         parts = [[list(p) for p in prompts[c * per : (c + 1) * per]] for c in range(len(active))]
         ticket = Ticket(
-            req_id, prompts, num_generations, model_id, min_version,
-            {c: (-1, part) for c, part in enumerate(parts) if part}, time.monotonic(),
-        )  # fmt: skip
+            req_id, num_generations, model_id, min_version, {c: (-1, part) for c, part in enumerate(parts) if part}
+        )
         self._tickets[req_id] = ticket
         now = time.monotonic()
         for c in ticket.chunks:
@@ -336,7 +317,7 @@ class WorkerPool:
         """Hand queued chunks, first in first out, to workers with a free slot (least loaded first)."""
         while self._waiting:
             w = min(self.workers.active, key=lambda k: len(self._assigned[k]))
-            if len(self._assigned[w]) >= self.inflight_per_worker:
+            if len(self._assigned[w]) >= INFLIGHT_PER_WORKER:
                 return
             key = self._waiting.popleft()
             queued = self._queued_at.pop(key, None)
@@ -346,10 +327,6 @@ class WorkerPool:
             self._waits.append(time.monotonic() - queued)
             self._send(w, t, key[1], t.chunks[key[1]][1])
 
-    def _finish(self, key: tuple[int, int]) -> None:
-        """Forget a chunk that still waits in the queue (its ticket was discarded)."""
-        self._queued_at.pop(key, None)
-
     def discard(self, req_id: int) -> None:
         """Forget ticket ``req_id``: its answers are dropped when they arrive (no waiting)."""
         t = self._tickets.pop(req_id, None)
@@ -357,7 +334,7 @@ class WorkerPool:
             self._abandoned.add(req_id)
             for chunk, (worker, _) in t.chunks.items():
                 if worker < 0:
-                    self._finish((req_id, chunk))  # still queued: cancelled, never sent
+                    self._queued_at.pop((req_id, chunk), None)  # still queued: cancelled, never sent
         for key in [k for k in self._stash if k[0] == req_id]:
             del self._stash[key]
 
@@ -396,16 +373,15 @@ class WorkerPool:
         if 0 <= w < self.n:
             self._assigned[w].discard(key)
             self._versions[(w, meta.model_id)] = max(meta.version, self._versions.get((w, meta.model_id), -1))
-        self._finish(key)
+        self._queued_at.pop(key, None)
         ticket = self._tickets.get(key[0])
         if ticket is not None and (key[1] in ticket.results or key in self._stash):
             # answered twice (a dead worker's last frame arrived after its chunk went to its successor): the first
             # answer counts, once
-            if self.ctx.metrics is not None:
-                self.ctx.metrics.add("rollout/duplicate_batches", 1)
+            self.ctx.metrics.add("rollout/duplicate_batches", 1)
         elif ticket is not None:
             self._stash[key] = entry
-        elif key[0] in self._abandoned and self.ctx.metrics is not None:
+        elif key[0] in self._abandoned:
             self.ctx.metrics.add("rollout/discarded_batches", 1)
         self._dispatch()
 

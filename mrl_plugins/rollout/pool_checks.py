@@ -39,7 +39,8 @@ def stage_names(pm: Any, cfg: Any) -> tuple[str, str]:
     )
 
 
-def _loopback(host: str) -> bool:
+def loopback(host: str) -> bool:
+    """Whether ``host`` is a loopback address (other hosts cannot reach it)."""
     return host in ("localhost", "") or host.startswith("127.")
 
 
@@ -63,7 +64,7 @@ def check_pool_config(pm: Any, cfg: Any, n_local: int) -> tuple[Any, Any]:
             f"{'does' if comm.cross_host else 'does not'}, {ws_name} {'does' if ws.cross_host else 'does not'}"
         )
     host = cfg.rollout.rendezvous.rpartition(":")[0]
-    if remote and not _loopback(host) and _loopback(cfg.comm.host):
+    if remote and not loopback(host) and loopback(cfg.comm.host):
         raise ConfigError(
             f"comm.host is {cfg.comm.host!r}, which workers on other hosts cannot reach: set it to this host's "
             f"address they reach (e.g. the rollout.rendezvous host, {host!r})"

