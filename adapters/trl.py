@@ -88,7 +88,6 @@ def enable(trainer: Any, config: Any = None) -> Any:
     from mrl_plugins.manager import get_plugin_manager
     from mrl_plugins.metrics import StageMetrics
 
-    # check (nothing changed yet) -> plan (where the workers run) -> apply (install the stages; undone on error)
     trl_version = check_trl_version()
     kind = trainer_kind(trainer)
     check_members(trainer, kind, trl_version)
@@ -113,14 +112,14 @@ def enable(trainer: Any, config: Any = None) -> Any:
     try:
         _install_rollout(trainer, state, device, plan)
         _install_metrics(trainer, state)
-        _install_shutdown(trainer, state)
+        wrap_train(trainer, state)
+        atexit.register(at_exit, weakref.ref(state))
         state.patch(trainer, "_mrl_state", state)
     except BaseException:
         state.shutdown("error")
         state.restore_patches()
         raise
-    state.summary = summary_line(trainer, state, device, plan)
-    print(state.summary, file=sys.stderr, flush=True)
+    print(summary_line(trainer, state, device, plan), file=sys.stderr, flush=True)
     log.info("mrl-plugins enabled for %s: %s (mode %s)", type(trainer).__name__, pm.selected, cfg.mode)
     return trainer
 
@@ -412,11 +411,6 @@ def _install_metrics(trainer: Any, state: State) -> None:
         return orig_log(logs, start_time)
 
     state.patch(trainer, "log", log_with_mrl)
-
-
-def _install_shutdown(trainer: Any, state: State) -> None:
-    wrap_train(trainer, state)
-    atexit.register(at_exit, weakref.ref(state))
 
 
 def summary_line(trainer: Any, state: State, device: Any, plan: tuple | None = None) -> str:

@@ -1,27 +1,13 @@
 """TRL's agentic rollouts under the ``mrl`` rollout: ``tools=``, ``environment_factory=`` and ``rollout_func=``.
 
-TRL runs a multi-turn rollout in ``_generate``: the batch's first turn through ``_generate_single_turn``, then, for
-tools and environments, its tool loop (``_tool_call_loop``) calls the tools, appends their results and asks
-``_generate_single_turn`` for each follow-up turn; a ``rollout_func`` replaces all of that with the user's function.
-With the plugin every one of those generations goes to ``trainer.vllm_generation``, the plugin's rollout
-(:class:`~mrl_plugins.adapters.trl_generation.MrlGeneration`):
-
-* the **first turn** of a batch is the one the async lookahead prepares (generated while the trainer trains on the
-  previous batch); with ``environment_factory`` a batch's prompts depend on its environments' ``reset()``, which
-  TRL calls only when the batch is trained on, so there the batch ahead is rolled out by
-  :mod:`mrl_plugins.adapters.trl_shadow` instead;
-* **follow-up turns** (tool results appended) are generated at once by the same workers, with the current weight
-  version (``generate_turn``), outside the lookahead: TRL's own loop decides what is asked, appends, masks
-  (``tool_mask``), rolls back overlong turns and logs its tool metrics exactly as without the plugin;
-* a **rollout_func** is served where it generates through ``trainer.vllm_generation`` (``generate(prompts=...,
-  images=None, num_generations=...)``, as it does with TRL's own colocated vLLM): every call goes to the workers as
-  a follow-up turn (nothing is read ahead: the plugin cannot know what the function asks next). One that generates
-  some other way is not served: a warning says so right after its first call.
-
-Every tool call is bounded by ``rollout.tool_timeout_s``: a tool that does not return in time is reported to the
-model as TRL reports a failing tool (``{"error": ...}`` in the conversation, ``tools/failure_frequency``) and the run
-goes on. A synchronous tool is called in a thread of its own so that it can be bounded; one past the bound cannot be
-interrupted and is left running in the background (``tool_timeout_s: 0``: tools are called as TRL calls them).
+With the plugin every generation of TRL's ``_generate`` (a batch's first turn through ``_generate_single_turn``,
+each follow-up turn of its tool loop ``_tool_call_loop``, or a ``rollout_func``'s calls) goes to
+``trainer.vllm_generation``, the plugin's rollout (:class:`~mrl_plugins.adapters.trl_generation.MrlGeneration`). The
+first turn is the one the async lookahead prepares (with ``environment_factory``, whose prompts depend on
+``reset()``, the batch ahead is rolled out by :mod:`mrl_plugins.adapters.trl_shadow` instead); follow-up turns and
+``rollout_func`` calls are generated at once with the current weight version (``generate_turn``), TRL's own loop
+deciding what is asked. Tool calls are bounded by
+``rollout.tool_timeout_s`` (:mod:`mrl_plugins.adapters.trl_tools`). What runs where: docs/agentic.md.
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ from collections.abc import Iterator
 from contextlib import nullcontext
 from typing import Any
 
-from mrl_plugins.errors import ConfigError, choices
+from mrl_plugins.errors import ConfigError, PluginError, choices
 from mrl_plugins.hookspecs import RolloutResult, StageContext
 from mrl_plugins.rollout.arrangement import prompt_key
 from mrl_plugins.rollout.engine import GEN_KWARGS, GEN_KWARGS_IGNORED, SamplingParams
@@ -161,12 +161,8 @@ class MrlGeneration:
 
     def generate(self, prompts: list[list[int]], images: Any, num_generations: int, profiler: Any = None) -> tuple:
         if images is not None and any(i is not None for i in images):
-            from mrl_plugins.errors import PluginError
-
             raise PluginError("mrl rollout: image prompts are not supported; set plugins.rollout: upstream")
         if not all(isinstance(p, list | tuple) and p and isinstance(p[0], numbers.Integral) for p in prompts):
-            from mrl_plugins.errors import PluginError
-
             raise PluginError(
                 f"vllm_generation.generate: prompts must be lists of token ids (as TRL passes them), got "
                 f"{type(prompts[0]).__name__ if prompts else 'nothing'}; a rollout_func tokenises its prompts first"

@@ -24,6 +24,7 @@ import weakref
 from collections.abc import Iterator
 from typing import Any, ClassVar
 
+from mrl_plugins.errors import PluginError
 from mrl_plugins.rollout.lifecycle import sigint_ignored
 
 _MISSING = object()
@@ -43,12 +44,12 @@ class State:
         self.generation: Any = None
         self.on_shutdown: list[Any] = []
         self.budget: tuple[list[int], int] | None = None  # (trainer cores, torch threads) while train() runs
-        self.summary = ""
         self.has_workers = False  # rollout worker processes (a pool) rather than none or an in-process engine
         self.shadow: Any = None  # adapters.trl_shadow.ShadowLookahead: the next batch's rollout run ahead
         self.fixed_by: str | None = None  # why the rollout keeps its split (None: placement auto decides)
         self._patches: list[tuple[Any, str, Any]] = []
-        self._runtime: Any = None
+        #: the rollout stage's runtime (``RolloutStage.open_runtime``), owned and closed by this state
+        self.runtime: Any = None
         State.live.add(self)
 
     # ------------------------------------------------------------------ trainer attributes
@@ -66,15 +67,6 @@ class State:
                 setattr(obj, name, old)
 
     # ------------------------------------------------------------------ worker pool
-    @property
-    def runtime(self) -> Any:
-        """The rollout stage's runtime (``RolloutStage.open_runtime``), owned and closed by this state."""
-        return self._runtime
-
-    @runtime.setter
-    def runtime(self, value: Any) -> None:
-        self._runtime = value
-
     def start(self) -> None:
         """Start the rollout workers (spawn, shared memory), stopping any other trainer's first."""
         for other in list(State.live):
@@ -101,7 +93,7 @@ class State:
             return
         self.closed = True
         State.live.discard(self)
-        runtime, self._runtime = self._runtime, None
+        runtime, self.runtime = self.runtime, None
         self.close_shadow()
         try:
             try:
@@ -170,8 +162,6 @@ def train_process_state(state: State) -> Iterator[dict]:
 def wrap_train(trainer: Any, state: State) -> None:
     """``trainer.train`` starts the workers, holds the process budget and signal handling while TRL trains, and
     shuts the plugins down when it ends (normally, by an error, Ctrl-C or SIGTERM)."""
-    from mrl_plugins.errors import PluginError
-
     orig_train = trainer.train
 
     def train(*args: Any, **kwargs: Any) -> Any:

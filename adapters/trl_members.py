@@ -1,9 +1,8 @@
 """Every member of a TRL trainer that mrl-plugins touches (TRL 1.14, 1.15, 1.16), in one table.
 
-``enable()`` is *check -> plan -> apply*: :func:`check_members` runs first, with the other checks, so that a TRL
-release that renamed or dropped one of these members is one error naming it, before anything was changed,
-rather than an ``AttributeError`` in the middle of training. A test scans the adapter and the rollout runtime
-for the members they use and fails on any that is missing here.
+:func:`check_members` runs with ``enable()``'s other checks (:mod:`mrl_plugins.adapters.trl`): a TRL release that
+renamed or dropped one of these members is one error naming it, not an ``AttributeError`` in the middle of training.
+A test scans the adapter and the rollout runtime for the members they use and fails on any that is missing here.
 
 Uses:
 

@@ -3,18 +3,7 @@ role, its lifecycle and its capabilities stated).
 
 A stage is an object registered as a :class:`~mrl_plugins.hookspecs.types.StagePlugin` and selected by name
 (``plugins.<stage>``): a :class:`RolloutStage`, :class:`WeightSyncStage` or :class:`CommStage`. Each opens its
-ends; which side opens what (``T``: the trainer process, ``W``: a rollout worker or the trainer's in-process
-inference copy)::
-
-    stage        method                 side  returns
-    -----------  ---------------------  ----  -------------------------------------------
-    rollout      open_runtime           T     RolloutRuntime (generate, publish, close)
-    weight_sync  capabilities           T     Capabilities (before anything is opened)
-    weight_sync  open_sender            T     WeightSender   (publish, receiver_handle)
-    weight_sync  open_receiver          W     WeightReceiver (poll, switch, active)
-    comm         capabilities           T     Capabilities (before anything is opened)
-    comm         open_consumer          T     ExperienceConsumer (receive, producer_handle)
-    comm         open_producer          W     ExperienceProducer (send)
+ends (which side opens what: each stage's docstring and the table in docs/plugins.md).
 
 Callers reach them through the process's plugin manager (``ctx.plugins.comm_open_consumer(...)``), which checks
 each answer against its protocol: ``None`` or an object lacking a member is one PluginError naming the method and
@@ -39,6 +28,7 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
+from mrl_plugins.errors import PluginError, choices
 from mrl_plugins.hookspecs.types import Capabilities
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -320,8 +310,6 @@ def check_end(obj: Any, protocol: type, what: str, who: str) -> Any:
     """``obj`` if it satisfies ``protocol`` (methods and attributes present), else a PluginError naming ``who``
     (the plugin) and ``what`` returned it."""
     if not isinstance(obj, protocol):
-        from mrl_plugins.errors import PluginError
-
         missing = [
             n for n in getattr(protocol, "__protocol_attrs__", _protocol_attrs(protocol)) if not hasattr(obj, n)
         ]
@@ -335,8 +323,6 @@ def check_end(obj: Any, protocol: type, what: str, who: str) -> Any:
 def check_stage(obj: Any, protocol: type, who: str) -> Any:
     """``obj`` if it has every method of the stage ``protocol``, each taking the protocol's keyword arguments; else one
     PluginError naming ``who`` and the methods (checked when a stage is selected, not at its first call in a run)."""
-    from mrl_plugins.errors import PluginError, choices
-
     methods = [n for n in _protocol_attrs(protocol) if callable(getattr(protocol, n, None))]
     lacking = [m for m in methods if not callable(getattr(obj, m, None))]
     if lacking:

@@ -1,10 +1,5 @@
-"""Small value types that cross the hook boundary.
-
-Registration objects follow conda's plugin style: a hook returns small named dataclasses,
-the manager collects them, rejects duplicate names (naming both providers) and the
-configuration picks one by name. Every selectable thing is found this one way: a whole stage
-(:class:`StagePlugin`, ``plugins.<stage>``) as much as an engine, a transport or a codec of the
-built-in stages.
+"""Small value types that cross the hook boundary: registration objects (conda's plugin style, collected by the
+manager as :mod:`mrl_plugins.hookspecs.spec` describes), results and the per-run context.
 """
 
 from __future__ import annotations

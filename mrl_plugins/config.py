@@ -244,21 +244,17 @@ def check_device_spec(value: Any, key: str) -> None:
         raise ConfigError(f"{key}: {value!r} is not a device; valid: {choices(DEVICES)} (cuda/npu optionally ':N')")
 
 
-#: experience transports between processes of one host (a heartbeat older than 5 s there means a hung process)
-LOCAL_COMM_TRANSPORTS = ("shm", "queue")
-
-
 def derive(top: Any, rollout: Any, weight_sync: Any, comm: Any) -> dict[str, dict[str, Any]]:
     """The internal fields that follow from the user's settings, per section (``"top"`` for the top level).
 
-    ``timeout_s`` (T) bounds every wait for another process: a worker's answer, each wait of a weight transfer, a
-    send or receive of experience, a remote worker's or a network peer's silence; a peer on the same host is dead
-    after ``min(T, 5 s)`` without a heartbeat; a start may take ``1.5 T`` (at least the engine's declared start,
-    set once the engine's registration is known: :meth:`~mrl_plugins.rollout.config.RolloutConfig.check_backend`).
-    ``checksums`` switches weights' and experience's checksums together. With remote workers the transports left
+    ``timeout_s`` (T) bounds every wait for another process, a network peer's silence too (its help text); a start
+    may take ``1.5 T`` (at least the engine's declared start, set once the engine's registration is known:
+    :meth:`~mrl_plugins.rollout.config.RolloutConfig.check_backend`). ``checksums`` switches weights' and
+    experience's checksums together (its help text). With remote workers the transports left
     at ``auto`` cross hosts (experience over ``torch_distributed`` on the rendezvous host, weights over
     ``broadcast``, or ``directory`` when ``weight_sync.directory`` is set); otherwise shared memory.
     """
+    from mrl_plugins.comm.config import LOCAL_COMM_TRANSPORTS
     from mrl_plugins.rollout.config import parse_address
 
     t = float(top.timeout_s)

@@ -1,17 +1,12 @@
 """The plugin manager: a small typed pass-through over ``pluggy.PluginManager`` (after tox 4's
 ``tox.plugin.manager``), with one registry as the lookup (after conda's ``conda/plugins``).
 
-* built-in plugins are registered under short names: ``upstream`` (TRL's own code for every stage)
-  and ``mrl.rollout`` / ``mrl.weight_sync`` / ``mrl.comm``; third-party plugins come from the
-  ``mrl_plugins`` entry-point group (unless autoload is off);
-* blocking (config ``disable``, ``MRL_DISABLED_PLUGINS``, ``--disable``) happens before anything is
-  loaded: a blocked plugin registers nothing;
-* everything selectable is a registration (``mrl_<stage>_register_<things>``), collected into one
-  name -> registration table per kind, where one name from two plugins is an error naming both;
-  the config picks one by name: a whole stage (``plugins.<stage>``: ``mrl``, ``upstream`` or a third
-  party's) the same way as an engine, a transport or a codec (``rollout.engine``, ...);
-* the selected stage objects are called through this manager (``comm_open_consumer`` ...), which
-  checks each answer against the stage's protocol (:mod:`mrl_plugins.hookspecs.channels`).
+Built-in plugins are registered under short names (``upstream``, ``mrl.rollout`` / ``mrl.weight_sync`` /
+``mrl.comm``); third-party ones come from the ``mrl_plugins`` entry-point group (unless autoload is off). Blocking
+(config ``disable``, ``MRL_DISABLED_PLUGINS``, ``--disable``) happens before anything is loaded. The registration
+tables and selection by name are described in :mod:`mrl_plugins.hookspecs.spec`; the selected stage objects are
+called through this manager, which checks each answer against the stage's protocol
+(:mod:`mrl_plugins.hookspecs.channels`).
 
 There is no module-level manager: call :func:`get_plugin_manager` for a fresh one.
 """
@@ -28,7 +23,17 @@ import pluggy
 
 from mrl_plugins.errors import ConfigError, PluginError, choices
 from mrl_plugins.hookspecs import PROJECT_NAME, REGISTRATION_HOOKS, STAGE_HOOKS, STAGE_PROTOCOLS, STAGES, spec
-from mrl_plugins.hookspecs.channels import check_end, check_stage
+from mrl_plugins.hookspecs.channels import (
+    Capabilities,
+    ExperienceConsumer,
+    ExperienceProducer,
+    RolloutRuntime,
+    WeightReceiver,
+    WeightSender,
+    check_end,
+    check_stage,
+)
+from mrl_plugins.hookspecs.types import StageContext
 
 ENTRY_POINT_GROUP = "mrl_plugins"
 
@@ -336,15 +341,10 @@ class MrlPluginManager:
 
     def rollout_open_runtime(self, *, ctx: Any, setup: Any) -> Any:
         """The selected rollout plugin's :class:`~mrl_plugins.hookspecs.channels.RolloutRuntime`."""
-        from mrl_plugins.hookspecs.channels import RolloutRuntime
-
         return self._call("rollout", "open_runtime", ctx, RolloutRuntime, setup=setup)
 
     def capabilities(self, stage: str, ctx: Any = None) -> Any:
         """What the selected plugin's ends of ``stage`` (``weight_sync`` or ``comm``) can do, before any is opened."""
-        from mrl_plugins.hookspecs.channels import Capabilities
-        from mrl_plugins.hookspecs.types import StageContext
-
         if stage not in ("weight_sync", "comm"):
             raise PluginError(f"capabilities: valid stages are {choices(('weight_sync', 'comm'))}, got {stage!r}")
         ctx = ctx if ctx is not None else StageContext(config=self.config, plugins=self)
@@ -353,16 +353,12 @@ class MrlPluginManager:
     def weight_sync_open_sender(
         self, *, ctx: Any, model_id: str, run_id: str, receivers: int, same_process: bool = False
     ) -> Any:
-        from mrl_plugins.hookspecs.channels import WeightSender
-
         return self._call(
             "weight_sync", "open_sender", ctx, WeightSender,
             model_id=model_id, run_id=run_id, receivers=receivers, same_process=same_process,
         )  # fmt: skip
 
     def weight_sync_open_receiver(self, *, ctx: Any, model: Any, handle: Any, model_id: str, rank: int = 0) -> Any:
-        from mrl_plugins.hookspecs.channels import WeightReceiver
-
         return self._call(
             "weight_sync", "open_receiver", ctx, WeightReceiver,
             model=model, handle=handle, model_id=model_id, rank=rank,
@@ -385,13 +381,9 @@ class MrlPluginManager:
         return name_map
 
     def comm_open_consumer(self, *, ctx: Any, run_id: str, producers: int) -> Any:
-        from mrl_plugins.hookspecs.channels import ExperienceConsumer
-
         return self._call("comm", "open_consumer", ctx, ExperienceConsumer, run_id=run_id, producers=producers)
 
     def comm_open_producer(self, *, ctx: Any, handle: Any, index: int) -> Any:
-        from mrl_plugins.hookspecs.channels import ExperienceProducer
-
         return self._call("comm", "open_producer", ctx, ExperienceProducer, handle=handle, index=index)
 
 
@@ -468,18 +460,12 @@ def get_plugin_manager(
     return mgr
 
 
-def plugin_names() -> list[str]:
-    """Every plugin name the manager may load: the built-ins and the ``mrl_plugins`` entry points (not loaded)."""
+def check_disable(names: list[str], what: str = "--disable") -> None:
+    """Refuse a name that blocks no plugin: a plugin name (a built-in or an ``mrl_plugins`` entry point, not loaded),
+    or a prefix such as ``mrl`` (blocks ``mrl.*``)."""
     from importlib.metadata import entry_points
 
-    return sorted({*BUILTIN_PLUGINS, *(ep.name for ep in entry_points(group=ENTRY_POINT_GROUP))})
-
-
-def check_disable(names: list[str], what: str = "--disable") -> None:
-    """Refuse a name that blocks no plugin: a plugin name, or a prefix such as ``mrl`` (blocks ``mrl.*``)."""
-    from mrl_plugins.errors import ConfigError, choices
-
-    known = plugin_names()
+    known = {*BUILTIN_PLUGINS, *(ep.name for ep in entry_points(group=ENTRY_POINT_GROUP))}
     valid = {*known, *(n.rsplit(".", 1)[0] for n in known if "." in n)}
     for name in names:
         if name not in valid:

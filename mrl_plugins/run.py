@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import resource
@@ -9,30 +10,21 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from mrl_plugins.config import MrlConfig, load_config
+from mrl_plugins.config import MrlConfig, load_config, load_yaml, parse_plugin_selection
+from mrl_plugins.errors import ConfigError, choices
 
-
-@dataclass(frozen=True)
-class TimeKey:
-    """One key of :attr:`RunResult.time_split`: what it holds and the triage part it counts as."""
-
-    part: str  # mrl doctor --report's part: generate | weight_sync | transfer | train | wait, or "flag"
-    help: str
-
-
-#: :attr:`RunResult.time_split`, the one definition of its keys: ``run_training`` writes exactly these, ``mrl compare``
-#: copies them into ``report.json`` and ``mrl doctor --report`` (:mod:`mrl_plugins.cli.triage`) reads them.
-TIME_SPLIT: dict[str, TimeKey] = {
-    "generate": TimeKey(
-        "generate",
-        "s generating: the trainer's own generate() time, or with rollout workers their busy time (overlaps train)",
-    ),
-    "weight_sync": TimeKey("weight_sync", "s the trainer spent publishing weights to the inference copy"),
-    "transfer_wait": TimeKey("wait", "s the trainer was blocked waiting for the workers' experience (idle)"),
-    "train": TimeKey("train", "s of the training loop outside generate() and weight publishing"),
-    "generate_overlapped": TimeKey(
-        "flag", "1.0 when generate ran in rollout workers, in parallel with train (2 busy lanes); 0.0 otherwise"
-    ),
+#: :attr:`RunResult.time_split`, the one definition of its keys -> the part each counts as in ``mrl doctor
+#: --report`` (generate | weight_sync | transfer | train | wait, or "flag"): ``run_training`` writes exactly these,
+#: ``mrl compare`` copies them into ``report.json`` and ``mrl doctor --report`` (:mod:`mrl_plugins.cli.triage`) reads
+#: them.
+TIME_SPLIT: dict[str, str] = {
+    # s generating: the trainer's own generate() time, or with rollout workers their busy time (overlaps train)
+    "generate": "generate",
+    "weight_sync": "weight_sync",  # s the trainer spent publishing weights to the inference copy
+    "transfer_wait": "wait",  # s the trainer was blocked waiting for the workers' experience (idle)
+    "train": "train",  # s of the training loop outside generate() and weight publishing
+    # 1.0 when generate ran in rollout workers, in parallel with train (2 busy lanes); 0.0 otherwise
+    "generate_overlapped": "flag",
 }
 
 
@@ -94,10 +86,8 @@ def _trl_args(cfg: MrlConfig, output_dir: str) -> dict[str, Any]:
     if cfg.train.model in PRESETS and not {"activation_checkpointing", "gradient_checkpointing"} & set(
         cfg.train.trl_args
     ):
-        # TRL turns activation (gradient) checkpointing on by default; for a preset of a few MB it saves no memory
-        # worth having and recomputes every layer in the backward pass: vanilla TRL ran the bundled comparison
-        # jobs 1.11-1.21x faster without it (benchmarks/README.md), so every run of the embedded job, the baseline
-        # first, goes without (transformers >= 5.20 names it activation_checkpointing, older ones gradient_...)
+        # TRL turns activation checkpointing on by default; a preset of a few MB gains nothing from it and vanilla
+        # TRL ran 1.11-1.21x faster without it (benchmarks/README.md), so every run of the embedded job goes without
         args[checkpointing_arg()] = False
     args.update(cfg.train.trl_args)
     return args
@@ -105,8 +95,6 @@ def _trl_args(cfg: MrlConfig, output_dir: str) -> dict[str, Any]:
 
 def checkpointing_arg() -> str:
     """The name of the training arguments' activation-checkpointing switch in the installed transformers."""
-    import dataclasses
-
     from transformers import TrainingArguments
 
     names = {f.name for f in dataclasses.fields(TrainingArguments)}
@@ -126,7 +114,6 @@ def preflight(cfg: MrlConfig | Any, *, enable_plugins: bool = True) -> MrlConfig
     from mrl_plugins.adapters.trl import _check_combination, check_trl_version
     from mrl_plugins.demo.models import PRESETS, _is_local_checkpoint
     from mrl_plugins.device import get_device
-    from mrl_plugins.errors import ConfigError, choices
 
     cfg = load_config(cfg)
     check_trl_version()
@@ -160,7 +147,6 @@ def preflight(cfg: MrlConfig | Any, *, enable_plugins: bool = True) -> MrlConfig
 def _check_task_model(task: str, model: str) -> None:
     """The count task runs on the count presets, the tool tasks on ``tiny-tools`` or a folder with a chat template."""
     from mrl_plugins.demo.models import PRESETS, TOOL_PRESETS
-    from mrl_plugins.errors import ConfigError, choices
 
     if task == "count" and model in TOOL_PRESETS:
         count = [p for p in PRESETS if p not in TOOL_PRESETS]
@@ -369,7 +355,6 @@ def run_training(
 def main(argv: list[str] | None = None) -> int:
     """``python -m mrl_plugins.run CONFIG [--vanilla] [--json PATH] [--steps N] [--model M]`` (one isolated run)."""
     import argparse
-    import dataclasses
 
     parser = argparse.ArgumentParser(prog="mrl run")
     parser.add_argument("config", nargs="?", metavar="CONFIG", help="same as --config (kept for `mrl run colocate`)")
@@ -392,8 +377,6 @@ def main(argv: list[str] | None = None) -> int:
     config = ns.config_opt or ns.config or "colocate"
     import logging
 
-    from mrl_plugins.config import load_yaml
-
     if not ns.quiet:  # one line per weight-version switch (source's advice: keep version logs on)
         logging.basicConfig(format="%(name)s: %(message)s")
         logging.getLogger("mrl_plugins").setLevel(logging.INFO)
@@ -405,8 +388,6 @@ def main(argv: list[str] | None = None) -> int:
             train[key] = getattr(ns, key)
     data["train"] = train
     if ns.plugins:
-        from mrl_plugins.config import parse_plugin_selection
-
         data["plugins"] = {**(data.get("plugins") or {}), **parse_plugin_selection(ns.plugins)}
     result = run_training(data, name=ns.name, enable_plugins=not ns.vanilla, progress=ns.progress)
     print(

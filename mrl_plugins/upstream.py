@@ -1,14 +1,9 @@
 """The ``upstream`` plugin: TRL's own code path for every stage, so any stage can be switched back.
 
-* rollout -- TRL's transformers generation (``trainer._generate_single_turn`` with vLLM off), on
-  the training model itself: no separate inference copy, nothing to sync. With every stage on
-  ``upstream`` the adapter installs nothing, so a run equals vanilla TRL step for step.
-* weight sync -- TRL's per-parameter update: one ``copy_`` per parameter into an in-process
-  inference copy (what TRL's colocated vLLM ``load_weights`` does), or, across processes, the
-  ``per_param`` transport (one collective per parameter, as TRL's vLLM server client does).
-  No staging buffer: the update lands in the live weights.
-* comm -- plain pickling (``pickle`` frames, ``queue`` transport): what a naive multiprocessing
-  pipeline does.
+Rollout: TRL's transformers generation (``trainer._generate_single_turn`` with vLLM off) on the training model itself,
+no inference copy, nothing to sync. Weight sync: TRL's per-parameter update, in process or, across processes, the
+``per_param`` transport (one collective per parameter, as TRL's vLLM server client does). Comm: plain pickling
+(``pickle`` frames, ``queue`` transport), what a naive multiprocessing pipeline does.
 """
 
 from __future__ import annotations

@@ -23,8 +23,8 @@ def test_every_time_split_key_of_the_run_module_is_read_by_triage():
     from mrl_plugins.cli import triage as t
     from mrl_plugins.run import TIME_SPLIT
 
-    for key, spec in TIME_SPLIT.items():
-        assert spec.part in (*t.TIME_PARTS, "flag"), key
+    for key, part in TIME_SPLIT.items():
+        assert part in (*t.TIME_PARTS, "flag"), key
         assert key in t.TIME_PARTS or key in t.TIME_ALIASES or key in t.TIME_FLAGS, key
     split = {key: 1.0 for key in TIME_SPLIT}
     result = t.triage("r", {"time_split": split, "wall_s": 10.0, "train_s": 8.0})

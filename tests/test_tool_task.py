@@ -19,7 +19,7 @@ import time
 import pytest
 
 from tests.marks import require_trl, require_vllm
-from tests.tool_helpers import logged, tool_trainer
+from tests.tool_helpers import logged, tool_call_rate, tool_trainer
 
 pytestmark = require_trl
 
@@ -146,7 +146,7 @@ def test_reward_scores_answers_and_calls_and_an_untrained_policy_scores_about_ze
     import torch
     from trl.chat_template_utils import parse_response
 
-    from mrl_plugins.demo.tool_task import arithmetic_reward, build_tool_dataset, calculator_tools, tool_call_rate
+    from mrl_plugins.demo.tool_task import arithmetic_reward, build_tool_dataset, calculator_tools
 
     def call(name, a, b):
         return {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {
@@ -194,11 +194,11 @@ def test_calculator_variants_and_environments():
         CalculatorEnv,
         SubtractEnv,
         build_tool_dataset,
-        calculator_tools,
         environment_factories,
         trainer_inputs,
     )
     from mrl_plugins.errors import ConfigError
+    from tests.tool_helpers import calculator_tools
 
     for variant in ("sync", "async", "raises", "hangs", "hangs_async"):
         tools = calculator_tools(variant, hang_s=0.05)
@@ -307,7 +307,7 @@ def test_sft_preset_calls_the_tool_most_of_the_time_and_leaves_room_to_learn():
     from trl.chat_template_utils import parse_response
 
     from mrl_plugins.demo.models import build_model, cache_dir
-    from mrl_plugins.demo.tool_task import OPS, build_tool_dataset, calculator_tools, tool_call_rate
+    from mrl_plugins.demo.tool_task import OPS, build_tool_dataset, calculator_tools
 
     model, tok = build_model("tiny-tools")
     assert os.path.dirname(model.name_or_path) == os.path.join(cache_dir(), "presets")
@@ -427,7 +427,7 @@ def test_vllm_serves_the_preset_and_its_two_turns_parse():
     from trl.chat_template_utils import parse_response
 
     from mrl_plugins.demo.models import build_model
-    from mrl_plugins.demo.tool_task import OPS, build_tool_dataset, calculator_tools, tool_call_rate
+    from mrl_plugins.demo.tool_task import OPS, build_tool_dataset, calculator_tools
     from mrl_plugins.rollout.engine import SamplingParams
     from mrl_plugins.rollout.vllm_engine import VLLMEngine, check_vllm_servable
 

@@ -16,7 +16,7 @@ import pytest
 
 from tests.marks import require_trl, require_vllm
 from tests.teacher import VersionRecorder
-from tests.tool_helpers import logged, tool_trainer
+from tests.tool_helpers import calculator_tools, logged, tool_trainer
 
 pytestmark = [require_trl, pytest.mark.slow]
 
@@ -101,8 +101,6 @@ def test_without_rollouts_ahead_the_first_turn_is_read_ahead_and_tools_run_on_th
 def test_a_version_switch_between_turns_keeps_each_turns_logprobs_its_own(tmp_path):
     """A slow tool: the trainer ends a step (and publishes it) while the batch ahead waits for its tools, so its
     follow-up turn is generated with the newer version; each turn still equals teacher forcing under its own."""
-    from mrl_plugins.demo.tool_task import calculator_tools
-
     trainer = tool_trainer(tmp_path, steps=6, inputs={"tools": calculator_tools("hangs", hang_s=0.05)})
     recorder = _enable(trainer)
     trainer.train()

@@ -1,5 +1,4 @@
-"""One line of ``mrl doctor``'s output (and ``python -m benchmarks plan``'s), shared by the checks and the report
-triage."""
+"""One line of ``mrl doctor``'s output, shared by the checks and the report triage."""
 
 from __future__ import annotations
 

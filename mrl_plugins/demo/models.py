@@ -16,14 +16,12 @@ The count task (``tiny``, ``small``): prompts are short random word sequences; t
 target token ``a`` in the completion (its share of the completion's words). A random policy scores about 1/16; the tiny
 preset learns it within about 60 GRPO steps.
 
-The GPU job (``benchmarks/gpu``): ``qwen2-360m`` is shaped like Qwen2-0.5B without its vocabulary (hidden 896,
-24 layers, 14 query and 2 key/value heads, MLP 4864, q/k/v biases: 358M parameters outside the embeddings), in
-bf16, 8 generations of 128 tokens per prompt, so that generation dominates a step as it does for GRPO users;
-``qwen2-tiny`` is the same code path at a CPU size (the check's ``--cpu`` mode). Their vocabulary puts the EOS
-token last and the model's output layer stops one short of it (``vocab_size = len(tokenizer) - 1``): the model
-never samples EOS, every completion runs to ``max_completion_length``, and every step does the same work, which
-is what a speed comparison needs (with EOS, a run whose policy learns to stop early gets faster, not the plugin).
-They are never saved and reloaded by ``AutoTokenizer`` (see above), only built in code.
+The GPU job's presets (``qwen2-360m``, ``qwen2-tiny``; shapes in ``benchmarks/gpu/README.md``) generate 8 x 128 tokens
+per prompt, so that generation dominates a step as it does for GRPO users. Their vocabulary puts the EOS token last
+and the output layer stops one short of it (:func:`_vocab_size`): the model never samples EOS, every completion runs
+to ``max_completion_length`` and every step does the same work, which a speed comparison needs (with EOS, a run whose
+policy learns to stop early gets faster, not the plugin). They are never saved and reloaded by ``AutoTokenizer``
+(see above), only built in code.
 """
 
 from __future__ import annotations
@@ -34,16 +32,9 @@ import random
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from mrl_plugins.demo.tool_task import (
-    AddEnv,
-    CalculatorEnv,
-    SubtractEnv,
-    arithmetic_reward,
-    build_tool_dataset,
-    build_tool_tokenizer,
-    calculator_tools,
-    environment_factories,
-)
+from mrl_plugins.demo import tool_task
+from mrl_plugins.demo.tool_task import build_tool_tokenizer
+from mrl_plugins.errors import ConfigError, StageTimeoutError, choices
 
 #: words the tokenizer knows besides the special tokens
 WORDS: tuple[str, ...] = tuple("abcdefghijklmnop")
@@ -142,8 +133,6 @@ def build_model(spec: str = "tiny", *, seed: int = 0) -> tuple[Any, Any]:
 
     :raise mrl_plugins.errors.ConfigError: unknown preset and not a checkpoint folder.
     """
-    from mrl_plugins.errors import ConfigError, choices
-
     if spec not in PRESETS:
         if _is_local_checkpoint(spec):
             from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -163,8 +152,6 @@ def build_model(spec: str = "tiny", *, seed: int = 0) -> tuple[Any, Any]:
         return model, build_tool_tokenizer()
     p = PRESETS[spec]
     tokenizer = build_tokenizer(eos_last=not p.eos_sampled)
-    if p.arch == "qwen2":
-        return _qwen2(p, tokenizer, seed), tokenizer
     return _llama(p, tokenizer, seed), tokenizer
 
 
@@ -193,47 +180,31 @@ def _seeded(config: Any, cls: Any, p: Preset, tokenizer: Any, seed: int) -> Any:
     return model
 
 
-def _qwen2(p: Preset, tokenizer: Any, seed: int) -> Any:
-    """A randomly initialised Qwen2 decoder of shape ``p`` (q/k/v biases, tied embeddings, as Qwen2-0.5B)."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    config = Qwen2Config(
-        vocab_size=_vocab_size(p, tokenizer),
-        hidden_size=p.hidden_size,
-        intermediate_size=p.intermediate_size,
-        num_hidden_layers=p.num_hidden_layers,
-        num_attention_heads=p.num_attention_heads,
-        num_key_value_heads=p.num_key_value_heads,
-        max_position_embeddings=512,
-        pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id if p.eos_sampled else None,  # outside the output layer otherwise
-        bos_token_id=None,
-        tie_word_embeddings=True,
-        dtype=p.dtype,
-    )
-    return _seeded(config, Qwen2ForCausalLM, p, tokenizer, seed)
-
-
 def _llama(p: Preset, tokenizer: Any, seed: int) -> Any:
-    """A randomly initialised Llama decoder of shape ``p`` over ``tokenizer``'s vocabulary (seeded)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    """A randomly initialised decoder of shape ``p`` over ``tokenizer``'s vocabulary (seeded): Llama (no bias), or
+    with ``p.arch == 'qwen2'`` Qwen2 (q/k/v biases, as Qwen2-0.5B); tied embeddings either way."""
+    import transformers
 
-    config = LlamaConfig(
-        vocab_size=_vocab_size(p, tokenizer),
-        hidden_size=p.hidden_size,
-        intermediate_size=p.intermediate_size,
-        num_hidden_layers=p.num_hidden_layers,
-        num_attention_heads=p.num_attention_heads,
-        num_key_value_heads=p.num_key_value_heads,
-        max_position_embeddings=256,
-        pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        bos_token_id=None,
-        tie_word_embeddings=True,
-        attention_bias=False,
-        mlp_bias=False,
+    common = {
+        "vocab_size": _vocab_size(p, tokenizer),
+        "hidden_size": p.hidden_size,
+        "intermediate_size": p.intermediate_size,
+        "num_hidden_layers": p.num_hidden_layers,
+        "num_attention_heads": p.num_attention_heads,
+        "num_key_value_heads": p.num_key_value_heads,
+        "pad_token_id": tokenizer.pad_token_id,
+        "bos_token_id": None,
+        "tie_word_embeddings": True,
+    }
+    if p.arch == "qwen2":
+        eos = tokenizer.eos_token_id if p.eos_sampled else None  # outside the output layer otherwise
+        config = transformers.Qwen2Config(**common, max_position_embeddings=512, eos_token_id=eos, dtype=p.dtype)
+        return _seeded(config, transformers.Qwen2ForCausalLM, p, tokenizer, seed)
+    eos = tokenizer.eos_token_id
+    config = transformers.LlamaConfig(
+        **common, max_position_embeddings=256, eos_token_id=eos, attention_bias=False, mlp_bias=False
     )
-    return _seeded(config, LlamaForCausalLM, p, tokenizer, seed)
+    return _seeded(config, transformers.LlamaForCausalLM, p, tokenizer, seed)
 
 
 #: file in a :func:`save_preset` folder naming what it holds (weights, config and vocabulary digest)
@@ -337,8 +308,6 @@ def _tool_preset_key(name: str, seed: int, recipe: dict[str, Any]) -> str:
     import torch
     import transformers
 
-    from mrl_plugins.demo import tool_task
-
     spec = {
         "preset": asdict(PRESETS[name]),
         "seed": seed,
@@ -362,8 +331,6 @@ def _locked(path: str, timeout_s: float) -> Any:
     import contextlib
     import fcntl
     import time
-
-    from mrl_plugins.errors import StageTimeoutError
 
     @contextlib.contextmanager
     def hold() -> Any:
@@ -400,9 +367,6 @@ def tool_preset_folder(
     version trains anew). The folder is written by :func:`save_preset` (a temporary folder renamed into place) under
     an exclusive lock, so concurrent processes train it once and never see half a folder.
     """
-    from mrl_plugins.demo import tool_task
-    from mrl_plugins.errors import ConfigError, choices
-
     if name not in TOOL_PRESETS:
         raise ConfigError(f"tool preset: {name!r} is not one; valid: {choices(TOOL_PRESETS)}")
     unknown = set(recipe or {}) - set(tool_task.SFT_RECIPE)
@@ -456,20 +420,13 @@ __all__ = [
     "TARGET",
     "TOOL_PRESETS",
     "WORDS",
-    "AddEnv",
-    "CalculatorEnv",
     "Preset",
-    "SubtractEnv",
-    "arithmetic_reward",
     "build_dataset",
     "build_model",
     "build_tokenizer",
-    "build_tool_dataset",
     "build_tool_tokenizer",
     "cache_dir",
-    "calculator_tools",
     "count_reward",
-    "environment_factories",
     "preset",
     "save_preset",
     "tool_preset_folder",

@@ -14,9 +14,9 @@ the policy's tool calls; the rendering keeps every earlier message's tokens as t
 added (TRL's prefix check and ``_get_tool_suffix_ids``). Everything here imports only the standard library at module
 level; :mod:`mrl_plugins.demo.models` builds the ``tiny-tools`` preset from it (briefly trained with :func:`sft`).
 
-Tools for tests: :func:`calculator_tools` (sync, async, one that raises, ones that hang) and the environments
-:class:`CalculatorEnv` (both tools), :class:`AddEnv` and :class:`SubtractEnv` (one each, for a dict of factories),
-whose ``get_reward`` reads only their own state.
+The tools: :func:`calculator_tools` (the tests' async, raising and hanging variants are in tests/tool_helpers.py) and
+the environments :class:`CalculatorEnv` (both tools), :class:`AddEnv` and :class:`SubtractEnv` (one each, for a dict
+of factories), whose ``get_reward`` reads only their own state.
 """
 
 from __future__ import annotations
@@ -181,11 +181,6 @@ def arithmetic_reward(completions: list[Any], a: list[int], b: list[int], op: li
     return out
 
 
-def tool_call_rate(completions: list[Any]) -> float:
-    """Share of completions with at least one parsed tool call."""
-    return sum(bool(_calls(c)) for c in completions if not isinstance(c, str)) / max(1, len(completions))
-
-
 # --------------------------------------------------------------------------------------------------------- tools
 
 
@@ -217,63 +212,9 @@ def subtract(a: int, b: int) -> int:
     return a - b
 
 
-def _named(fn: Callable[..., Any], like: Callable[..., Any]) -> Callable[..., Any]:
-    # TRL and transformers' get_json_schema name a tool after __name__ and describe it from the docstring
-    fn.__name__ = fn.__qualname__ = like.__name__
-    fn.__doc__ = like.__doc__
-    return fn
-
-
-def _variant(base: Callable[[int, int], int], variant: str, hang_s: float) -> Callable[..., Any]:
-    if variant == "sync":
-        return base
-    import asyncio
-    import time
-
-    if variant == "async":
-
-        async def tool(a: int, b: int) -> int:
-            await asyncio.sleep(0)
-            return base(a, b)
-
-    elif variant == "raises":
-
-        def tool(a: int, b: int) -> int:
-            raise RuntimeError(f"{base.__name__} is out of order")
-
-    elif variant == "hangs":
-
-        def tool(a: int, b: int) -> int:
-            time.sleep(hang_s)
-            return base(a, b)
-
-    else:  # hangs_async
-
-        async def tool(a: int, b: int) -> int:
-            await asyncio.sleep(hang_s)
-            return base(a, b)
-
-    return _named(tool, base)
-
-
-TOOL_VARIANTS = ("sync", "async", "raises", "hangs", "hangs_async")
-
-
-def calculator_tools(variant: str = "sync", *, hang_s: float = 3600.0) -> list[Callable[..., Any]]:
-    """``[add, subtract]`` as TRL's ``tools=`` takes them, named ``add`` and ``subtract`` whatever the variant.
-
-    ``sync``: plain functions. ``async``: coroutine functions (TRL runs them on its event loop). ``raises``: every
-    call raises ``RuntimeError("add is out of order")`` (TRL puts ``{'error': ...}`` in the conversation and goes on).
-    ``hangs`` / ``hangs_async``: every call sleeps ``hang_s`` seconds (``time.sleep`` / ``asyncio.sleep``) before
-    answering -- bound it with a timeout.
-    """
-    from mrl_plugins.errors import ConfigError, choices
-
-    if variant not in TOOL_VARIANTS:
-        raise ConfigError(f"variant: {variant!r} is not a calculator variant; valid: {choices(TOOL_VARIANTS)}")
-    if not hang_s > 0:
-        raise ConfigError(f"hang_s: must be > 0, got {hang_s}")
-    return [_variant(add, variant, hang_s), _variant(subtract, variant, hang_s)]
+def calculator_tools() -> list[Callable[..., Any]]:
+    """``[add, subtract]`` as TRL's ``tools=`` takes them (plain functions)."""
+    return [add, subtract]
 
 
 # -------------------------------------------------------------------------------------------------- environments
@@ -315,28 +256,6 @@ class _ArithmeticEnv:
         return result
 
 
-class CalculatorEnv(_ArithmeticEnv):
-    """Both tools; for ``environment_factory=CalculatorEnv`` on ``build_tool_dataset(env="single")``."""
-
-    def add(self, a: int, b: int) -> int:
-        """Add two numbers.
-
-        Args:
-            a: The first number.
-            b: The second number.
-        """
-        return self._call(add, a, b)
-
-    def subtract(self, a: int, b: int) -> int:
-        """Subtract the second number from the first.
-
-        Args:
-            a: The number to subtract from.
-            b: The number to subtract.
-        """
-        return self._call(subtract, a, b)
-
-
 class AddEnv(_ArithmeticEnv):
     """Only ``add``; with :class:`SubtractEnv` in ``{"add": AddEnv, "subtract": SubtractEnv}`` (``env="dict"``)."""
 
@@ -363,6 +282,11 @@ class SubtractEnv(_ArithmeticEnv):
         return self._call(subtract, a, b)
 
 
+class CalculatorEnv(AddEnv, SubtractEnv):
+    """Both tools (TRL lists an environment's tools on its class, inherited ones included); for
+    ``environment_factory=CalculatorEnv`` on ``build_tool_dataset(env="single")``."""
+
+
 def environment_factories(env: str = "single") -> Any:
     """What ``environment_factory=`` takes for a :func:`build_tool_dataset` of that ``env`` kind."""
     from mrl_plugins.errors import ConfigError, choices
@@ -376,15 +300,11 @@ def environment_factories(env: str = "single") -> Any:
 
 #: the tool tasks of the embedded job (``train.task``): TRL gets the tools as ``tools=`` or ``environment_factory=``
 TASKS = ("tools", "environment", "environments")
-#: GRPO settings the ``tiny-tools`` preset learns with besides its preset's batch shape (``lr`` 3e-3 collapses it)
-#: the GRPO settings of the tool task; 5e-4: on the version-2 preset 1e-3 made the policy call on every rollout while
-#: its calls grew less accurate (reward 0.51 -> 0.56 in 60 steps), 3e-4 and 5e-4 raised it to 0.68-0.69 (2026-12-04)
-GRPO_SETTINGS: dict[str, Any] = {"learning_rate": 5e-4, "max_tool_calling_iterations": 2}
 
 
-def trainer_inputs(task: str = "tools", *, n: int = 512, seed: int = 0, variant: str = "sync") -> dict[str, Any]:
+def trainer_inputs(task: str = "tools", *, n: int = 512, seed: int = 0) -> dict[str, Any]:
     """The ``GRPOTrainer`` keyword arguments of a tool task: ``train_dataset``, ``reward_funcs`` and ``tools``
-    (:func:`calculator_tools` of ``variant``) or ``environment_factory``.
+    (:func:`calculator_tools`) or ``environment_factory``.
 
     ``tools``: :func:`arithmetic_reward` scores the answer. ``environment`` (one :class:`CalculatorEnv` factory) and
     ``environments`` (``{"add": AddEnv, "subtract": SubtractEnv}``, routed by the dataset's ``environment``
@@ -398,7 +318,7 @@ def trainer_inputs(task: str = "tools", *, n: int = 512, seed: int = 0, variant:
         return {
             "train_dataset": build_tool_dataset(n, seed=seed),
             "reward_funcs": arithmetic_reward,
-            "tools": calculator_tools(variant),
+            "tools": calculator_tools(),
         }
     env = "single" if task == "environment" else "dict"
     return {
