@@ -155,7 +155,8 @@ def _shm_reader_child(handle: Any, shapes: Shapes, reps: int, q_in: Any, q_out: 
 
 
 def shm_stream_gbps(shapes: Shapes, reps: int, verify: bool = True) -> dict[str, float]:
-    """(c) as deployed: trainer process publishes, inference process streams into its staging buffer.
+    """(c) streamed: trainer process publishes, inference process streams into its staging buffer while it is
+    written (``fetch_into`` before the publish; a run's workers load after the publish instead: ``shm_sequential``).
 
     Time from the start of ``publish`` to the end of the reader's verified copy (CLOCK_MONOTONIC is
     shared by both processes); each process runs one torch thread.
