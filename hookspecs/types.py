@@ -195,7 +195,8 @@ class StageContext:
 
     ``config`` is the validated :class:`mrl_plugins.config.MrlConfig`; ``host`` is the trainer
     (or ``None`` outside a trainer); ``metrics`` collects ``mrl/<stage>/...`` numbers that the
-    adapter forwards to TRL's logs; ``plugins`` is the process's :class:`~mrl_plugins.manager.MrlPluginManager`
+    adapter forwards to TRL's logs (the built-in ``mrl`` rollout stage needs it: it counts as it serves);
+    ``plugins`` is the process's :class:`~mrl_plugins.manager.MrlPluginManager`
     (set by the manager on the first stage call): a stage opens the other stages' ends through it
     (``ctx.plugins.weight_sync_open_sender(...)``) and finds registrations there (``ctx.plugins.backend(...)``);
     ``resources`` is where a plugin keeps what it built for itself, under its own name, so that

@@ -307,9 +307,10 @@ def test_on_a_cuda_or_npu_host_the_built_in_group_carries_the_stream_over_gloo(m
     """A config's ``transport: broadcast`` hands in no group: where the device layer names nccl / hccl the
     dedicated group is still gloo (device tensors through host memory), not a refusal at the first publish."""
     import mrl_plugins.device as device
+    from mrl_plugins.weight_sync import broadcast_group
 
     monkeypatch.setattr(device, "collective_backend", lambda device_type=None: "nccl")
-    assert device.collective_backend() == "nccl"
+    monkeypatch.setattr(broadcast_group, "_said_host_path", [])
     sender = BroadcastSender(WeightSyncConfig(transport="broadcast", timeout_s=30), model_id="m")
     q = CTX.Queue()
     child = CTX.Process(target=_receiver_on_a_device_host, args=(sender.receiver_handle(), q), daemon=True)
@@ -317,6 +318,7 @@ def test_on_a_cuda_or_npu_host_the_built_in_group_carries_the_stream_over_gloo(m
     try:
         assert sender.publish(1, mixed_tensors(1)).nbytes == sum(t.nbytes for _, t in mixed_tensors(1))
         assert q.get(timeout=60) is True
+        assert broadcast_group._said_host_path == ["nccl"]  # the group asked the device layer, and kept gloo
     finally:
         _stop([child], sender, q)
 

@@ -224,6 +224,11 @@ class WorkerPool:
         from mrl_plugins.errors import ConfigError
 
         workers = self.workers
+        if not 0 <= i < self.n or workers.procs[i] is None:
+            raise ConfigError(
+                f"move_worker: worker {i} is not a local worker of 0..{self.n - 1} (a remote one: restart "
+                "its `mrl worker` instead)"
+            )
         if i in workers.draining or len(workers.active) < 2:
             raise ConfigError("move_worker: needs another active worker to serve while this one moves")
         if workers.no_rejoin is not None:

@@ -196,6 +196,9 @@ def worker_main(spec: WorkerSpec, requests: Any, errors: Any, parent_pid: int | 
                 raise MrlError(f"worker {spec.index}: unknown request {type(req).__name__} (see rollout.wire)")
             req_id, chunk, prompts, num_generations = req.req_id, req.chunk, req.prompts, req.num_generations
             model_id, min_version, score_with = req.model_id, req.min_version, req.score_with
+            for mid in (model_id, *score_with):
+                if mid not in engines:
+                    raise MrlError(f"worker {spec.index}: model_id {mid!r} is not served; valid: {sorted(engines)}")
             receiver, engine = receivers[model_id], engines[model_id]
             deadline = time.monotonic() + timeout
             await_version(model_id, min_version, deadline)

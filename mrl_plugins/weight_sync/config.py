@@ -146,12 +146,12 @@ class WeightSyncConfig:
         return cls(**d).validate()
 
     def chunk_for(self, transport: str) -> int:
-        """Effective chunk size for ``transport``."""
-        return self.chunk_bytes if self.chunk_bytes is not None else DEFAULT_CHUNK_BYTES[transport]
+        """Effective chunk size for ``transport`` (a plugin's transport without a measured default: 4 MiB)."""
+        return self.chunk_bytes if self.chunk_bytes is not None else DEFAULT_CHUNK_BYTES.get(transport, 4 << 20)
 
     def bucket_for(self, transport: str) -> int:
-        """Effective bucket size for ``transport``."""
-        return self.bucket_bytes if self.bucket_bytes is not None else DEFAULT_BUCKET_BYTES[transport]
+        """Effective bucket size for ``transport`` (a plugin's transport without a measured default: 64 MiB)."""
+        return self.bucket_bytes if self.bucket_bytes is not None else DEFAULT_BUCKET_BYTES.get(transport, 64 << 20)
 
 
 __all__ = ["KNOWN_TRANSPORTS", "STAGING_CHOICES", "WeightSyncConfig"]
