@@ -181,6 +181,11 @@ def test_placement_rule_cpu():
     RolloutConfig(workers=2, colocated_workers=1).check_placement("hybrid", "cpu", [0, 1])
     with pytest.raises(ConfigError, match=r"rollout.engine_cores lists 1"):
         RolloutConfig(workers=2, engine_cores=[1]).check_placement("colocate", "cpu", [0, 1, 2])
+    # counted as device.placement places them: a worker core the trainer also keeps is not the worker's own
+    with pytest.raises(ConfigError, match=r"2 rollout worker\(s\) but only 1 CPU core\(s\)"):
+        RolloutConfig(workers=2, engine_cores=[0, 1], trainer_cores=[0]).check_placement("colocate", "cpu", [0, 1, 2])
+    with pytest.raises(ConfigError, match=r"only 1 CPU core\(s\).*the trainer keeps 2"):
+        RolloutConfig(workers=2, trainer_cores=[0, 1]).check_placement("colocate", "cpu", [0, 1, 2])
 
 
 def test_placement_rule_devices():

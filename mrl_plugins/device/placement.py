@@ -3,6 +3,7 @@
 * :func:`colocated_count` -- how many workers share the trainer's device in each deployment mode.
 * :func:`accelerator_indices` -- NPU/CUDA: the device index of every worker of a training rank (and, last, the
   trainer's own), relative to the parent's visible-devices list.
+* :func:`cpu_split` -- CPU: the trainer's cores and the cores its workers split.
 * :func:`worker_placements` -- the full placement of every worker (CPU cores and threads, or device and
   visible-devices entry), the cores left to the trainer, and the placement of a worker that shares the
   trainer's device.
@@ -38,6 +39,19 @@ def accelerator_indices(
     return [base if i < colocated or i == workers else first_free + (i - colocated) for i in range(workers + 1)]
 
 
+def cpu_split(rc: Any, cores: list[int]) -> tuple[list[int] | None, list[int]]:
+    """CPU: the trainer's cores (None: all of ``cores``) and the cores its workers split: ``rollout.engine_cores``
+    when set, else all but the trainer's (``rollout.trainer_cores``, else the first); on one core they share it."""
+    trainer_cores, engine_pool = rc.trainer_cores, rc.engine_cores
+    if engine_pool is None:
+        if len(cores) > 1:
+            trainer_cores = trainer_cores or cores[:1]
+            engine_pool = [c for c in cores if c not in trainer_cores] or cores
+        else:
+            engine_pool = cores
+    return trainer_cores, engine_pool
+
+
 def worker_placements(
     cfg: Any, device: Any, rank: int = 0, world: int = 1
 ) -> tuple[list[dict], list[int] | None, dict]:
@@ -62,14 +76,7 @@ def worker_placements(
                 bad = [c for c in (getattr(rc, key) or []) if c not in valid]
                 if bad:
                     raise ConfigError(f"rollout.{key}: cores {bad} are not available; valid: {sorted(valid)}")
-        trainer_cores = rc.trainer_cores
-        engine_pool = rc.engine_cores
-        if engine_pool is None:
-            if len(cores) > 1:
-                trainer_cores = trainer_cores or cores[:1]
-                engine_pool = [c for c in cores if c not in trainer_cores] or cores
-            else:
-                engine_pool = cores
+        trainer_cores, engine_pool = cpu_split(rc, cores)
         shared = {"cores": trainer_cores or cores, "threads": rc.engine_threads, "device": "cpu"}
         if cfg.mode == "hybrid":  # the first `colocated` workers share the trainer's cores, the rest split the others
             own = n - colocated

@@ -288,23 +288,24 @@ class RolloutConfig(SchedulingSection, DeploymentSection, EngineSection):
         """Refuse more local workers than this host can give their own core (CPU) or device (NPU/CUDA).
 
         ``cores``: the cores the trainer process may use (``os.sched_getaffinity(0)``); ``devices``: the visible
-        devices of ``device_type``. Counts as the TRL adapter places workers: on CPU the trainer keeps one core
-        (``rollout.trainer_cores``) and the workers split the rest (``rollout.engine_cores``), hybrid's colocated
-        workers share the trainer's cores; on NPU/CUDA dedicated workers (disaggregated; hybrid's not colocated
-        ones) take the devices after the trainer's, colocated ones share its device.
+        devices of ``device_type``. Counted with the placement rule that places them
+        (:mod:`mrl_plugins.device.placement`: ``cpu_split``, ``accelerator_indices``); hybrid's colocated workers
+        share the trainer's cores or device and need none.
         """
+        from mrl_plugins.device.placement import accelerator_indices, cpu_split
+
         dedicated = self.workers - (self.colocated_workers if mode == "hybrid" else 0)
         if device_type == "cpu":
             if self.oversubscribe or dedicated <= 0:
                 return
+            trainer, pool = cpu_split(self, cores)
+            free = len([c for c in pool if c not in (trainer or ())]) or 1  # one core: shared by design
             if self.engine_cores is not None:
-                free, where = len(self.engine_cores), f"rollout.engine_cores lists {len(self.engine_cores)}"
+                where = f"rollout.engine_cores lists {len(self.engine_cores)}"
             elif len(cores) > 1:
-                kept = len(self.trainer_cores or cores[:1])
-                free = max(1, len(cores) - kept)
-                where = f"this process may use {len(cores)} core(s) {sorted(cores)}, the trainer keeps {kept}"
+                where = f"this process may use {len(cores)} core(s) {sorted(cores)}, the trainer keeps {len(trainer)}"
             else:
-                free, where = 1, f"this process may use 1 core {sorted(cores)}"
+                where = f"this process may use 1 core {sorted(cores)}"
             if dedicated > free:
                 raise ConfigError(
                     f"rollout.workers: {dedicated} rollout worker(s) but only {free} CPU core(s) free for them "
@@ -313,7 +314,7 @@ class RolloutConfig(SchedulingSection, DeploymentSection, EngineSection):
             return
         if mode == "colocate" or dedicated <= 0:
             return
-        need = device_index + 1 + dedicated
+        need = max(accelerator_indices(mode, self.workers, self.colocated_workers, device_index)) + 1
         if need > devices:
             raise ConfigError(
                 f"rollout.workers: {dedicated} dedicated worker(s) in mode {mode} need {device_type} devices "
