@@ -69,6 +69,9 @@ class RolloutEngine(_Registration):
         nothing in the trainer process forbids it; otherwise workers are spawned.
     :param warmup: the trainer's own model (the ``transformers`` loop) may answer while its workers start
         (``rollout.local_warmup: auto``): only where that stands in for the engine without a long build of its own.
+    :param own_weights: its engine keeps its own copy of the weights (vLLM): after each switch to a new version the
+        stage calls ``engine.apply_weights(version=...)`` (which sets ``engine.last_apply_ms``), and the engine sizes
+        its own memory, so a worker does not cap its allocator at the first generation's peak.
     :param start_s: seconds a worker with this engine may need to start (its build), when longer than
         1.5 x ``timeout_s``.
     :param requires: ``requires()`` raises a ConfigError saying how to install what the engine imports; cheap
@@ -82,6 +85,7 @@ class RolloutEngine(_Registration):
     scores: bool = False
     fork_safe: bool = False
     warmup: bool = False
+    own_weights: bool = False
     start_s: float = 0.0
     requires: Callable[[], None] | None = None
     check: Callable[[Any, str, str | None], None] | None = None

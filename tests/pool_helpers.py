@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from typing import Any
@@ -43,14 +44,15 @@ def make_pool(
     ctx = StageContext(config=cfg, metrics=StageMetrics())
     model, tok = build_model("tiny")
     sampling = SamplingParams(max_new_tokens=6, eos_token_ids=[tok.eos_token_id], pad_token_id=tok.pad_token_id)
-    factory = factory or pm.backend("mrl_rollout_register_engines", cfg.rollout.engine).factory
+    engine = pm.backend("mrl_rollout_register_engines", cfg.rollout.engine)
+    engine = dataclasses.replace(engine, factory=factory) if factory is not None else engine
     pool = WorkerPool(
         pm,
         ctx,
         model,
         sampling,
         placements=[{"cores": [1], "threads": 1}] if placements is None else placements,
-        engine_factory=factory,
+        engine=engine,
         seed=0,
         score_models=score_models,
     )

@@ -149,6 +149,8 @@ def test_engine_on_cuda_logprobs_equal_teacher_forcing(dtype):
 
 
 def _cuda_pool(config: dict, model, sampling, factory):
+    import dataclasses
+
     from mrl_plugins.config import load_config
     from mrl_plugins.device import CudaDevice
     from mrl_plugins.device.placement import worker_placements
@@ -161,7 +163,8 @@ def _cuda_pool(config: dict, model, sampling, factory):
     pm = get_plugin_manager(cfg)
     ctx = StageContext(config=cfg, metrics=StageMetrics())
     places, _, _ = worker_placements(cfg, CudaDevice(index=0))
-    return WorkerPool(pm, ctx, model, sampling, placements=places, engine_factory=factory, seed=0)
+    engine = dataclasses.replace(pm.backend("mrl_rollout_register_engines", "transformers"), factory=factory)
+    return WorkerPool(pm, ctx, model, sampling, placements=places, engine=engine, seed=0)
 
 
 @require_cuda

@@ -23,9 +23,8 @@ def open_runtime(ctx: StageContext, setup: RolloutSetup) -> Any:
     pm, cfg = ctx.plugins, ctx.config
     trainer, model, sampling, seed, device = setup.host, setup.model, setup.sampling, setup.seed, setup.device
     engine = configured_engine(pm, cfg)  # with what it declares it can do
-    engine_factory = engine.factory
     if setup.placements is None:
-        return LazyLocalRuntime(lambda: LocalEngineRuntime(pm, ctx, model, sampling, engine_factory, seed))
+        return LazyLocalRuntime(lambda: LocalEngineRuntime(pm, ctx, model, sampling, engine, seed))
     places, _trainer_cores, shared = setup.placements
     score_models = dict(setup.score_models) or None
 
@@ -35,8 +34,7 @@ def open_runtime(ctx: StageContext, setup: RolloutSetup) -> Any:
         from .pool import WorkerPool
 
         pool = WorkerPool(
-            pm, ctx, model, sampling, placements=places, engine_factory=engine_factory, seed=seed,
-            score_models=score_models,
+            pm, ctx, model, sampling, placements=places, engine=engine, seed=seed, score_models=score_models,
         )  # fmt: skip
         for mid, scored in (score_models or {}).items():
             pool.publish(0, iter_trainer_weights(scored, getattr(trainer, "accelerator", None)), model_id=mid)

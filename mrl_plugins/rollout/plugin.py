@@ -29,6 +29,7 @@ def engine_registrations() -> Iterator[Any]:
         description="vLLM in the worker process (vllm.LLM, in-process engine core), weights synced by reload",
         options=True,
         fork_safe=True,
+        own_weights=True,
         start_s=VLLM_START_S,
         requires=check_vllm_installed,
         check=check_vllm_servable,

@@ -30,7 +30,6 @@ from mrl_plugins.hookspecs import RolloutResult, StageContext
 from mrl_plugins.metrics import record_publish
 
 from .assemble import Ticket, assemble, own
-from .config import configured_engine
 from .pool_checks import WorkerDiedError, check_pool_config, no_rejoin, stage_names  # noqa: F401 - re-exported
 from .supervisor import WorkerSupervisor
 from .wire import SWITCHED, BatchMeta, GenerateRequest, WeightsNotice, WorkerEvent
@@ -47,6 +46,8 @@ class WorkerPool:
     published to them; the processes themselves are its :class:`~mrl_plugins.rollout.supervisor.WorkerSupervisor`'s
     (``workers``).
 
+    :param engine: the configured engine's registration (:class:`~mrl_plugins.hookspecs.RolloutEngine`): its
+        factory and what it declares it can do.
     :param model: the policy (model_id ``"policy"``); ``score_models``: models every worker holds to *score* each
         policy completion (its per-token logprobs under that model, e.g. the reference model's, in
         ``RolloutResult.scores``), published once or whenever they change.
@@ -60,7 +61,7 @@ class WorkerPool:
         sampling: Any,
         *,
         placements: list[dict],
-        engine_factory: Any,
+        engine: Any,
         seed: int = 0,
         score_models: dict[str, Any] | None = None,
     ) -> None:
@@ -84,7 +85,6 @@ class WorkerPool:
         self.budgets: dict[int, dict] = {}  # worker -> {"budget": AppliedBudget.as_dict(), "memory": {...}}
         self._closed = False
         names = stage_names(pm, cfg)
-        engine = configured_engine(pm, cfg)  # what it declares it can do
         # an unsafe fork is refused and Ray's reservation made before anything else opens
         self.workers = WorkerSupervisor(
             ctx, engine, placements, rejoinable_ends=comm_caps.rejoinable and ws_caps.rejoinable
@@ -126,7 +126,8 @@ class WorkerPool:
                 config=cfg,
                 models=served,
                 sampling=sampling,
-                engine_factory=engine_factory,
+                engine_factory=engine.factory,
+                own_weights=engine.own_weights,
                 comm_handle=self.consumer.producer_handle(i),
                 cores=place.get("cores"),
                 threads=place.get("threads", cfg.rollout.engine_threads),

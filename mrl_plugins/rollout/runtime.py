@@ -28,14 +28,16 @@ class LocalEngineRuntime:
 
     replaces_host = True
 
-    def __init__(self, pm: Any, ctx: StageContext, model: Any, sampling: Any, engine_factory: Any, seed: int) -> None:
+    def __init__(self, pm: Any, ctx: StageContext, model: Any, sampling: Any, engine: Any, seed: int) -> None:
+        """``engine``: the configured engine's registration (:class:`~mrl_plugins.hookspecs.RolloutEngine`)."""
         from mrl_plugins.weight_sync.sources import inference_copy
 
         self.pm, self.ctx = pm, ctx
 
         self.model = inference_copy(model)  # PEFT: the merged base model, named as published
         options = dict(ctx.config.rollout.engine_options or {})
-        self.engine = engine_factory(
+        self.own_weights = engine.own_weights
+        self.engine = engine.factory(
             self.model, None, params=sampling, device=trainer_device(model).spec, seed=seed,
             **({"options": options} if options else {}),
         )  # fmt: skip
@@ -62,7 +64,7 @@ class LocalEngineRuntime:
         if staged is not None:
             report = self.receiver.switch(timeout)
             record_switch(self.ctx.metrics, report, self.receiver.stats())
-            if getattr(self.engine, "applies_weights", False):  # vLLM: its own copy gets the switched version
+            if self.own_weights:  # vLLM: its own copy gets the switched version
                 self.engine.apply_weights(version=int(report.to_version) if report is not None else int(staged))
                 self.ctx.metrics.gauge("weights/engine_apply_ms", self.engine.last_apply_ms)
         with self.receiver.active():

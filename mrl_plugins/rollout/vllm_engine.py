@@ -151,7 +151,6 @@ class VLLMEngine:
     """
 
     #: capability read by the workers: the engine holds its own copy of the weights and needs them applied
-    applies_weights = True
 
     def __init__(
         self,

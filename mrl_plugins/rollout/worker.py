@@ -83,6 +83,8 @@ class WorkerSpec:
     env: dict = field(default_factory=dict)
     device: str = "cpu"
     seed: int = 0
+    #: the engine keeps its own copy of the weights (``RolloutEngine.own_weights``): applied after each switch
+    own_weights: bool = False
     log_level: int = logging.WARNING  # the trainer's level for "mrl_plugins" (version-switch lines at INFO)
 
 
@@ -156,7 +158,8 @@ def worker_main(spec: WorkerSpec, requests: Any, errors: Any, parent_pid: int | 
                 version = _pull_weights(receivers[mid], spec.config.weight_sync.timeout_s, timeout)
                 if version is not None:
                     if not getattr(receivers[mid], "into_engine", False):
-                        _apply_to_engine(engines[mid], version)  # between requests: nothing in flight
+                        if spec.own_weights:  # vLLM: its own copy gets the switched version, between requests
+                            engines[mid].apply_weights(version=version)
                     if mid == "policy":
                         clock.arrived()
                     events.put(WorkerEvent(SWITCHED, spec.index, version, mid))
@@ -232,7 +235,7 @@ def worker_main(spec: WorkerSpec, requests: Any, errors: Any, parent_pid: int | 
                 model_id=model_id,
                 version=int(version),
                 gen_us=int(gen_s * 1e6),
-                apply_us=int(getattr(engine, "last_apply_ms", 0.0) * 1e3),
+                apply_us=int(engine.last_apply_ms * 1e3) if spec.own_weights else 0,
             )
             producer.send(batch, meta.to_meta(), timeout=timeout)
     except BaseException as exc:  # noqa: BLE001 - report to the trainer, then exit non-zero
@@ -274,7 +277,7 @@ def _memory_reservation(spec: WorkerSpec, device: Any, engine: Any, events: Any)
     """``fn -> result``: run the first generation under a peak measurement and cap this worker's allocator at
     peak x (1 + ``rollout.memory_headroom``) (NPU/CUDA; CPU: recorded only); reported as a ``memory`` event.
     None for engines that size their own memory pool (vLLM: ``gpu_memory_utilization``)."""
-    if engine is None or getattr(engine, "applies_weights", False):
+    if engine is None or spec.own_weights:
         return None
     headroom = float(spec.config.rollout.memory_headroom)
 
@@ -316,12 +319,6 @@ def build_engine(spec: WorkerSpec, model: Any, transport_options: dict | None = 
     return spec.engine_factory(
         model, None, params=spec.sampling, device=spec.device, seed=spec.seed + spec.index, **kwargs
     )
-
-
-def _apply_to_engine(engine: Any, version: int) -> None:
-    """Engines that hold their own copy of the weights (``applies_weights``, e.g. vLLM) get the switched version."""
-    if getattr(engine, "applies_weights", False):
-        engine.apply_weights(version=version)
 
 
 def _pull_weights(receiver: Any, switch_timeout: float, timeout: float) -> int | None:
