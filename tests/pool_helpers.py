@@ -59,6 +59,24 @@ def make_pool(
     return pool, model, tok, sampling, pm, ctx
 
 
+def steer_placement(runtime: Any, at: dict[int, str]) -> Any:
+    """A TrainerCallback forcing placement auto's arrangement at the end of the given steps (``{step: "split" |
+    "turns"}``); at the step end after a forced split it waits (at most 120 s) for the workers to be ready."""
+    from transformers import TrainerCallback
+
+    class Steer(TrainerCallback):
+        def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+            step = int(state.global_step)
+            if at.get(step - 1) == "split":
+                deadline = time.monotonic() + 120
+                while not runtime.pool.ready and time.monotonic() < deadline:
+                    time.sleep(0.05)
+            if step in at:
+                runtime.where.controller.force(at[step])
+
+    return Steer()
+
+
 class SlowEnginePlugin:
     """A third-party-style plugin registering the ``slow`` engine (fault injection for staleness tests)."""
 

@@ -442,7 +442,8 @@ def test_split_lends_the_idle_workers_core_to_the_trainer(tmp_path, monkeypatch,
     gives it back before the next request; while lent the worker computes nothing (no oversubscription)."""
 
     import torch
-    from transformers import TrainerCallback
+
+    from tests.pool_helpers import steer_placement
 
     steps = 14
     trainer = placement_run(tmp_path, steps, {"workers": 1, "placement": "auto"}, slow_reward=True)
@@ -469,16 +470,7 @@ def test_split_lends_the_idle_workers_core_to_the_trainer(tmp_path, monkeypatch,
     for hook in share.hooks:  # none yet: they are installed at the first split batch
         hook.remove()
 
-    class Steer(TrainerCallback):
-        def on_step_end(self, args, st, control, **kw):
-            if st.global_step == 1:
-                runtime.where.controller.force("split")
-            if st.global_step == 2:
-                deadline = time.monotonic() + 120
-                while not runtime.pool.ready and time.monotonic() < deadline:
-                    time.sleep(0.05)
-
-    trainer.add_callback(Steer())
+    trainer.add_callback(steer_placement(runtime, {1: "split"}))
     submitted_while_lent = []
     orig_submit = None
 

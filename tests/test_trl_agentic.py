@@ -340,25 +340,14 @@ def test_the_bundled_compare_tools_config_trains_with_the_plugin(tmp_path):
 def test_while_the_run_takes_turns_no_batch_is_rolled_out_ahead(tmp_path):
     """Placement auto, the workers running: once the run takes turns, the trainer's own model answers every turn and
     no batch is started ahead (one in flight at the switch may be abandoned, never one per batch)."""
-    from transformers import TrainerCallback
+    from tests.pool_helpers import steer_placement
 
     steps = 8
     trainer = tool_trainer(tmp_path, steps=steps)
     _enable(trainer, {"rollout": {"workers": 1, "placement": "auto"}})
     runtime = trainer._mrl_state.runtime
 
-    class Steer(TrainerCallback):
-        def on_step_end(self, args, st, control, **kw):
-            if st.global_step == 1:
-                runtime.where.controller.force("split")
-            if st.global_step == 2:
-                deadline = time.monotonic() + 120
-                while not runtime.pool.ready and time.monotonic() < deadline:
-                    time.sleep(0.05)
-            if st.global_step == 4:
-                runtime.where.controller.force("turns")
-
-    trainer.add_callback(Steer())
+    trainer.add_callback(steer_placement(runtime, {1: "split", 4: "turns"}))
     trainer.train()
     assert len(logged(trainer, "reward")) == steps
     assert sum(logged(trainer, "mrl/rollout/ahead_batches")) >= 1  # the split ran batches ahead
