@@ -101,10 +101,9 @@ class ShadowLookahead:
 
     # ---------------------------------------------------------------- when it may run
     def usable(self) -> bool:
-        """The workers serve the split and are ready (a rollout ahead never uses the trainer's own model)."""
-        runtime = self.gen.runtime
-        pool, where = getattr(runtime, "_pool", None), getattr(runtime, "where", None)
-        return where is not None and where.arrangement == "split" and pool is not None and pool.ready
+        """The runtime would serve a rollout started ahead now
+        (:meth:`~mrl_plugins.rollout.runtime.PoolRuntime.can_run_ahead`)."""
+        return self.gen.runtime.can_run_ahead()
 
     # ---------------------------------------------------------------- starting
     def schedule(self, inputs: list[dict[str, Any]] | None) -> None:

@@ -411,6 +411,11 @@ class PoolRuntime:
             self._lock.release()
 
     # ---------------------------------------------------------------- the lookahead
+    def can_run_ahead(self) -> bool:
+        """Whether a rollout started ahead now would be served: the run is in the split and its workers are ready
+        (a rollout ahead never uses the trainer's own model)."""
+        return self.where.arrangement == "split" and self._pool is not None and self._pool.ready
+
     def generation_interval(self) -> int:
         """Optimizer steps between two of the host's generations (its :meth:`RolloutHost.generation_interval`)."""
         return self.gen.generation_interval()
