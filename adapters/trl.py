@@ -69,21 +69,9 @@ def trainer_kind(trainer: Any) -> str:
     )
 
 
-def _check_combination(pm: Any, cfg: Any) -> None:
-    if pm.is_upstream("rollout"):
-        for stage in ("weight_sync", "comm"):
-            if not pm.is_upstream(stage):
-                raise ConfigError(
-                    f"plugins.{stage}: {pm.selected[stage]!r} needs a separate inference copy, which only a rollout "
-                    f"plugin other than 'upstream' creates (TRL's own rollout generates with the training model); "
-                    f"set plugins.rollout: mrl or plugins.{stage}: upstream"
-                )
-
-
 def enable(trainer: Any, config: Any = None) -> Any:
     """Switch the plugins on for ``trainer`` (see :func:`mrl_plugins.enable`)."""
     from mrl_plugins.config import load_config
-    from mrl_plugins.device import get_device
     from mrl_plugins.hookspecs import StageContext
     from mrl_plugins.manager import get_plugin_manager
     from mrl_plugins.metrics import StageMetrics
@@ -94,9 +82,8 @@ def enable(trainer: Any, config: Any = None) -> Any:
     if config is None and os.environ.get("MRL_PLUGINS"):
         config = config_from_env(os.environ["MRL_PLUGINS"])
     cfg = load_config(config)
-    pm = get_plugin_manager(cfg)
-    _check_combination(pm, cfg)
-    device = trainer_device(trainer) if cfg.device in (None, "auto") else get_device(cfg.device)
+    pm = get_plugin_manager(cfg)  # refuses a stage combination that cannot run
+    device = trainer_device(trainer)  # enable() follows the model (train.device is where mrl run puts it)
     if cfg.device != device.spec:  # the workers, Ray's bundles and doctor see the device the trainer is on
         cfg = dataclasses.replace(cfg, device=device.spec)
     _check_rollout(trainer, cfg, pm, kind, device)
@@ -149,11 +136,6 @@ def _check_rollout(trainer: Any, cfg: Any, pm: Any, kind: str, device: Any) -> N
             raise ConfigError(
                 f"rollout.remote_workers: remote workers serve a single training process; got "
                 f"{trainer.accelerator.num_processes} (use local workers per rank, rollout.workers)"
-            )
-        if cfg.rollout.rebalance and (cfg.mode != "hybrid" or cfg.rollout.workers < 2):
-            raise ConfigError(
-                f"rollout.rebalance: moves workers between the pools of mode: hybrid with rollout.workers >= 2; "
-                f"got mode: {cfg.mode}, workers: {cfg.rollout.workers}"
             )
 
 
@@ -340,9 +322,8 @@ def _check_engine_ref_logps(trainer: Any, cfg: Any) -> None:
         problem = "this trainer has no separate reference model (PEFT: the reference is the adapter-less policy)"
     elif getattr(trainer.args, "sync_ref_model", False):
         problem = "sync_ref_model changes the reference model during training; only a frozen one is served"
-    elif cfg.rollout.workers == 0 and cfg.rollout.remote_workers == 0:
-        problem = "it needs rollout workers (rollout.workers or rollout.remote_workers > 0) to score on"
-    # an engine that cannot score is refused with the config (RolloutEngine.scores: RolloutConfig.check_backend)
+    # no rollout workers, or an engine that cannot score: refused with the config (RolloutConfig.validate, and
+    # RolloutEngine.scores: RolloutConfig.check_backend)
     if problem:
         raise ConfigError(f"rollout.ref_logps: 'engine': {problem}; valid here: 'trainer'")
 

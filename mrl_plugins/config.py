@@ -8,158 +8,49 @@ applied. Stage sections come from the stage packages (``mrl_plugins.comm.config`
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
-import types
 import typing
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from mrl_plugins.config_fields import internal, internal_allowed, internal_keys_in
+from mrl_plugins.config_fields import (  # noqa: F401 - the parser's names, re-exported
+    REMOVED_KEYS,
+    TOP,
+    _check_internal,
+    _check_removed,
+    _join,
+    _nested,
+    _type_ok,
+    internal,
+    is_internal,
+    section_from_dict,
+)
 from mrl_plugins.demo import tool_task
 from mrl_plugins.errors import ConfigError, choices
 
 MODES = ("colocate", "disaggregated", "hybrid")
 DEVICES = ("auto", "cpu", "cuda", "npu")
-#: the path of the top level in error messages
-TOP = "config"
 TRAINERS = ("grpo", "rloo")
 #: the embedded job's tasks (``train.task``): the count task of the ``tiny``/``small`` presets, and the tool task
 #: (:mod:`mrl_plugins.demo.tool_task`, preset ``tiny-tools``) with ``tools=``, one environment factory or a dict of two
 TASKS = ("count", *tool_task.TASKS)
 
 
-def _type_ok(value: Any, tp: Any) -> bool:
-    """Loose runtime check of a YAML value against a dataclass field annotation."""
-    if tp is Any:
-        return True
-    origin = typing.get_origin(tp)
-    if origin in (typing.Union, types.UnionType):
-        return any(_type_ok(value, a) for a in typing.get_args(tp))
-    if tp is type(None):
-        return value is None
-    if origin in (list, tuple):
-        (inner, *_) = typing.get_args(tp) or (Any,)
-        return isinstance(value, list | tuple) and all(_type_ok(v, inner) for v in value)
-    if origin is dict:
-        return isinstance(value, dict)
-    if tp is float:
-        return isinstance(value, int | float) and not isinstance(value, bool)
-    if tp is int:
-        return isinstance(value, int) and not isinstance(value, bool)
-    if isinstance(tp, type):
-        return isinstance(value, tp)
-    return True
-
-
-#: public keys that were removed: dotted key -> why, and what to use instead (one error naming it, not "unknown key")
-REMOVED_KEYS: dict[str, str] = {
-    "comm.prefetch": (
-        "was removed: nothing received batches ahead on a background thread (the rollout overlaps generation "
-        "with training: rollout.max_staleness >= 1); delete the key"
-    ),
-    "ports": (
-        "was removed (2026-12-04): nothing in a run bound a port from it; give the table to "
-        "`mrl doctor --ports name=port,...`"
-    ),
-    "rollout.launcher": (
-        "was removed (2026-12-04): set rollout.ray_address (auto | local | HOST:PORT) to have Ray start the remote "
-        "workers; without it they are started by hand (`mrl worker --connect`)"
-    ),
-    "rollout.model_priorities": (
-        "was removed (2026-12-04): a run generates with one model, the policy, first in first out; delete the key"
-    ),
-    "rollout.switch_throttle": (
-        "was removed (2026-12-04): a weight switch no longer holds back requests (each names the version it "
-        "needs); delete the key"
-    ),
-    "comm.full_policy": (
-        "was removed (2026-12-04): a full ring always waits for space (comm.send_timeout_s); its 'drop_newest' "
-        "dropped an answer the trainer then waited for until rollout.timeout_s failed the run; delete the key"
-    ),
-}
-
-
-def section_from_dict(cls: type, data: Any, path: str, valid_keys: typing.Iterable[str] = ()) -> Any:
-    """Build dataclass ``cls`` from ``data``, rejecting unknown keys and wrongly typed values.
-
-    ``valid_keys`` overrides the key list named in the unknown-key error (the top level, whose stage
-    sections are parsed separately).
-    """
-    if data is None:
-        data = {}
-    if isinstance(data, cls):  # an object built in code: check it like the mapping it stands for
-        data = {f.name: getattr(data, f.name) for f in dataclasses.fields(cls)}
-    if not isinstance(data, dict):
-        raise ConfigError(f"{path}: expected a mapping, got {type(data).__name__}")
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    hints = typing.get_type_hints(cls)
-    _check_removed(data, path)
-    unknown = sorted(set(data) - set(fields))
-    if unknown:
-        raise ConfigError(f"{path}: unknown key {unknown[0]!r}; valid keys: {choices(valid_keys or fields)}")
-    kwargs = {}
-    for key, value in data.items():
-        tp = hints[key]
-        if dataclasses.is_dataclass(tp):
-            kwargs[key] = _nested(tp, value, _join(path, key))
-            continue
-        if not _type_ok(value, tp):
-            raise ConfigError(f"{_join(path, key)}: expected {getattr(tp, '__name__', tp)}, got {value!r}")
-        kwargs[key] = float(value) if tp is float else value
-    obj = cls(**kwargs)
-    validate = getattr(obj, "validate", None)
-    if validate is not None:
-        try:
-            validate()
-        except ConfigError as exc:
-            if path == TOP or str(exc).startswith(path):
-                raise
-            raise ConfigError(f"{path}: {exc}") from None
-    return obj
-
-
-def _check_removed(data: Any, path: str) -> None:
-    """A removed public key is one error saying so (and what replaces it), whichever parser reads the section."""
-    for key in sorted(data) if isinstance(data, dict) else ():
-        gone = REMOVED_KEYS.get(_join(path, str(key)))
-        if gone:
-            raise ConfigError(f"{_join(path, str(key))} {gone}")
-
-
-def _join(path: str, key: str) -> str:
-    """Dotted key path; top-level keys are named bare (``mode``, not ``config.mode``)."""
-    return key if path == TOP else f"{path}.{key}"
-
-
-def _check_internal(cls: type, data: Any, path: str) -> None:
-    """A user's config that sets an internal field: one error saying it is none and what decides it instead
-    (:mod:`mrl_plugins.config_fields`; ``MRL_ALLOW_INTERNAL_KEYS=1`` lets the tests and benchmarks set them)."""
-    if internal_allowed():
-        return
-    for key, why in internal_keys_in(cls, data):
-        raise ConfigError(f"{_join(path, key)} is not a setting (since 2026-12-04): {why}")
-
-
-def _nested(cls: type, value: Any, path: str, derived: dict[str, Any] | None = None) -> Any:
-    """The section ``cls`` from the user's mapping ``value`` (removed and internal keys refused), with the
-    ``derived`` values of its internal fields the mapping does not set."""
-    if value is not None and not isinstance(value, dict | cls):
-        raise ConfigError(f"{path}: expected a mapping, got {type(value).__name__}")
-    _check_removed(value, path)
-    if isinstance(value, dict) or value is None:
-        _check_internal(cls, value, path)
-        value = {**(derived or {}), **(value or {})}
-    from_dict = getattr(cls, "from_dict", None)
-    if from_dict is not None and not isinstance(value, cls):
-        try:
-            return from_dict({} if value is None else value)
-        except ConfigError as exc:
-            if str(exc).startswith(path):
-                raise
-            raise ConfigError(f"{path}: {exc}") from None
-    return section_from_dict(cls, value, path)
+def _set_in_code(obj: Any) -> dict[str, Any]:
+    """A section object built in code as the mapping it stands for: its settings, and the internal fields whose value
+    differs from what its settings give a standalone section (what the code set). An internal field left at that
+    value is derived like an unset key of a mapping, so a loaded section passed again (``dataclasses.replace``)
+    derives to the same values."""
+    settings = {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj) if not is_internal(f)}
+    alone = type(obj)(**settings)
+    return settings | {
+        f.name: getattr(obj, f.name)
+        for f in dataclasses.fields(obj)
+        if is_internal(f) and getattr(obj, f.name) != getattr(alone, f.name)
+    }
 
 
 @dataclass
@@ -245,7 +136,7 @@ def check_device_spec(value: Any, key: str) -> None:
 
 
 def derive(top: Any, rollout: Any, weight_sync: Any, comm: Any) -> dict[str, dict[str, Any]]:
-    """The internal fields that follow from the user's settings, per section (``"top"`` for the top level).
+    """The internal fields that follow from the user's settings, per stage section.
 
     ``timeout_s`` (T) bounds every wait for another process, a network peer's silence too (its help text); a start
     may take ``1.5 T`` (at least the engine's declared start, set once the engine's registration is known:
@@ -266,7 +157,6 @@ def derive(top: Any, rollout: Any, weight_sync: Any, comm: Any) -> dict[str, dic
     if c_transport == "auto":
         c_transport = "torch_distributed" if remote else "shm"
     return {
-        "top": {"device": top.train.device},
         "rollout": {
             "timeout_s": t,
             "start_timeout_s": 1.5 * t,  # at least the engine's own start: RolloutConfig.check_backend
@@ -303,7 +193,8 @@ class MrlConfig:
     """The whole configuration (top level of the YAML file).
 
     Loading it (:meth:`from_dict`, or building it in code) derives the internal fields of every section from the
-    settings (:func:`derive`); a section given as an object is taken as it is."""
+    settings (:func:`derive`), whether a section comes as a mapping or as an object (what its code set is kept).
+    ``device`` is the device the trainer is on, set by ``enable()`` for the processes it starts (None before)."""
 
     plugins: PluginsConfig = field(default_factory=PluginsConfig, metadata={"help": "plugin per stage"})
     disable: list[str] = field(default_factory=list, metadata={"help": "plugin names blocked before loading"})
@@ -333,40 +224,52 @@ class MrlConfig:
     log_metrics: bool = field(default=True, metadata={"help": "add mrl/<stage>/... keys to TRL's logs"})
 
     def __post_init__(self) -> None:
+        """Parse every section once, then derive: a section's internal fields its settings (a mapping's keys, or
+        what code set on an object: :func:`_set_in_code`) leave unset take their values from :func:`derive`,
+        whatever form the section came in."""
         for name, cls in (("plugins", PluginsConfig), ("train", TrainConfig)):
-            value = getattr(self, name)
-            if isinstance(value, dict):  # MrlConfig(train={...}) builds the typed section
-                setattr(self, name, _nested(cls, value, name))
-        stages = _stage_classes()
-        given = {name: getattr(self, name) for name in stages}
-        # a mapping (or nothing) is the user's settings; an object built in code is taken as it is
-        users = {
-            name: ({} if v is None else v) if isinstance(v, dict) or v is None else None for name, v in given.items()
-        }
-        # the settings first (internal fields at their standalone defaults), then what derives from them
-        first = {
-            name: given[name] if users[name] is None else _nested(stages[name], users[name], name) for name in stages
-        }
-        derived = derive(self, first["rollout"], first["weight_sync"], first["comm"])
-        for name in stages:
-            if users[name] is None:  # an object built in code: taken as it is
-                setattr(self, name, given[name])
-            else:  # a setting left at 'auto' (the transports) takes its derived value
-                user = {k: v for k, v in users[name].items() if not (v == "auto" and k in derived[name])}
-                setattr(self, name, _nested(stages[name], user, name, derived[name]))
-        if self.device is None:
-            self.device = derived["top"]["device"]
+            if isinstance(getattr(self, name), dict):  # MrlConfig(train={...}) builds the typed section
+                setattr(self, name, _nested(cls, getattr(self, name), name))
+        self.validate()  # the top-level values, before anything derives from them
+        settings, parsed = {}, {}
+        for name, cls in _stage_classes().items():
+            given = getattr(self, name)
+            if given is not None and not isinstance(given, dict | cls):
+                raise ConfigError(f"{name}: expected a {cls.__name__} or a mapping, got {type(given).__name__}")
+            settings[name] = _set_in_code(given) if isinstance(given, cls) else dict(given or {})
+            if not isinstance(given, cls):
+                _check_internal(cls, given, name)
+            parsed[name] = section_from_dict(cls, settings[name], name)  # the section's own errors first
+        derived = derive(self, parsed["rollout"], parsed["weight_sync"], parsed["comm"])
+        for name, section in parsed.items():
+            unset = {k: v for k, v in derived[name].items() if settings[name].get(k, "auto") == "auto"}
+            if unset:
+                section = dataclasses.replace(section, **unset)
+                section.validate()
+            setattr(self, name, section)
+        self._check_across()
+
+    def _check_across(self) -> None:
+        """What a section cannot check alone (it needs the deployment mode)."""
+        rc = self.rollout
+        if rc.rebalance and (self.mode != "hybrid" or rc.workers < 2):
+            raise ConfigError(
+                f"rollout.rebalance: moves workers between the pools of mode: hybrid with rollout.workers >= 2; "
+                f"got mode: {self.mode}, workers: {rc.workers}"
+            )
 
     def validate_all(self) -> None:
-        """Validate the top level and every section (for objects built in code rather than from a dict)."""
-        section_from_dict(_TopLevel, {f.name: getattr(self, f.name) for f in dataclasses.fields(_TopLevel)}, TOP)
-        for name, cls in _stage_classes().items():
+        """Validate the top level and every section (for objects built in code, or changed after loading)."""
+        stages = _stage_classes()
+        top = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in stages}
+        section_from_dict(MrlConfig, top, TOP, validate=False)  # the top level's types (sections by default)
+        self.validate()
+        for name, cls in stages.items():
             section = getattr(self, name)
             if not isinstance(section, cls):
                 raise ConfigError(f"{name}: expected a {cls.__name__} or a mapping, got {type(section).__name__}")
-            validate = getattr(section, "validate", None)
-            if validate is not None:
-                validate()
+            section.validate()
+        self._check_across()
 
     @classmethod
     def from_dict(cls, data: Any) -> MrlConfig:
@@ -374,17 +277,13 @@ class MrlConfig:
             data = {}
         if not isinstance(data, dict):
             raise ConfigError(f"{TOP}: expected a mapping at the top level, got {type(data).__name__}")
-        data = dict(data)
-        stages = _stage_classes()
-        sections = {name: data.pop(name) for name in list(stages) if name in data}
         _check_removed(data, TOP)
-        _check_internal(_TopLevel, data, TOP)
-        for name, value in sections.items():  # the section's own errors before any derivation
+        _check_internal(cls, data, TOP)
+        for name in _stage_classes():  # the section's own errors before any derivation
+            value = data.get(name)
             if value is not None and not isinstance(value, dict):
                 raise ConfigError(f"{name}: expected a mapping, got {type(value).__name__}")
-        top = section_from_dict(_TopLevel, data, TOP, valid_keys=[f.name for f in dataclasses.fields(cls)])
-        values = {f.name: getattr(top, f.name) for f in dataclasses.fields(_TopLevel)}
-        return cls(**values, **{name: dict(value or {}) for name, value in sections.items()})
+        return section_from_dict(cls, data, TOP, validate=False)  # __post_init__ validates
 
     def validate(self) -> None:
         if self.mode not in MODES:
@@ -392,27 +291,11 @@ class MrlConfig:
         if self.device is not None:
             check_device_spec(self.device, "device")
         t = self.timeout_s
-        if isinstance(t, bool) or not isinstance(t, int | float) or not t >= 1:
-            raise ConfigError(f"timeout_s: must be a number of seconds >= 1, got {t!r}")
+        if isinstance(t, bool) or not isinstance(t, int | float) or not math.isfinite(t) or not t >= 1:
+            raise ConfigError(f"timeout_s: must be a finite number of seconds >= 1, got {t!r}")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
-
-
-@dataclass
-class _TopLevel:
-    plugins: PluginsConfig = field(default_factory=PluginsConfig)
-    disable: list[str] = field(default_factory=list)
-    autoload: bool = internal(AUTOLOAD_WHY, default=True)
-    mode: str = "colocate"
-    device: str | None = internal(DEVICE_WHY, default=None)
-    timeout_s: float = 120.0
-    checksums: bool = True
-    train: TrainConfig = field(default_factory=TrainConfig)
-    log_metrics: bool = True
-
-    def validate(self) -> None:
-        MrlConfig.validate(self)  # type: ignore[arg-type]
 
 
 def load_yaml(path: str | os.PathLike[str]) -> dict[str, Any]:

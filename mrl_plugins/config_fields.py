@@ -1,4 +1,5 @@
-"""What a config field is to a user: a setting (``metadata["help"]``), or internal (``metadata["internal"]``).
+"""What a config field is to a user: a setting (``metadata["help"]``), or internal (``metadata["internal"]``); and
+the one parser of a section (:func:`section_from_dict`: removed, unknown, internal and wrongly typed keys refused).
 
 An internal field is not a setting: its value follows from the deployment (derived when the config is loaded,
 :meth:`mrl_plugins.config.MrlConfig.derive`) or is a measured constant. It stays an attribute of its section, so the
@@ -14,8 +15,13 @@ setting and carries no promise across releases.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
+import types
+import typing
 from typing import Any
+
+from mrl_plugins.errors import ConfigError, choices
 
 #: the environment variable that lets a config set internal fields (tests and benchmarks)
 INTERNAL_ENV = "MRL_ALLOW_INTERNAL_KEYS"
@@ -56,4 +62,142 @@ def internal_keys_in(cls: type, data: Any) -> list[tuple[str, str]]:
     return [(k, whys[k]) for k in sorted(data, key=str) if k in whys]
 
 
-__all__ = ["INTERNAL_ENV", "internal", "internal_allowed", "internal_keys_in", "is_internal", "user_fields"]
+#: the path of the top level in error messages
+TOP = "config"
+
+
+def _type_ok(value: Any, tp: Any) -> bool:
+    """Loose runtime check of a YAML value against a dataclass field annotation."""
+    if tp is Any:
+        return True
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        return any(_type_ok(value, a) for a in typing.get_args(tp))
+    if tp is type(None):
+        return value is None
+    if origin in (list, tuple):
+        (inner, *_) = typing.get_args(tp) or (Any,)
+        return isinstance(value, list | tuple) and all(_type_ok(v, inner) for v in value)
+    if origin is dict:
+        return isinstance(value, dict)
+    if tp is float:  # every float field: finite (an infinite wait overflows the waits derived from it)
+        return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+    if tp is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if isinstance(tp, type):
+        return isinstance(value, tp)
+    return True
+
+
+#: public keys that were removed: dotted key -> why, and what to use instead (one error naming it, not "unknown key")
+REMOVED_KEYS: dict[str, str] = {
+    "comm.prefetch": (
+        "was removed: nothing received batches ahead on a background thread (the rollout overlaps generation "
+        "with training: rollout.max_staleness >= 1); delete the key"
+    ),
+    "ports": (
+        "was removed (2026-12-04): nothing in a run bound a port from it; give the table to "
+        "`mrl doctor --ports name=port,...`"
+    ),
+    "rollout.launcher": (
+        "was removed (2026-12-04): set rollout.ray_address (auto | local | HOST:PORT) to have Ray start the remote "
+        "workers; without it they are started by hand (`mrl worker --connect`)"
+    ),
+    "rollout.model_priorities": (
+        "was removed (2026-12-04): a run generates with one model, the policy, first in first out; delete the key"
+    ),
+    "rollout.switch_throttle": (
+        "was removed (2026-12-04): a weight switch no longer holds back requests (each names the version it "
+        "needs); delete the key"
+    ),
+    "comm.full_policy": (
+        "was removed (2026-12-04): a full ring always waits for space (comm.send_timeout_s); its 'drop_newest' "
+        "dropped an answer the trainer then waited for until rollout.timeout_s failed the run; delete the key"
+    ),
+}
+
+
+def section_from_dict(cls: type, data: Any, path: str, *, validate: bool = True) -> Any:
+    """Build dataclass ``cls`` from ``data``, rejecting removed and unknown keys and wrongly typed or non-finite
+    values: the one parser of every section (``validate``: then call the object's ``validate()``).
+
+    An unknown key is ``unknown <section> key 'x'; valid keys: ...`` naming the keys a user may set (internal ones
+    too where ``MRL_ALLOW_INTERNAL_KEYS`` lets them be set)."""
+    if data is None:
+        data = {}
+    if isinstance(data, cls):  # an object built in code: check it like the mapping it stands for
+        data = {f.name: getattr(data, f.name) for f in dataclasses.fields(cls)}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping, got {type(data).__name__}")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    hints = typing.get_type_hints(cls)
+    _check_removed(data, path)
+    unknown = sorted(set(data) - set(fields), key=str)
+    if unknown:
+        settable = [n for n, f in fields.items() if not is_internal(f) or internal_allowed()]
+        section = "top-level" if path == TOP else path
+        raise ConfigError(f"unknown {section} key {unknown[0]!r}; valid keys: {choices(settable)}")
+    kwargs = {}
+    for key, value in data.items():
+        tp = hints[key]
+        if dataclasses.is_dataclass(tp):
+            kwargs[key] = _nested(tp, value, _join(path, key))
+            continue
+        if not _type_ok(value, tp):
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ConfigError(f"{_join(path, key)}: must be a finite number, got {value!r}")
+            raise ConfigError(f"{_join(path, key)}: expected {getattr(tp, '__name__', tp)}, got {value!r}")
+        kwargs[key] = float(value) if tp is float else value
+    obj = cls(**kwargs)
+    if validate and getattr(obj, "validate", None) is not None:
+        try:
+            obj.validate()
+        except ConfigError as exc:
+            if path == TOP or str(exc).startswith((path, f"unknown {path}")):
+                raise
+            raise ConfigError(f"{path}: {exc}") from None
+    return obj
+
+
+def _check_removed(data: Any, path: str) -> None:
+    """A removed public key is one error saying so (and what replaces it), whichever parser reads the section."""
+    for key in sorted(data) if isinstance(data, dict) else ():
+        gone = REMOVED_KEYS.get(_join(path, str(key)))
+        if gone:
+            raise ConfigError(f"{_join(path, str(key))} {gone}")
+
+
+def _join(path: str, key: str) -> str:
+    """Dotted key path; top-level keys are named bare (``mode``, not ``config.mode``)."""
+    return key if path == TOP else f"{path}.{key}"
+
+
+def _check_internal(cls: type, data: Any, path: str) -> None:
+    """A user's config that sets an internal field: one error saying it is none and what decides it instead
+    (:mod:`mrl_plugins.config_fields`; ``MRL_ALLOW_INTERNAL_KEYS=1`` lets the tests and benchmarks set them)."""
+    if internal_allowed():
+        return
+    for key, why in internal_keys_in(cls, data):
+        raise ConfigError(f"{_join(path, key)} is not a setting (since 2026-12-04): {why}")
+
+
+def _nested(cls: type, value: Any, path: str) -> Any:
+    """The section ``cls`` from the user's mapping ``value`` (removed and internal keys refused) or an object built
+    in code (taken as the mapping of its fields)."""
+    if value is not None and not isinstance(value, dict | cls):
+        raise ConfigError(f"{path}: expected a mapping, got {type(value).__name__}")
+    if not isinstance(value, cls):
+        _check_internal(cls, value, path)
+    return section_from_dict(cls, value, path)
+
+
+__all__ = [
+    "INTERNAL_ENV",
+    "REMOVED_KEYS",
+    "internal",
+    "internal_allowed",
+    "internal_keys_in",
+    "is_internal",
+    "section_from_dict",
+    "user_fields",
+]

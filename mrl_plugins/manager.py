@@ -237,19 +237,29 @@ class MrlPluginManager:
     # ------------------------------------------------------------------ selection
     def select(self, selection: dict[str, str]) -> None:
         """Select one implementation per stage by name (all stages must be given) and build it; errors raise before
-        anything changes."""
+        anything changes. The one check of the combination: TRL's own rollout (``upstream``) leaves nothing for
+        another plugin's weight sync or experience transfer to serve."""
         unknown = sorted(set(selection) - set(STAGES))
         if unknown:
             raise PluginError(f"unknown stage {unknown[0]!r}; valid stages: {choices(STAGES)}")
         missing = [stage for stage in STAGES if stage not in selection]
         if missing:
             raise PluginError(f"select: missing stage {missing[0]!r}; every stage needs a plugin: {choices(STAGES)}")
+        for stage in STAGES:
+            table = self._table(STAGE_HOOKS[stage])[0]
+            if selection[stage] not in table:
+                raise PluginError(self._unknown(stage, selection[stage], table))
+        if selection["rollout"] == "upstream":
+            for stage in [s for s in STAGES if s != "rollout" and selection[s] != "upstream"]:
+                raise ConfigError(
+                    f"plugins.{stage}: {selection[stage]!r} needs a separate inference copy, which only a rollout "
+                    f"plugin other than 'upstream' creates (TRL's own rollout generates with the training model); "
+                    f"set plugins.rollout: mrl or plugins.{stage}: upstream"
+                )
         built = {}
         for stage in STAGES:
             name = selection[stage]
             table = self._table(STAGE_HOOKS[stage])[0]
-            if name not in table:
-                raise PluginError(self._unknown(stage, name, table))
             try:
                 obj = table[name].factory()
             except Exception as exc:  # noqa: BLE001 - name the plugin whose stage could not be built, keep the cause
@@ -425,15 +435,21 @@ def get_plugin_manager(
 ) -> MrlPluginManager:
     """Build a fresh manager for ``config`` (an :class:`~mrl_plugins.config.MrlConfig`, path, dict or None).
 
-    Order: block (config + env + ``disable``) -> built-ins -> ``plugins`` given here -> entry points
-    (unless autoload is off) -> ``check_pending`` -> stage selection (the selected stage objects are built) ->
-    backend-name validation -> ``mrl_configure``. Every error is raised before the caller has applied anything.
+    Order: block (config + env + ``disable``; each name must name a plugin: :func:`check_disable`) -> built-ins ->
+    ``plugins`` given here -> entry points (unless autoload is off) -> ``check_pending`` -> stage selection (the
+    selected stage objects are built) -> backend-name validation -> ``mrl_configure``.
+    Every error is raised before the caller has applied anything.
     """
     from mrl_plugins.config import apply_env_overrides, load_config
 
     if isinstance(disable, str):  # "a,b" like MRL_DISABLED_PLUGINS, not the letters of one name
         disable = [n.strip() for n in disable.split(",") if n.strip()]
-    cfg = apply_env_overrides(load_config(config))
+    loaded = load_config(config)
+    cfg = apply_env_overrides(loaded)
+    manual = [name for name, _plugin in plugins]
+    check_disable(loaded.disable, "disable", manual)  # a misspelt name would block nothing
+    check_disable([n for n in cfg.disable if n not in loaded.disable], "MRL_DISABLED_PLUGINS", manual)
+    check_disable(disable, "--disable", manual)
     mgr = MrlPluginManager()
     mgr.block([*cfg.disable, *disable])
     mgr.load_builtins()
@@ -460,12 +476,16 @@ def get_plugin_manager(
     return mgr
 
 
-def check_disable(names: list[str], what: str = "--disable") -> None:
-    """Refuse a name that blocks no plugin: a plugin name (a built-in or an ``mrl_plugins`` entry point, not loaded),
-    or a prefix such as ``mrl`` (blocks ``mrl.*``)."""
+def check_disable(names: Iterable[str], what: str, registered: Iterable[str] = ()) -> None:
+    """Refuse a name that blocks no plugin: a plugin name (a built-in, an ``mrl_plugins`` entry point, not loaded,
+    or one of ``registered``, given to :func:`get_plugin_manager`), or a prefix such as ``mrl`` (blocks ``mrl.*``).
+    Called once, where the manager is built."""
     from importlib.metadata import entry_points
 
-    known = {*BUILTIN_PLUGINS, *(ep.name for ep in entry_points(group=ENTRY_POINT_GROUP))}
+    names = list(names)
+    if not names:
+        return
+    known = {*BUILTIN_PLUGINS, *registered, *(ep.name for ep in entry_points(group=ENTRY_POINT_GROUP))}
     valid = {*known, *(n.rsplit(".", 1)[0] for n in known if "." in n)}
     for name in names:
         if name not in valid:

@@ -77,10 +77,10 @@ def _trl_args(cfg: MrlConfig, output_dir: str) -> dict[str, Any]:
         "temperature": 1.0,
         "disable_tqdm": True,
     }
-    if cfg.device in ("auto", "cpu"):
+    if cfg.train.device in ("auto", "cpu"):
         from mrl_plugins.device import get_device
 
-        if get_device(cfg.device).type == "cpu":
+        if get_device(cfg.train.device).type == "cpu":
             args["use_cpu"] = True
             args["bf16"] = False  # TRL defaults to bf16 autocast; on CPU the embedded job trains in fp32
     if cfg.train.model in PRESETS and not {"activation_checkpointing", "gradient_checkpointing"} & set(
@@ -104,14 +104,14 @@ def checkpointing_arg() -> str:
 def preflight(cfg: MrlConfig | Any, *, enable_plugins: bool = True) -> MrlConfig:
     """Check everything a run needs before its model and trainer are built; returns the loaded config.
 
-    The config itself, the TRL version, ``train.model`` (a preset or a checkpoint folder), the device
+    The config itself, the TRL version, ``train.model`` (a preset or a checkpoint folder), ``train.device``
     (:class:`~mrl_plugins.errors.DeviceError` when absent), and with the plugins on the plugin and backend
     names (the manager :func:`mrl_plugins.enable` builds; names in ``disable`` / ``MRL_DISABLED_PLUGINS`` must
     name a plugin), the stage combination and the rollout worker count
     against the cores / devices (:meth:`RolloutConfig.check_placement`). Each raises one
     :class:`~mrl_plugins.errors.MrlError` naming the problem and the valid choices.
     """
-    from mrl_plugins.adapters.trl import _check_combination, check_trl_version
+    from mrl_plugins.adapters.trl import check_trl_version
     from mrl_plugins.demo.models import PRESETS, _is_local_checkpoint
     from mrl_plugins.device import get_device
 
@@ -123,17 +123,12 @@ def preflight(cfg: MrlConfig | Any, *, enable_plugins: bool = True) -> MrlConfig
             f"valid presets: {choices(PRESETS)}"
         )
     _check_task_model(cfg.train.task, cfg.train.model)
-    device = get_device(cfg.device)
+    device = get_device(cfg.train.device)  # where build_trainer puts the model
     if not enable_plugins:
         return cfg
-    from mrl_plugins.manager import check_disable, get_plugin_manager
+    from mrl_plugins.manager import get_plugin_manager
 
-    check_disable(cfg.disable, "disable")
-    check_disable(
-        [n.strip() for n in os.environ.get("MRL_DISABLED_PLUGINS", "").split(",") if n.strip()], "MRL_DISABLED_PLUGINS"
-    )
-    pm = get_plugin_manager(cfg)
-    _check_combination(pm, cfg)
+    pm = get_plugin_manager(cfg)  # plugin, backend and disable names, the stage combination
     if not pm.is_upstream("rollout"):
         cfg.rollout.check_placement_on(cfg.mode, device)
         from mrl_plugins.rollout.config import configured_engine

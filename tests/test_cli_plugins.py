@@ -106,12 +106,15 @@ def test_in_process_default(capsys):
 
 
 def test_plugins_option_changes_active_column(capsys):
-    code, out, _ = _in_process(capsys, "--plugins", "rollout=upstream")
+    code, out, _ = _in_process(capsys, "--plugins", "weight_sync=upstream")
     assert code == 0
     rows = _rows(out)
-    assert rows["upstream"]["active"] == "rollout"
-    assert rows["mrl.rollout"]["active"] == "-"
+    assert rows["upstream"]["active"] == "weight_sync"
+    assert rows["mrl.weight_sync"]["active"] == "-"
     assert rows["mrl.comm"]["active"] == "comm"
+    # TRL's own rollout beside mrl's weight sync: the combination enable() refuses, refused here the same way
+    code, out, err = _in_process(capsys, "--plugins", "rollout=upstream")
+    assert code == 2 and out == "" and "plugins.weight_sync: 'mrl' needs a separate inference copy" in err
     code, out, _ = _in_process(capsys, "--plugins", "rollout=upstream,weight_sync=upstream,comm=upstream")
     assert code == 0
     assert _rows(out)["upstream"]["active"] == "rollout, weight_sync, comm"
@@ -120,10 +123,10 @@ def test_plugins_option_changes_active_column(capsys):
 def test_config_option_and_override(capsys):
     code, out, _ = _in_process(capsys, "--config", "upstream")
     assert code == 0 and _rows(out)["upstream"]["active"] == "rollout, weight_sync, comm"
-    code, out, _ = _in_process(capsys, "--config", "upstream", "--plugins", "comm=mrl")
+    code, out, _ = _in_process(capsys, "--config", "upstream", "--plugins", "rollout=mrl")
     assert code == 0
     rows = _rows(out)
-    assert rows["upstream"]["active"] == "rollout, weight_sync" and rows["mrl.comm"]["active"] == "comm"
+    assert rows["upstream"]["active"] == "weight_sync, comm" and rows["mrl.rollout"]["active"] == "rollout"
 
 
 def test_disable_shows_blocked(capsys):
@@ -214,9 +217,9 @@ def test_disable_broken_entry_point(capsys, install_dist):
 
 
 def test_mrl_plugins_env_selects(capsys, monkeypatch):
-    monkeypatch.setenv("MRL_PLUGINS", "rollout=upstream")
+    monkeypatch.setenv("MRL_PLUGINS", "comm=upstream")
     code, out, _ = _in_process(capsys)
-    assert code == 0 and _rows(out)["upstream"]["active"] == "rollout"
+    assert code == 0 and _rows(out)["upstream"]["active"] == "comm"
     monkeypatch.setenv("MRL_PLUGINS", "upstream")  # a bundled config name
     code, out, _ = _in_process(capsys)
     assert code == 0 and _rows(out)["upstream"]["active"] == "rollout, weight_sync, comm"

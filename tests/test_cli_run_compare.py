@@ -251,3 +251,23 @@ def test_a_run_that_unlearned_its_task_counts_as_collapsed():
     )
     assert got["collapsed_at_seeds"] == {"upstream": [1], "all": []}
     assert got["seeds"]["0"]["all"]["x_upstream"] == 1.5 and got["seeds"]["1"]["upstream"]["collapsed"] is True
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "says"),
+    [
+        ("--steps", "0", "argument --steps: must be >= 1, got 0"),
+        ("--model", "", "argument --model: must name a preset or a checkpoint folder"),
+        ("--timeout", "nan", "argument --timeout: must be a finite number of seconds > 0, got 'nan'"),
+        ("--timeout", "0", "argument --timeout: must be a finite number of seconds > 0"),
+        ("--timeout", "-1", "argument --timeout: must be a finite number of seconds > 0"),
+        ("--busy-threshold", "1.5", "argument --busy-threshold: must be a fraction in [0, 1], got '1.5'"),
+    ],
+)
+def test_mrl_compare_flags_are_checked_before_any_run(tmp_path, capsys, flag, value, says):
+    from mrl_plugins.cli.compare import cli
+
+    with pytest.raises(SystemExit) as exit_:
+        cli([flag, value, "--out", str(tmp_path / "out")])
+    assert exit_.value.code == 2 and says in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()  # nothing ran

@@ -213,7 +213,7 @@ def test_truncated_and_bad_input():
 def test_config_validation():
     cfg = CommConfig.from_dict({"codec": "raw", "ring_slots": 2, "lossless_fields": ["a"]})
     assert cfg.codec == "raw" and cfg.ring_slots == 2
-    with pytest.raises(ConfigError, match="unknown key 'ring'.*ring_slots"):
+    with pytest.raises(ConfigError, match="unknown comm key 'ring'.*ring_slots"):
         CommConfig.from_dict({"ring": 2})
     with pytest.raises(ConfigError, match="comm.full_policy was removed .* a full ring always waits"):
         from mrl_plugins.config import load_config

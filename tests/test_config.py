@@ -141,8 +141,7 @@ def test_unknown_nested_key(data, key, valid):
     with pytest.raises(ConfigError) as err:
         load_config(data)
     msg = str(err.value)
-    assert msg.startswith(key) and "'foo'" in msg and valid in msg
-    assert not msg.startswith(f"{key}: {key}")  # the section is named once
+    assert msg.startswith(f"unknown {key} key 'foo'; valid keys: ") and f"'{valid}'" in msg  # the section named once
 
 
 @pytest.mark.parametrize(
@@ -166,7 +165,7 @@ def test_bad_enum_values_name_valid_values(data, pattern):
     [
         ({"mode": 5}, r"^mode: expected str, got 5"),
         ({"checksums": "no"}, r"^checksums: expected bool, got 'no'"),
-        ({"timeout_s": 0.5}, r"^timeout_s: must be a number of seconds >= 1, got 0\.5"),
+        ({"timeout_s": 0.5}, r"^timeout_s: must be a finite number of seconds >= 1, got 0\.5"),
         ({"disable": "mrl"}, r"^disable: expected list, got 'mrl'"),
         ({"disable": ["mrl", 3]}, r"^disable: expected list"),
         ({"train": {"steps": "10"}}, r"^train\.steps: expected int, got '10'"),
@@ -259,17 +258,11 @@ def test_config_object_accepts_section_dicts():
     assert cfg.rollout.workers == 3 and cfg.rollout.pipeline == "async" and cfg.rollout.timeout_s == 120
     assert cfg.plugins.comm == "upstream" and cfg.plugins.rollout == "mrl"
     assert cfg.train.steps == 2
-    with pytest.raises(ConfigError, match=r"rollout: unknown key 'bogus'"):
+    with pytest.raises(ConfigError, match=r"^unknown rollout key 'bogus'"):
         MrlConfig(rollout={"bogus": 1})
 
 
 def test_top_level_parser_covers_every_field():
-    from mrl_plugins.config import _TopLevel
-
-    stage_sections = {"rollout", "weight_sync", "comm"}
-    assert {f.name for f in dataclasses.fields(MrlConfig)} - stage_sections == {
-        f.name for f in dataclasses.fields(_TopLevel)
-    }
     non_default = {
         "plugins": {"rollout": "upstream"},
         "disable": ["x"],
@@ -372,7 +365,8 @@ def test_one_timeout_and_the_transports_follow_from_the_deployment(user_config):
     assert cfg.comm.receive_timeout_s == 40 and cfg.rollout.start_timeout_s == 60  # a start: 1.5 x
     assert cfg.comm.heartbeat_timeout_s == 5  # a peer on this host: dead after min(T, 5 s)
     assert (cfg.weight_sync.transport, cfg.comm.transport, cfg.comm.host) == ("shm", "shm", "127.0.0.1")
-    assert cfg.rollout.lend_cores is True and cfg.rollout.trainer_threads == 1 and cfg.device == "auto"
+    assert cfg.rollout.lend_cores is True and cfg.rollout.trainer_threads == 1
+    assert cfg.device is None  # the trainer's device, set by enable(); train.device is where mrl run puts the model
     assert cfg.rollout.start_timeout_s == 60 and load_config({}).rollout.start_timeout_s == 180
     from mrl_plugins.manager import get_plugin_manager
 
@@ -387,7 +381,7 @@ def test_one_timeout_and_the_transports_follow_from_the_deployment(user_config):
     assert (explicit.weight_sync.transport, explicit.comm.transport) == ("per_param", "queue")
     off = load_config({"checksums": False, "rollout": {"trainer_cores": [0, 1]}, "train": {"device": "cpu"}})
     assert off.weight_sync.verify_checksum is False and off.comm.checksum == "none"
-    assert off.rollout.trainer_threads == 2 and off.device == "cpu"
+    assert off.rollout.trainer_threads == 2 and off.device is None and off.train.device == "cpu"
 
 
 def test_max_staleness_is_the_pipeline(user_config):
@@ -402,3 +396,100 @@ def test_every_bundled_config_loads_as_a_users_config(user_config):
 
     for name in bundled_configs():
         load_config(name)
+
+
+# --------------------------------------------------------------------------- review fixes (one rule each)
+
+
+@pytest.mark.parametrize(
+    ("data", "key"),
+    [
+        ({"timeout_s": float("inf")}, "timeout_s"),
+        ({"rollout": {"tool_timeout_s": float("nan")}}, r"rollout\.tool_timeout_s"),
+        ({"train": {"learning_rate": float("-inf")}}, r"train\.learning_rate"),
+        ({"rollout": {"memory_headroom": float("nan")}}, r"rollout\.memory_headroom"),
+    ],
+)
+def test_every_float_is_finite(data, key):
+    with pytest.raises(ConfigError, match=rf"^{key}: must be a finite number, got -?(inf|nan)"):
+        load_config(data)
+
+
+def test_a_config_object_with_an_infinite_timeout_is_refused():
+    with pytest.raises(ConfigError, match=r"^timeout_s: must be a finite number of seconds >= 1, got inf"):
+        MrlConfig(timeout_s=float("inf"))
+
+
+def test_derivation_is_the_same_whatever_form_the_sections_come_in():
+    from mrl_plugins.comm.config import CommConfig
+    from mrl_plugins.rollout.config import RolloutConfig
+
+    objects = load_config(MrlConfig(timeout_s=10, checksums=False, rollout=RolloutConfig(), comm=CommConfig()))
+    mappings = load_config({"timeout_s": 10, "checksums": False})
+    for cfg in (objects, mappings):
+        assert (cfg.rollout.timeout_s, cfg.rollout.start_timeout_s) == (10, 15)
+        assert (cfg.comm.send_timeout_s, cfg.comm.receive_timeout_s, cfg.comm.checksum) == (10, 10, "none")
+        assert (cfg.weight_sync.timeout_s, cfg.weight_sync.verify_checksum) == (10, False)
+    assert objects == mappings
+    # what code set on a section object stays set; the rest is derived
+    kept = MrlConfig(timeout_s=10, comm=CommConfig(ring_slots=1, send_timeout_s=3.0))
+    assert (kept.comm.ring_slots, kept.comm.send_timeout_s, kept.comm.receive_timeout_s) == (1, 3.0, 10)
+
+
+def test_unknown_key_lists_only_what_a_user_may_set(user_config):
+    with pytest.raises(ConfigError) as err:
+        load_config({"comm": {"slot_byts": 5}})
+    assert str(err.value) == "unknown comm key 'slot_byts'; valid keys: 'codec', 'slot_bytes' or 'transport'"
+    with pytest.raises(
+        ConfigError, match=r"^unknown rollout\.engine_budget key 'strm'; valid keys: .*'stream_priority'"
+    ):
+        load_config({"rollout": {"engine_budget": {"strm": "high"}}})
+    with pytest.raises(ConfigError, match=r"^rollout\.engine_budget\.stream_priority 'x' is not valid"):
+        load_config({"rollout": {"engine_budget": {"stream_priority": "x"}}})
+    with pytest.raises(ConfigError, match=r"^weight_sync\.staging must be"):
+        load_config({"weight_sync": {"staging": "x"}})
+
+
+@pytest.mark.parametrize(
+    ("rollout", "says"),
+    [
+        ({"trainer_cores": [-1]}, r"^rollout\.trainer_cores: \[-1\] invalid; a list of distinct CPU core ids >= 0"),
+        ({"trainer_cores": [0, 0]}, r"^rollout\.trainer_cores: \[0, 0\] invalid"),
+        ({"engine_cores": [1, 1]}, r"^rollout\.engine_cores: \[1, 1\] invalid"),
+    ],
+)
+def test_core_lists_are_distinct_core_ids(rollout, says):
+    with pytest.raises(ConfigError, match=says):
+        load_config({"rollout": rollout})
+
+
+def test_core_lists_are_checked_against_the_process_cores():
+    from mrl_plugins.rollout.config import RolloutConfig
+
+    with pytest.raises(ConfigError, match=r"^rollout\.trainer_cores: cores \[7\] are not cores this process may use"):
+        RolloutConfig(trainer_cores=[7]).check_placement("colocate", "cpu", [0, 1])
+    with pytest.raises(ConfigError, match=r"^rollout\.engine_cores: cores \[5\]"):
+        RolloutConfig(engine_cores=[5]).check_placement("colocate", "cpu", [0, 1])
+    with pytest.raises(ConfigError, match=r"^rollout\.trainer_cores: \[0, 1\] are all the cores.*leave at least one"):
+        RolloutConfig(trainer_cores=[0, 1]).check_placement("colocate", "cpu", [0, 1])
+    RolloutConfig(trainer_cores=[0, 1], oversubscribe=True).check_placement("colocate", "cpu", [0, 1])
+    RolloutConfig(trainer_cores=[0, 1], workers=0).check_placement("colocate", "cpu", [0, 1])  # no workers
+    RolloutConfig(trainer_cores=[1]).check_placement("colocate", "cpu", [0, 1])
+
+
+@pytest.mark.parametrize(
+    ("data", "says"),
+    [
+        ({"rollout": {"rebalance": True, "workers": 2}}, r"^rollout\.rebalance: .*got mode: colocate, workers: 2"),
+        (
+            {"mode": "hybrid", "rollout": {"rebalance": True, "workers": 1}},
+            r"^rollout\.rebalance: .*got mode: hybrid, workers: 1",
+        ),
+        ({"rollout": {"ref_logps": "engine", "workers": 0}}, r"^rollout\.ref_logps: 'engine' needs rollout workers"),
+    ],
+)
+def test_refusals_that_need_only_the_config_come_with_the_config(data, says):
+    with pytest.raises(ConfigError, match=says):
+        load_config(data)
+    load_config({"mode": "hybrid", "rollout": {"rebalance": True, "workers": 2, "colocated_workers": 1}})
+    load_config({"rollout": {"ref_logps": "engine", "workers": 0, "remote_workers": 1}})

@@ -176,14 +176,14 @@ def test_config_file(tmp_path, capsys):
     port = _free_port()
     cfg = tmp_path / "run.yaml"
     cfg.write_text(
-        "mode: disaggregated\nrollout:\n  workers: 2\n  engine_threads: 1\ntrain:\n  threads: 1\n  device: cpu\n"
+        "mode: disaggregated\nrollout:\n  workers: 1\n  engine_threads: 1\ntrain:\n  threads: 1\n  device: cpu\n"
     )
     rc = cli(["--config", str(cfg), "--ports", f"master={port},weights={port}"], env={})
     out = capsys.readouterr().out
     assert rc == 1  # the port collision
     assert f"port {port} assigned to master and weights" in out
     trainer = "trainer: rollout.trainer_cores, workers: rollout.engine_threads"  # the adapter's CPU placement
-    assert f"1+1+1 = 3 threads over 3 process(es) ({trainer})" in out
+    assert f"1+1 = 2 threads over 2 process(es) ({trainer})" in out
     assert "device 'cpu' present" in out
     other = _free_port()
     rc = cli(["--config", str(cfg), "--ports", f"master={port},weights={other}"], env={})
@@ -463,24 +463,31 @@ def test_report_cli_compare_layout(tmp_path, capsys):
     assert cli(["--report", str(report)]) == 0 and "triage listed: compute-bound" in capsys.readouterr().out
 
 
-def test_report_flat_metrics(tmp_path, capsys):
+def test_report_reads_what_a_run_writes(tmp_path, capsys):
+    """``mrl run --json``'s result is one run; a file of TRL log metrics holds no run's time split and is refused
+    naming the files that do."""
+    import dataclasses
+
+    from mrl_plugins.run import RunResult
+
+    result = RunResult(
+        name="all", plugins={"rollout": "mrl"}, steps=3, wall_s=12.0, train_s=10.0, steps_per_s=0.3,
+        tokens_per_s=50.0, peak_rss_bytes=1, final_reward=0.5, rewards=[0.5], threads=1,
+        time_split={"generate": 4.0, "weight_sync": 1.0, "transfer_wait": 0.5, "train": 5.0,
+                    "generate_overlapped": 1.0},
+        mrl_metrics={"mrl/time/generate_s": 2.0, "mrl/rollout/generate_s": 4.0},
+    )  # fmt: skip
+    path = tmp_path / "result.json"
+    path.write_text(json.dumps(dataclasses.asdict(result)))
+    ((name, run),) = load_report(path)
+    assert name == "result" and run["steps_per_s"] == 0.3
+    assert cli(["--report", str(path)]) == 0
+    assert "triage result: " in capsys.readouterr().out
     metrics = tmp_path / "metrics.json"
-    metrics.write_text(
-        json.dumps(
-            {
-                "mrl/time/generate_s": 3.0,
-                "mrl/time/train_s": 2.0,
-                "mrl//comm/wait_s": 4.0,  # stages that prefix twice write 'mrl//comm/...'; read the same
-                "train_runtime": 10.0,
-                "train_steps_per_second": 0.3,
-            }
-        )
-    )
-    ((name, run),) = load_report(metrics)
-    assert run["wall_s"] == 10.0 and run["comm_wait_s"] == 4.0 and run["time_split"]["train"] == 2.0
-    assert cli(["--report", str(metrics)]) == 0
-    out = capsys.readouterr().out
-    assert "triage metrics: communication" in out and "comm wait 40% [comm wait 4 s]" in out and "0.3 steps/s" in out
+    metrics.write_text(json.dumps({"mrl/time/generate_s": 1, "train_runtime": 10}))
+    assert cli(["--report", str(metrics)]) == 2
+    err = capsys.readouterr().err
+    assert "needs 'time_split'" in err and "mrl compare's report.json and mrl run --json's result" in err
 
 
 def test_report_bad_input_exits_2(tmp_path, capsys):
@@ -583,3 +590,43 @@ def test_trl_1_15_without_triton_is_named_as_a_limit_of_trl_itself(monkeypatch):
     assert trl_version_notes({"trl": "1.16.0"}.get) == [] and trl_version_notes({"trl": "1.14.2"}.get) == []
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "triton" else None)
     assert trl_version_notes({"trl": "1.15.0"}.get) == []
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# the run's pre-flight, and the flags over the config
+
+
+@pytest.mark.parametrize(
+    ("yaml_text", "says"),
+    [
+        ("rollout: {engine: bogus}\n", "rollout.engine: unknown rollout engine 'bogus'"),
+        ("plugins: {rollout: nope}\n", "plugins.rollout: unknown plugin 'nope'"),
+        ("disable: [xyz]\n", "disable: unknown plugin 'xyz'"),
+        ("plugins: {rollout: upstream}\n", "plugins.weight_sync: 'mrl' needs a separate inference copy"),
+        ("mode: disaggregated\nrollout: {workers: 64}\ntrain: {device: cpu}\n", "rollout.workers: 64 rollout"),
+    ],
+)
+def test_config_a_run_refuses_fails_doctor(tmp_path, capsys, yaml_text, says):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(yaml_text)
+    assert cli(["--config", str(cfg)], env={}) == 1
+    out = capsys.readouterr().out
+    assert _lines(out)["config"] == ["fail"] and f"a run refuses it: {says}" in out, out
+
+
+def test_config_a_run_takes_passes_doctor(capsys):
+    assert cli(["--config", "colocate"], env={}) == 0
+    assert "ok    config: passes the run's pre-flight" in capsys.readouterr().out
+
+
+def test_mode_flag_wins_over_the_config_everywhere(fake_npu, tmp_path, capsys):
+    """FAKE NPUs: ``--mode`` places the processes (card plan) as the run of that mode would."""
+    env, _ = fake_npu
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("mode: colocate\nrollout: {workers: 1}\n")
+    env = env | {"ASCEND_RT_VISIBLE_DEVICES": "3"}
+    cli(["--config", str(cfg)], env=env)
+    assert "both get card 3" in capsys.readouterr().out  # colocate: the worker shares the trainer's card
+    cli(["--config", str(cfg), "--mode", "disaggregated"], env=env)
+    line = [x for x in capsys.readouterr().out.splitlines() if "visible devices:" in x]
+    assert line[0].startswith("fail") and "needs device index 1 but" in line[0], line

@@ -20,6 +20,8 @@ from mrl_plugins.hookspecs import (
 )
 
 UPSTREAM = {"plugins": {"rollout": "upstream", "weight_sync": "upstream", "comm": "upstream"}}
+#: the base of a third party's comm selection: TRL's own rollout leaves nothing for another comm to carry
+OWN_ROLLOUT = {"rollout": "mrl", "weight_sync": "upstream", "comm": "upstream"}
 BUILTIN_STAGES = {
     "upstream": ("rollout", "weight_sync", "comm"),
     "mrl.rollout": ("rollout",),
@@ -195,7 +197,7 @@ def test_unknown_stage(fresh_pm):
     with pytest.raises(PluginError, match=r"unknown stage 'bogus'.*'comm', 'rollout' or 'weight_sync'"):
         mgr.select({"bogus": "mrl", **UPSTREAM["plugins"]})
     assert mgr.selected == {stage: "upstream" for stage in STAGES}  # nothing half-applied
-    with pytest.raises(ConfigError, match="unknown key 'bogus'"):
+    with pytest.raises(ConfigError, match="unknown plugins key 'bogus'"):
         fresh_pm({"plugins": {"bogus": "mrl"}})
 
 
@@ -224,11 +226,12 @@ def test_blocked_via_env(fresh_pm, monkeypatch):
     assert _names(mgr) == {"mrl.rollout", "mrl.weight_sync"}
 
 
-def test_a_blocked_third_party_stage_is_named_as_unasked(fresh_pm):
+def test_a_blocked_third_party_stage_is_named_as_unasked(fresh_pm, install_dist):
     """A blocked plugin registers nothing, so the manager cannot know its stage names: the error lists what was
     blocked beside the available names."""
+    install_dist("acmedist", {"acme": "acme_mod:plugin"}, {"acme_mod": BOOM})  # blocked: never imported
     with pytest.raises(PluginError, match=r"plugins\.comm: unknown plugin 'zmq'.*\(blocked, so not asked: acme\)"):
-        fresh_pm({**UPSTREAM, "plugins": {**UPSTREAM["plugins"], "comm": "zmq"}}, disable=["acme"])
+        fresh_pm({**UPSTREAM, "plugins": {**OWN_ROLLOUT, "comm": "zmq"}}, disable=["acme"])
 
 
 def test_blocked_via_argument(fresh_pm):
@@ -295,7 +298,7 @@ def test_autoload_off_loads_no_entry_points(fresh_pm, install_dist, monkeypatch)
 
 def test_third_party_plugin_selected_for_comm(fresh_pm, install_dist):
     install_dist("fakeplug", {"fakeplug": "fakeplug_mod:plugin"}, {"fakeplug_mod": FAKEPLUG})
-    mgr = fresh_pm({"plugins": {"rollout": "upstream", "weight_sync": "upstream", "comm": "fakeplug"}})
+    mgr = fresh_pm({"plugins": {**OWN_ROLLOUT, "comm": "fakeplug"}})
     fake = sys.modules["fakeplug_mod"]
     infos = _infos(mgr)
     assert infos["fakeplug"].source == "entrypoint"
@@ -341,7 +344,7 @@ def test_entry_point_class_is_instantiated(fresh_pm, install_dist):
                 return [StagePlugin("classplug", Comm)]
     """
     install_dist("classplug", {"classplug": "classplug_mod:Plug"}, {"classplug_mod": source})
-    mgr = fresh_pm({"plugins": {**UPSTREAM["plugins"], "comm": "classplug"}})
+    mgr = fresh_pm({"plugins": {**OWN_ROLLOUT, "comm": "classplug"}})
     assert mgr.capabilities("comm") == Capabilities(zero_copy=True, cross_host=True)
 
 
@@ -365,7 +368,7 @@ def test_only_the_selected_stage_object_answers(fresh_pm):
     mgr = fresh_pm(UPSTREAM, plugins=[("second", provides_comm("second", Second()))])
     assert mgr.capabilities("comm") == UPSTREAM_COMM
     assert Second.calls == 0
-    mgr.select({**UPSTREAM["plugins"], "comm": "second"})
+    mgr.select({**OWN_ROLLOUT, "comm": "second"})
     assert mgr.capabilities("comm") == CommHooks.caps
     assert Second.calls == 1
     assert _infos(mgr)["second"].stages == ("comm",) and _infos(mgr)["second"].active_for == ("comm",)
@@ -403,9 +406,7 @@ def test_weight_sync_routed_to_selected_plugin(fresh_pm):
 def test_unanswered_stage_method_is_one_error_naming_method_and_plugin(fresh_pm):
     """A selected stage whose open method returns None (or an object that is not the stage's end) fails with one
     PluginError naming the method and the plugin, not a TypeError later."""
-    mgr = fresh_pm(
-        {"plugins": {**UPSTREAM["plugins"], "comm": "half"}}, plugins=[("h", provides_comm("half", CommHooks()))]
-    )
+    mgr = fresh_pm({"plugins": {**OWN_ROLLOUT, "comm": "half"}}, plugins=[("h", provides_comm("half", CommHooks()))])
     ctx = StageContext(config=mgr.config)
     with pytest.raises(
         PluginError, match=r"comm plugin 'half': open_consumer returned None, expected ExperienceConsumer"
@@ -416,9 +417,7 @@ def test_unanswered_stage_method_is_one_error_naming_method_and_plugin(fresh_pm)
         def open_consumer(self, ctx, run_id, producers):
             return object()
 
-    mgr = fresh_pm(
-        {"plugins": {**UPSTREAM["plugins"], "comm": "wrong"}}, plugins=[("w", provides_comm("wrong", Wrong()))]
-    )
+    mgr = fresh_pm({"plugins": {**OWN_ROLLOUT, "comm": "wrong"}}, plugins=[("w", provides_comm("wrong", Wrong()))])
     with pytest.raises(
         PluginError,
         match=r"plugin 'wrong': open_consumer returned a object, which is not an? "
@@ -438,7 +437,7 @@ def test_plugin_missing_a_stage_method_cannot_be_selected(fresh_pm):
         r"is a CommStage",
     ):
         fresh_pm(
-            {"plugins": {**UPSTREAM["plugins"], "comm": "only"}},
+            {"plugins": {**OWN_ROLLOUT, "comm": "only"}},
             plugins=[("o", provides_comm("only", OnlyConsumer()))],
         )
 
@@ -456,7 +455,7 @@ def test_a_stage_that_fails_to_build_is_one_error_naming_it(fresh_pm):
     with pytest.raises(
         PluginError, match=r"plugins\.comm: plugin 'flaky' \(from 'flakyplug'\) failed to build: RuntimeError: no such"
     ):
-        mgr.select({**UPSTREAM["plugins"], "comm": "flaky"})
+        mgr.select({**OWN_ROLLOUT, "comm": "flaky"})
     assert mgr.selected == {stage: "upstream" for stage in STAGES}  # nothing half-applied
 
 
@@ -480,7 +479,7 @@ def test_stage_methods_are_checked_when_selected_not_at_the_first_call(fresh_pm)
     ):
         mgr = fresh_pm(UPSTREAM, plugins=[("b", provides_comm("bad", obj))])
         with pytest.raises(PluginError, match=message):
-            mgr.select({**UPSTREAM["plugins"], "comm": "bad"})
+            mgr.select({**OWN_ROLLOUT, "comm": "bad"})
         assert mgr.selected == {stage: "upstream" for stage in STAGES}
 
 
@@ -672,7 +671,7 @@ def test_fresh_managers_are_independent(fresh_pm):
     assert "extra" in _names(first) and "extra" not in _names(second)
     first.register(_transports("late"), "late")
     assert "late" not in _names(second)
-    first.select({**UPSTREAM["plugins"], "comm": "extra"})
+    first.select({**OWN_ROLLOUT, "comm": "extra"})
     assert second.selected["comm"] == "upstream"
     assert first.capabilities("comm") == Extra.caps and second.capabilities("comm") == UPSTREAM_COMM
 
@@ -689,7 +688,7 @@ def test_late_provider_does_not_take_over_selected_stage(fresh_pm):
     first = mgr.capabilities("comm")
     mgr.register(provides_comm("second", Second()), "second")
     assert mgr.capabilities("comm") == first == UPSTREAM_COMM
-    mgr.select({**UPSTREAM["plugins"], "comm": "second"})
+    mgr.select({**OWN_ROLLOUT, "comm": "second"})
     assert mgr.capabilities("comm") == Second.caps
 
 
@@ -702,11 +701,11 @@ def test_late_registration_appears_in_registry(fresh_pm):
 
 def test_blocking_a_selected_plugin_unselects_its_stage(fresh_pm):
     mgr = fresh_pm(UPSTREAM, plugins=[("second", provides_comm("second", Second()))])
-    mgr.select({**UPSTREAM["plugins"], "comm": "second"})
+    mgr.select({**OWN_ROLLOUT, "comm": "second"})
     assert mgr.capabilities("comm") == Second.caps
     mgr.block(["second"])
     assert "second" not in _names(mgr) and "comm" not in mgr.selected
-    assert mgr.selected == {"rollout": "upstream", "weight_sync": "upstream"}  # the other stages keep theirs
+    assert mgr.selected == {"rollout": "mrl", "weight_sync": "upstream"}  # the other stages keep theirs
     with pytest.raises(PluginError, match="no plugin selected for stage 'comm'"):
         mgr.capabilities("comm")
     mgr = fresh_pm()
@@ -829,3 +828,30 @@ def test_same_object_under_two_names(fresh_pm):
     mgr = fresh_pm(UPSTREAM, plugins=[("tracer", tracer)])
     with pytest.raises(PluginError, match="plugin 'tracer2'.*already registered"):
         mgr.register(tracer, "tracer2")
+
+
+# --------------------------------------------------------------------------- names checked where the manager is built
+
+
+def test_a_disable_name_that_blocks_nothing_is_refused_by_every_entry_point(fresh_pm, monkeypatch):
+    """``enable()``, ``mrl run`` and ``mrl plugins`` build their manager here: a misspelt name is one error."""
+    with pytest.raises(ConfigError, match=r"^disable: unknown plugin 'mrll'; valid: .*'mrl.comm'.*'upstream'"):
+        fresh_pm({"disable": ["mrll"]})
+    with pytest.raises(ConfigError, match=r"^--disable: unknown plugin 'mrl.comms'"):
+        fresh_pm(disable=["mrl.comms"])
+    monkeypatch.setenv("MRL_DISABLED_PLUGINS", "upstrem")
+    with pytest.raises(ConfigError, match=r"^MRL_DISABLED_PLUGINS: unknown plugin 'upstrem'"):
+        fresh_pm()
+    monkeypatch.delenv("MRL_DISABLED_PLUGINS")
+    mgr = fresh_pm(UPSTREAM, disable=["mrl", "mine"], plugins=[("mine", provides_comm("mine", CommHooks()))])
+    assert _names(mgr) == {"upstream"}  # a prefix, and a plugin given here, are names that block
+
+
+def test_selection_refuses_another_comm_or_weight_sync_beside_trl_rollout(fresh_pm):
+    for stage in ("weight_sync", "comm"):
+        with pytest.raises(ConfigError, match=rf"^plugins\.{stage}: 'mrl' needs a separate inference copy"):
+            fresh_pm({"plugins": {**UPSTREAM["plugins"], stage: "mrl"}})
+    mgr = fresh_pm(UPSTREAM)
+    with pytest.raises(ConfigError, match=r"^plugins\.comm: 'mrl' needs a separate inference copy"):
+        mgr.select({**UPSTREAM["plugins"], "comm": "mrl"})
+    assert mgr.selected == {stage: "upstream" for stage in STAGES}  # nothing half-applied

@@ -103,14 +103,23 @@ def test_unsupported_trl_version_and_trainer_type():
         trainer_kind(object())
 
 
-def test_missing_device_is_an_error_before_anything(tmp_path):
+def test_enable_takes_the_device_the_model_is_on(tmp_path):
+    """train.device is where mrl run / compare put the model; enable() follows the model, whatever it says."""
     import mrl_plugins
-    from mrl_plugins.errors import DeviceError
 
     trainer = _trainer(tmp_path)
+    mrl_plugins.enable(trainer, {**UPSTREAM, "train": {"device": "npu"}})
+    assert trainer._mrl_state.ctx.config.device == "cpu"
+    mrl_plugins.disable(trainer)
+
+
+def test_missing_device_is_an_error_before_anything():
+    """mrl run / compare: a train.device that is absent is refused before the model is built."""
+    from mrl_plugins.errors import DeviceError
+    from mrl_plugins.run import preflight
+
     with pytest.raises(DeviceError, match="npu"):
-        mrl_plugins.enable(trainer, {"device": "npu"})
-    assert getattr(trainer, "_mrl_state", None) is None and trainer.use_vllm is False
+        preflight({"train": {"device": "npu", "model": "tiny"}}, enable_plugins=False)
 
 
 @pytest.mark.slow

@@ -52,7 +52,7 @@ def test_npu_worker_with_a_priority_stream_limits_that_stream(monkeypatch, no_cu
 
 
 def test_engine_budget_keys_are_checked_with_the_config():
-    with pytest.raises(ConfigError, match="unknown budget key 'npu_cubes'"):
+    with pytest.raises(ConfigError, match="unknown rollout.engine_budget key 'npu_cubes'"):
         load_config({"rollout": {"engine_budget": {"npu_cubes": 8}}})
     with pytest.raises(ConfigError, match="cores and threads come from"):
         load_config({"rollout": {"engine_budget": {"cores": [0]}}})

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import re
 import signal
@@ -104,9 +105,9 @@ def kind_config(
 ) -> dict[str, Any]:
     """The config one run of ``kind`` trains with."""
     train = dict(data.get("train") or {})
-    if steps:
+    if steps is not None:
         train["steps"] = steps
-    if model:
+    if model is not None:
         train["model"] = model
     out = _merge({**data, "train": train}, QUICK_OVERRIDES if quick else {})
     out = _merge(out, kind.overrides)
@@ -507,14 +508,56 @@ def seed_table(report: dict[str, Any], names: list[str]) -> list[str]:
     return lines
 
 
+def _positive_int(text: str) -> int:
+    """argparse type: an integer >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _non_empty(text: str) -> str:
+    """argparse type: a non-empty name."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("must name a preset or a checkpoint folder, got ''")
+    return text
+
+
+def _positive_seconds(text: str) -> float:
+    """argparse type: a finite number of seconds > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number of seconds > 0, got {text!r}")
+    return value
+
+
+def _share(text: str) -> float:
+    """argparse type: a fraction in [0, 1]."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a fraction in [0, 1], got {text!r}") from None
+    if not 0 <= value <= 1:  # nan fails too
+        raise argparse.ArgumentTypeError(f"must be a fraction in [0, 1], got {text!r}")
+    return value
+
+
 def cli(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="mrl compare", description=__doc__.split("\n\n")[0].replace("``", ""))
     p.add_argument("config_pos", nargs="?", metavar="CONFIG", help="same as --config")
     p.add_argument("--config", help="mrl YAML (path or bundled name; default compare_small)")
     p.add_argument("--out", default="mrl-compare", help="output folder for report.md/json, plots and run logs")
     p.add_argument("--json", help="also write report.json here")
-    p.add_argument("--steps", type=int, help="override train.steps")
-    p.add_argument("--model", help="override train.model (tiny, small, tiny-tools or a checkpoint folder)")
+    p.add_argument("--steps", type=_positive_int, help="override train.steps (>= 1)")
+    p.add_argument(
+        "--model", type=_non_empty, help="override train.model (tiny, small, tiny-tools or a checkpoint folder)"
+    )
     p.add_argument(
         "--runs",
         help=f"comma list of run kinds (valid: {','.join(RUNS)}; default: all but trl_continuous_batching and "
@@ -533,10 +576,10 @@ def cli(argv: list[str]) -> int:
         type=float,
         help="max relative final-reward drop vs upstream (default 0.10; under --quick only checked when given)",
     )
-    p.add_argument("--timeout", type=float, default=1800, help="seconds per run before it is killed")
+    p.add_argument("--timeout", type=_positive_seconds, default=1800, help="seconds per run before it is killed (> 0)")
     p.add_argument(
         "--busy-threshold",
-        type=float,
+        type=_share,
         default=0.15,
         help="other processes' CPU share above which the report warns that the host was busy (default 0.15)",
     )
@@ -549,7 +592,7 @@ def cli(argv: list[str]) -> int:
     from mrl_plugins.config import load_config, load_yaml, resolve_config_path
 
     if ns.quick:
-        ns.steps = ns.steps or QUICK["steps"]
+        ns.steps = QUICK["steps"] if ns.steps is None else ns.steps
         ns.runs = ns.runs or ",".join(QUICK_RUNS)
     config = str(resolve_config_path(ns.config))
     data = load_yaml(config)
@@ -569,7 +612,7 @@ def cli(argv: list[str]) -> int:
         raise ConfigError(f"--tolerance: must be in [0, 1), got {ns.tolerance}")
     if ns.repeats < 1:
         raise ConfigError(f"--repeats: must be >= 1, got {ns.repeats}")
-    if ns.quick and not ns.model and not tool_job:
+    if ns.quick and ns.model is None and not tool_job:
         ns.model = QUICK["model"]  # a tool task keeps its model: tiny is a count-task preset
     preflight_runs(data, names, steps=ns.steps, model=ns.model)  # every run checked before the first
     out = Path(ns.out)

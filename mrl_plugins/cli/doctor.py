@@ -46,7 +46,7 @@ from mrl_plugins.cli.doctor_ray import ray_checks
 from mrl_plugins.cli.triage import NETWORK_TRANSPORTS, load_report, triage
 from mrl_plugins.config import MODES, load_config, load_yaml
 from mrl_plugins.device.placement import accelerator_indices, colocated_count
-from mrl_plugins.errors import ConfigError
+from mrl_plugins.errors import ConfigError, MrlError
 
 # ---------------------------------------------------------------------------------------------------------------------
 # config
@@ -99,8 +99,10 @@ def _parser() -> argparse.ArgumentParser:
         help="an mrl YAML config, path or bundled name such as colocate (mode, device, rollout.workers/"
         "engine_threads)",
     )
-    p.add_argument("--device", help="device spec: auto, cpu, cuda[:N], npu[:N] (default: config's, else auto)")
-    p.add_argument("--mode", choices=MODES, help="deployment mode (default: config's)")
+    p.add_argument(
+        "--device", help="device spec: auto, cpu, cuda[:N], npu[:N] (default: config's train.device, else auto)"
+    )
+    p.add_argument("--mode", choices=MODES, help="deployment mode (default: config's; overrides it everywhere)")
     p.add_argument("--processes", type=int, help="processes that will use devices (default: from config, else 1)")
     p.add_argument("--visible-devices", help="per-process card lists, ';' between processes: '0;1' or '0,1;2,3'")
     p.add_argument("--ports", help="port table name=port,...")
@@ -112,7 +114,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", help="torch threads per process: one number for all, or one per process 'a,b,...'")
     p.add_argument("--json", metavar="PATH", help="also write the checks (or triage) as JSON")
     t = p.add_argument_group("post-run triage")
-    t.add_argument("--report", help="report.json of a run (mrl compare) or a flat metrics JSON")
+    t.add_argument("--report", help="mrl compare's report.json or mrl run --json's result")
     t.add_argument("--lanes", type=int, help="parallel compute lanes for CPU utilisation (default: inferred)")
     t.add_argument("--high-util", type=float, default=0.7, help="utilisation counted as high (default 0.7)")
     t.add_argument("--target-steps-per-s", type=float, help="expected steps/s: below it at high utilisation = kernels")
@@ -174,6 +176,30 @@ def _inputs_from_args(args: argparse.Namespace, env: Mapping[str, str], data: Ma
     return inputs
 
 
+def _with_flags(data: Mapping[str, Any], args: argparse.Namespace) -> dict[str, Any]:
+    """The ``--config`` YAML with ``--mode`` and ``--device`` (``train.device``) applied: every check, the card
+    plan and the pre-flight included, sees the same deployment."""
+    out = dict(data)
+    if args.mode:
+        out["mode"] = args.mode
+    if args.device:
+        train = out.get("train")
+        out["train"] = {**(train if isinstance(train, Mapping) else {}), "device": args.device}
+    return out
+
+
+def check_preflight(data: Mapping[str, Any]) -> Check:
+    """The pre-flight ``mrl run`` does before it builds its model (:func:`mrl_plugins.run.preflight`: plugin,
+    backend and ``disable`` names, the stage combination, workers against cores and devices, the engine's needs)."""
+    from mrl_plugins.run import preflight
+
+    try:
+        preflight(dict(data))
+    except MrlError as exc:
+        return Check("fail", "config", f"a run refuses it: {exc}")
+    return Check("ok", "config", "passes the run's pre-flight (plugins, backends, placement)")
+
+
 def _write_json(path: str, payload: Any) -> None:
     Path(path).write_text(json.dumps(payload, indent=2) + "\n", encoding="utf-8")
 
@@ -204,9 +230,10 @@ def cli(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None)
             if args.json:
                 _write_json(args.json, [asdict(r) for r in results])
             return 0
-        data = load_yaml(args.config) if args.config else None
+        data = _with_flags(load_yaml(args.config), args) if args.config else None
         checks = run_checks(_inputs_from_args(args, env, data))
-        if data is not None:  # rollout.ray_address: the cluster's nodes and resources against the config
+        if data is not None:  # what a run of it refuses before its model is built; Ray's cluster against it
+            checks.append(check_preflight(data))
             checks += ray_checks(data)
     except ConfigError as exc:
         print(f"mrl doctor: error: {exc}", file=sys.stderr)

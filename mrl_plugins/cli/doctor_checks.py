@@ -309,8 +309,7 @@ def check_ports(table: Mapping[str, int], network: Sequence[str] = ()) -> list[C
     if not table:
         if network:
             return [Check("warn", "ports", f"{', '.join(network)} need(s) rendezvous ports but no port table was "
-                          "given: assign them from one table (--ports name=port,... or ports: in the config), "
-                          "not at random")]  # fmt: skip
+                          "given: assign them from one table (--ports name=port,...), not at random")]  # fmt: skip
         return [Check("ok", "ports", "none assigned (no network transport configured)")]
     by_port: dict[int, list[str]] = {}
     for name, port in table.items():

@@ -22,20 +22,14 @@ def _add_selection(p: argparse.ArgumentParser) -> None:
 def _selection_config(ns: argparse.Namespace) -> dict:
     from mrl_plugins.adapters.trl import config_from_env
     from mrl_plugins.config import load_yaml, parse_plugin_selection
-    from mrl_plugins.manager import check_disable
 
     source = ns.config or os.environ.get("MRL_PLUGINS")
     data: dict = {}
     if source:
         env_value = config_from_env(source)
         data = load_yaml(env_value) if isinstance(env_value, str) else (env_value or {})
-        if isinstance(data.get("disable"), list):  # other types: the config's own error, later
-            check_disable(data["disable"], "disable")
     if ns.plugins:
         data["plugins"] = {**(data.get("plugins") or {}), **parse_plugin_selection(ns.plugins, "--plugins")}
-    if ns.disable:
-        check_disable(ns.disable)
-        data["disable"] = [*(data.get("disable") or []), *ns.disable]
     return data
 
 
@@ -44,7 +38,7 @@ def cmd_plugins(ns: argparse.Namespace) -> int:
     from mrl_plugins.manager import get_plugin_manager
 
     data = _selection_config(ns)
-    mgr = get_plugin_manager(data, autoload=False if ns.no_autoload else None)
+    mgr = get_plugin_manager(data, disable=ns.disable, autoload=False if ns.no_autoload else None)
     rows = mgr.plugin_infos()
     width = max(len(r.name) for r in rows) + 2
     print(f"{'plugin':<{width}}{'source':<12}{'stages':<30}active for")

@@ -31,19 +31,6 @@ TIME_PARTS = ("generate", "weight_sync", "transfer", "train", "wait")
 TIME_ALIASES = {k: part for k, part in TIME_SPLIT.items() if part in TIME_PARTS and k != part}
 #: Flags (not seconds) in ``time_split``: ``generate_overlapped`` = 1 means generate and train ran on parallel lanes.
 TIME_FLAGS = tuple(k for k, part in TIME_SPLIT.items() if part == "flag")
-#: Flat-metrics keys read for each number (first present wins).
-METRIC_KEYS: dict[str, tuple[str, ...]] = {
-    "generate": ("mrl/time/generate_s", "mrl/rollout/generate_s"),
-    "weight_sync": ("mrl/time/weight_sync_s", "mrl/weight_sync/time_s"),
-    "transfer": ("mrl/time/transfer_s", "mrl/comm/transfer_s"),
-    "train": ("mrl/time/train_s",),
-    "wait": ("mrl/time/wait_s", "mrl/rollout/wait_s"),
-    "wall_s": ("mrl/time/wall_s", "train_runtime"),
-    "comm_wait_s": ("mrl/comm/wait_s",),
-    "steps_per_s": ("mrl/time/steps_per_s", "train_steps_per_second"),
-    "tokens_per_s": ("mrl/time/tokens_per_s",),
-    "utilization": ("mrl/device/utilization",),
-}
 
 
 def read_json_report(path: str | os.PathLike[str]) -> Any:
@@ -65,23 +52,11 @@ def _num(value: Any, where: str, *, positive: bool = False) -> float:
     return float(value)
 
 
-def _from_metrics(metrics: Mapping[str, Any]) -> dict[str, Any]:
-    metrics = {"/".join(filter(None, str(k).split("/"))): v for k, v in metrics.items()}  # 'mrl//comm/x' too
-    run: dict[str, Any] = {"time_split": {}}
-    for key, names in METRIC_KEYS.items():
-        for n in names:
-            if n in metrics:
-                (run["time_split"] if key in TIME_PARTS else run)[key] = metrics[n]
-                break
-    return run
-
-
 def load_report(path: str | os.PathLike[str]) -> list[tuple[str, dict[str, Any]]]:
     """Runs of a JSON report as ``(name, run)`` with each run in the schema below.
 
-    Accepted layouts: ``{"runs": {name: run, ...}}``, ``{"runs": [{"name": ..., ...}, ...]}``, a single run object,
-    or a flat metrics dict (keys such as ``mrl/time/train_s``, ``mrl/comm/wait_s``; see :data:`METRIC_KEYS`), also
-    as a run's ``metrics`` / ``mrl_metrics`` object when it has no ``time_split``.
+    The files a run leaves: ``mrl compare``'s ``report.json`` (``{"runs": {name: run, ...}}``; ``{"runs": [{"name":
+    ..., ...}, ...]}`` too) and ``mrl run --json``'s result (a single run object, :class:`mrl_plugins.run.RunResult`).
 
     Run schema (seconds): ``time_split: {generate, weight_sync, transfer, train, wait}`` (``generate``, ``train``
     required, the rest default 0; ``mrl_plugins.run``'s keys (:data:`mrl_plugins.run.TIME_SPLIT`) are read too:
@@ -89,7 +64,7 @@ def load_report(path: str | os.PathLike[str]) -> list[tuple[str, dict[str, Any]]
     (wall time of the training loop alone, used instead of ``wall_s`` when present), ``steps_per_s``, ``tokens_per_s``,
     ``utilization`` (0..1, measured device busy share), ``lanes`` (parallel compute lanes), ``comm_wait_s``
     (measured communication wait; default ``weight_sync + transfer``), ``target_steps_per_s`` /
-    ``target_tokens_per_s`` (expected throughput), or ``metrics`` (a flat metrics dict, read as above).
+    ``target_tokens_per_s`` (expected throughput).
     """
     p = Path(path)
     report = read_json_report(p)
@@ -106,9 +81,6 @@ def load_report(path: str | os.PathLike[str]) -> list[tuple[str, dict[str, Any]]
     for name, run in items:
         if not isinstance(run, Mapping):
             raise ConfigError(f"report run {name!r}: expected an object, got {type(run).__name__}")
-        if "time_split" not in run:
-            flat = run.get("metrics", run.get("mrl_metrics", run))
-            run = _from_metrics(flat) | {k: v for k, v in run.items() if k not in ("metrics", "mrl_metrics")}
         out.append((name, dict(run)))
     if not out:
         raise ConfigError(f"report {str(p)!r} has no runs")
@@ -162,7 +134,10 @@ def triage(
     where = f"report run {name!r}"
     split = run.get("time_split")
     if not isinstance(split, Mapping):
-        raise ConfigError(f"{where}: needs 'time_split' {{generate, weight_sync, transfer, train, wait}} seconds")
+        raise ConfigError(
+            f"{where}: needs 'time_split' {{generate, weight_sync, transfer, train, wait}} seconds (what mrl "
+            "compare's report.json and mrl run --json's result hold)"
+        )
     split = dict(split)
     flags = {k: _num(split.pop(k), f"{where} time_split.{k}") for k in TIME_FLAGS if k in split}
     for alias, key in TIME_ALIASES.items():

@@ -6,7 +6,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from mrl_plugins.config_fields import internal
+from mrl_plugins.config_fields import internal, section_from_dict
 from mrl_plugins.errors import ConfigError, choices
 
 #: experience transports between processes of one host (a heartbeat older than 5 s there means a hung process)
@@ -115,15 +115,11 @@ class CommConfig:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any] | None) -> CommConfig:
-        """Build and validate from a mapping; unknown keys raise :class:`ConfigError` listing the valid keys."""
+        """Build and validate from a mapping (:func:`mrl_plugins.config_fields.section_from_dict`, the one parser)."""
         d = dict(d or {})
-        names = [f.name for f in dataclasses.fields(cls)]
-        for key in d:
-            if key not in names:
-                raise ConfigError(f"comm: unknown key {key!r}; valid keys: {choices(names)}")
-        if "lossless_fields" in d and isinstance(d["lossless_fields"], tuple):
+        if isinstance(d.get("lossless_fields"), tuple):
             d["lossless_fields"] = list(d["lossless_fields"])
-        return cls(**d).validate()
+        return section_from_dict(cls, d, "comm")
 
     def to_dict(self) -> dict[str, Any]:
         """Plain-dict form (picklable, YAML-friendly)."""

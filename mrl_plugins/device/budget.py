@@ -16,9 +16,10 @@ from __future__ import annotations
 
 import os
 import threading
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any
 
+from mrl_plugins.config_fields import section_from_dict
 from mrl_plugins.device.base import STREAM_PRIORITIES, CoreLimitWarning, Device, DeviceStream, warn_once
 from mrl_plugins.errors import ConfigError, DeviceError, choices
 
@@ -111,14 +112,18 @@ class ComputeBudget:
             )
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> ComputeBudget:
-        """Build from a mapping; ConfigError naming an unknown key and the valid keys."""
-        valid = [f.name for f in fields(cls)]
-        for key in d:
-            if key not in valid:
-                raise ConfigError(f"unknown budget key {key!r}; valid keys: {choices(valid)}")
-        budget = cls(**{k: (list(v) if k == "cores" and v is not None else v) for k, v in d.items()})
-        budget.validate()
+    def from_dict(cls, d: dict[str, Any], path: str = "budget") -> ComputeBudget:
+        """Build and validate from a mapping (:func:`mrl_plugins.config_fields.section_from_dict`, the one parser); errors
+        name the keys under ``path`` (``rollout.engine_budget.stream_priority``)."""
+        d = {k: (list(v) if k == "cores" and isinstance(v, tuple) else v) for k, v in dict(d).items()}
+        budget = section_from_dict(cls, d, path, validate=False)
+        try:
+            budget.validate()
+        except ConfigError as exc:
+            msg = str(exc)
+            if path == "budget" or not msg.startswith("budget."):
+                raise
+            raise ConfigError(path + msg[len("budget") :]) from None
         return budget
 
 

@@ -106,6 +106,11 @@ class RolloutConfig(SchedulingSection, DeploymentSection, EngineSection):
             raise ConfigError(f"rollout.old_logps: {self.old_logps!r} invalid; valid: {choices(OLD_LOGPS)}")
         if self.ref_logps not in REF_LOGPS:
             raise ConfigError(f"rollout.ref_logps: {self.ref_logps!r} invalid; valid: {choices(REF_LOGPS)}")
+        if self.ref_logps == "engine" and self.workers == 0 and self.remote_workers == 0:
+            raise ConfigError(
+                "rollout.ref_logps: 'engine' needs rollout workers (rollout.workers or rollout.remote_workers > 0) "
+                "to score on; valid here: 'trainer'"
+            )
         if self.placement not in PLACEMENTS:
             raise ConfigError(f"rollout.placement: {self.placement!r} invalid; valid: {choices(PLACEMENTS)}")
         if self.placement_start not in PLACEMENT_STARTS:
@@ -121,11 +126,15 @@ class RolloutConfig(SchedulingSection, DeploymentSection, EngineSection):
         if not 0 <= self.placement_margin < 1:
             raise ConfigError(f"rollout.placement_margin: must be in [0, 1), got {self.placement_margin}")
         for key in ("engine_cores", "trainer_cores"):
-            if getattr(self, key) is not None and not getattr(self, key):
+            cores = getattr(self, key)
+            if cores is not None and not cores:
                 raise ConfigError(
                     f"rollout.{key}: an empty list leaves that side with no core; list at least one core or remove "
                     "the key (None: split the process's cores)"
                 )
+            if cores and (any(isinstance(c, bool) or not isinstance(c, int) or c < 0 for c in cores)
+                          or len(set(cores)) != len(cores)):  # fmt: skip
+                raise ConfigError(f"rollout.{key}: {cores!r} invalid; a list of distinct CPU core ids >= 0")
         for key in ("engine_threads", "trainer_threads"):
             if getattr(self, key) is not None and getattr(self, key) < 1:
                 raise ConfigError(f"rollout.{key}: must be >= 1, got {getattr(self, key)}")
@@ -146,7 +155,7 @@ class RolloutConfig(SchedulingSection, DeploymentSection, EngineSection):
             )
         from mrl_plugins.device.budget import ComputeBudget
 
-        ComputeBudget.from_dict(dict(self.engine_budget))  # unknown keys/values refused
+        ComputeBudget.from_dict(dict(self.engine_budget), "rollout.engine_budget")  # unknown keys/values refused
         if not 0 <= self.memory_headroom <= 4:
             raise ConfigError(f"rollout.memory_headroom: must be in [0, 4], got {self.memory_headroom}")
         if self.tool_timeout_s < 0:
@@ -296,8 +305,19 @@ class RolloutConfig(SchedulingSection, DeploymentSection, EngineSection):
 
         dedicated = self.workers - (self.colocated_workers if mode == "hybrid" else 0)
         if device_type == "cpu":
+            for key in ("trainer_cores", "engine_cores"):
+                outside = sorted(set(getattr(self, key) or ()) - set(cores))
+                if outside:
+                    raise ConfigError(
+                        f"rollout.{key}: cores {outside} are not cores this process may use; valid: {sorted(cores)}"
+                    )
             if self.oversubscribe or dedicated <= 0:
                 return
+            if self.engine_cores is None and len(cores) > 1 and not set(cores) - set(self.trainer_cores or ()):
+                raise ConfigError(
+                    f"rollout.trainer_cores: {self.trainer_cores} are all the cores this process may use; leave at "
+                    f"least one of {sorted(cores)} to the {dedicated} rollout worker(s)"
+                )
             trainer, pool = cpu_split(self, cores)
             free = len([c for c in pool if c not in (trainer or ())]) or 1  # one core: shared by design
             if self.engine_cores is not None:

@@ -29,10 +29,10 @@ the shm path.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any
 
-from mrl_plugins.config_fields import internal
+from mrl_plugins.config_fields import internal, section_from_dict
 from mrl_plugins.errors import ConfigError, choices
 
 KNOWN_TRANSPORTS = ("shm", "directory", "broadcast", "per_param", "vllm")
@@ -137,13 +137,8 @@ class WeightSyncConfig:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any] | None) -> WeightSyncConfig:
-        """Build and validate from a mapping; unknown keys are an error naming the valid keys."""
-        d = dict(d or {})
-        valid = [f.name for f in fields(cls)]
-        unknown = sorted(set(d) - set(valid))
-        if unknown:
-            raise ConfigError(f"unknown weight_sync key {unknown[0]!r}; valid keys: {', '.join(valid)}")
-        return cls(**d).validate()
+        """Build and validate from a mapping (:func:`mrl_plugins.config_fields.section_from_dict`, the one parser)."""
+        return section_from_dict(cls, d, "weight_sync")
 
     def chunk_for(self, transport: str) -> int:
         """Effective chunk size for ``transport`` (a plugin's transport without a measured default: 4 MiB)."""
