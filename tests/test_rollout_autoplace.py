@@ -526,3 +526,52 @@ def test_lending_follows_the_weight_transports_declared_capabilities(tmp_path, t
         assert placement_kwargs(ctx, [{"cores": [1], "threads": 1}], [0], "cpu", False) == {
             "spawn_cores": [1], "warmup": True
         }  # fmt: skip
+
+
+def _task_nices(pid: int) -> dict[int, int]:
+    """The nice value of every thread of ``pid`` (field 19 of /proc/<pid>/task/<tid>/stat)."""
+    out = {}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{tid}/stat", encoding="ascii") as fh:
+            out[int(tid)] = int(fh.read().rpartition(")")[2].split()[16])
+    return out
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="per-thread nice values: Linux")
+def test_foreground_gives_every_worker_thread_its_priority_back():
+    """A worker started in the background (nice 19) starts its threads there: foreground() renices all of them,
+    not only the main thread."""
+    import subprocess
+    import sys
+    import types
+
+    from mrl_plugins.config import load_config
+    from mrl_plugins.hookspecs import StageContext
+    from mrl_plugins.metrics import StageMetrics
+    from mrl_plugins.rollout.arrangement import Placement
+
+    if os.geteuid() != 0:
+        pytest.skip("lowering a nice value back to 0 needs CAP_SYS_NICE")
+    code = (
+        "import sys, threading, time\n"
+        "sys.stdin.readline()\n"
+        "for _ in range(3): threading.Thread(target=time.sleep, args=(60,), daemon=True).start()\n"
+        "print('started', flush=True)\n"
+        "sys.stdin.readline()\n"
+    )
+    child = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        pool = types.SimpleNamespace(pids=[child.pid], ready=True)
+        where = Placement(StageContext(config=load_config({}), metrics=StageMetrics()), lambda: None)
+        where._background_start(None, lambda: pool)
+        assert where.background and set(_task_nices(child.pid).values()) == {19}
+        child.stdin.write("go\n")
+        child.stdin.flush()
+        assert child.stdout.readline().strip() == "started"
+        assert len(_task_nices(child.pid)) == 4 and set(_task_nices(child.pid).values()) == {19}  # inherited
+        where.foreground(pool)
+        assert not where.background
+        assert _task_nices(child.pid) == dict.fromkeys(_task_nices(child.pid), 0)
+    finally:
+        child.kill()
+        child.communicate(timeout=10)  # also closes the pipes

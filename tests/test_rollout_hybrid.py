@@ -41,14 +41,38 @@ def test_between_the_thresholds_nothing_moves():
 def test_bad_settings_are_refused():
     from mrl_plugins.config import load_config
     from mrl_plugins.errors import ConfigError
-    from mrl_plugins.rollout.hybrid import HybridBalancer
 
     with pytest.raises(ConfigError, match="rebalance_low/rebalance_high: need 0 <= low < high <= 1"):
         load_config({"rollout": {"rebalance_low": 0.5, "rebalance_high": 0.4}})
-    with pytest.raises(ConfigError, match="workers >= 2"):
-        HybridBalancer(None, [{}], [DEDICATED], {})
-    with pytest.raises(ConfigError, match="unknown pool 'both'"):
-        HybridBalancer(None, [{}, {}], [DEDICATED, "both"], {})
+
+
+@pytest.mark.slow
+@require_trl
+def test_no_decision_while_a_worker_moves():
+    """Two workers: a move leaves one active worker until the moved one is ready again; a decision meanwhile (which
+    would move the other one) waits, and the generations meanwhile are not measured."""
+    from mrl_plugins.rollout.hybrid import HybridBalancer
+
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("needs 2 cores")
+    shared, own = {"cores": [0], "threads": 1}, {"cores": [1], "threads": 1}
+    # spawned: the moved worker takes seconds to be ready again
+    pool, model, *_ = make_pool({"rollout": {"start_method": "spawn"}}, placements=[shared, own])
+    try:
+        pool.publish(0, list(model.named_parameters()))
+        pool.wait_ready()
+        balancer = HybridBalancer(pool, [shared, own], [COLOCATED, DEDICATED], shared, window=1, high=0.5, low=0.1)
+        balancer.observe(0.0, now=10.0)
+        assert balancer.observe(0.0, now=11.0) == Move(0, DEDICATED, 0.0)  # trainer-bound: worker 0 moves out
+        assert pool.workers.draining == {0}
+        assert balancer.observe(0.9, now=12.0) is None  # generation-bound, but worker 0 is still moving
+        assert list(balancer.shares) == []
+        pool.wait_ready()
+        assert len(pool.collect(pool.submit(PROMPTS, 1)).completion_ids) == len(PROMPTS)
+        assert not pool.workers.draining
+        assert balancer.observe(0.9, now=13.0) == Move(1, COLOCATED, 0.9)  # decisions again once it is ready
+    finally:
+        pool.close()
 
 
 @pytest.mark.slow

@@ -86,7 +86,7 @@ def _share(device_type: str) -> arrangement.TrainerShare:
     """The trainer's share of a placement-auto run on ``device_type`` (the run-level test uses PoolRuntime)."""
     rollout = types.SimpleNamespace(lend_cores=True, workers=1, colocated_workers=0, engine_budget=BUDGET)
     ctx = types.SimpleNamespace(config=types.SimpleNamespace(mode="colocate", rollout=rollout))
-    return arrangement.TrainerShare(ctx, lambda: device_type, None, lend=True, auto=True, idle=lambda: True)
+    return arrangement.TrainerShare(ctx, lambda: device_type, None, lend=True, idle=lambda: True)
 
 
 @pytest.mark.parametrize("kind", ["cpu", "cuda"])

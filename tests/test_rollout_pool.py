@@ -154,6 +154,89 @@ def test_moving_a_worker_drains_its_queue_to_the_others_and_keeps_serving():
         pool.close()
 
 
+def test_a_move_does_not_wait_for_the_chunks_already_handed_to_the_other_workers(monkeypatch):
+    """``move_worker(wait=False)`` stops the worker after the chunk it is generating: the chunks still queued to it
+    (handed to the other worker) are dropped, not generated again while the trainer waits for it to exit."""
+    from tests.pool_helpers import SlowEngine
+
+    delay = 3.0
+    monkeypatch.setenv("MRL_TEST_ENGINE_DELAY_S", str(delay))
+    place = {"cores": [0], "threads": 1}
+    pool, model, *_ = make_pool({"rollout": {"timeout_s": 120}}, factory=SlowEngine, placements=[place, place])
+    try:
+        pool.publish(0, list(model.named_parameters()))
+        pool.wait_ready()
+        first, second = pool.submit(PROMPTS, 1), pool.submit(PROMPTS, 1)  # two chunks per worker: one generating
+        time.sleep(0.5)
+        start = time.monotonic()
+        pool.move_worker(0, place, wait=False)
+        took = time.monotonic() - start
+        # before: the rest of the chunk it generates plus the queued one (> 2 x delay - 0.5 s); now: that rest only
+        assert took < delay + 1.0, took
+        for ticket in (first, second):
+            assert pool.collect(ticket).prompt_ids == PROMPTS
+    finally:
+        pool.close()
+
+
+def test_wait_ready_when_the_last_worker_gets_ready_during_its_checks(monkeypatch):
+    """``wait_ready`` saw a worker not ready, and the last one became ready while it drained the workers' events."""
+    pool, *_ = make_pool({"rollout": {"start_method": "spawn"}})
+    try:
+        drain = pool._drain_events
+
+        def drain_until_ready() -> None:  # the race, made certain: the worker gets ready inside the drain
+            drain()
+            deadline = time.monotonic() + 120
+            while not pool.workers.ready and time.monotonic() < deadline:
+                time.sleep(0.05)
+
+        assert not pool.ready  # spawned: still importing
+        monkeypatch.setattr(pool, "_drain_events", drain_until_ready)
+        assert pool.wait_ready() > 0 and pool.ready
+    finally:
+        pool.close()
+
+
+def test_a_dead_worker_past_its_restart_budget_says_the_budget_is_spent():
+    from mrl_plugins.rollout.pool import WorkerDiedError
+
+    pool, model, *_ = make_pool({"rollout": {"restart_workers": 1, "timeout_s": 60}})
+    try:
+        pool.publish(0, list(model.named_parameters()))
+        pool.collect(pool.submit(PROMPTS, 1), timeout=120)
+        os.kill(pool.pids[0], signal.SIGKILL)
+        pool.collect(pool.submit(PROMPTS, 1), timeout=120)  # restarted: the budget's one restart
+        os.kill(pool.pids[0], signal.SIGKILL)
+        with pytest.raises(WorkerDiedError, match=r"restart budget is spent \(1 of rollout.restart_workers 1 used\)"):
+            pool.collect(pool.submit(PROMPTS, 1))
+    finally:
+        pool.close()
+
+
+def test_a_pool_that_fails_to_build_its_worker_specs_releases_its_ends(monkeypatch):
+    """An error after the ends opened and before the workers start: the shared memory they made is unlinked."""
+    from mrl_plugins.comm.shm_ring import ShmConsumer
+    from mrl_plugins.weight_sync.shm import ShmSender
+
+    paths: list[str] = []
+    handle = ShmSender.receiver_handle
+
+    def record(self):
+        paths.append(self.ctl.path)
+        return handle(self)
+
+    def refuse(self, i):
+        paths.append(self.path)
+        raise OSError("injected: no producer handle")
+
+    monkeypatch.setattr(ShmSender, "receiver_handle", record)
+    monkeypatch.setattr(ShmConsumer, "producer_handle", refuse)
+    with pytest.raises(OSError, match="injected"):
+        make_pool()
+    assert len(paths) == 2 and not [p for p in paths if os.path.exists(p)]
+
+
 @pytest.mark.parametrize(
     "cfg",
     [{"weight_sync": {"transport": "broadcast"}}, {"plugins": {"weight_sync": "upstream"}}],

@@ -56,6 +56,37 @@ def train_with_remote_worker(trainer) -> None:
     assert proc.returncode == 0, out[-3000:]
 
 
+def test_a_taken_rendezvous_port_releases_the_pools_ends(tmp_path, monkeypatch):
+    """The rendezvous store cannot listen (its port is taken): the pool's ends are closed before the error."""
+    import socket
+
+    from mrl_plugins.comm.dist_transport import DistConsumer
+
+    consumers: list[DistConsumer] = []
+    handle = DistConsumer.producer_handle
+
+    def record(self, i):
+        consumers.append(self)
+        return handle(self, i)
+
+    monkeypatch.setattr(DistConsumer, "producer_handle", record)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        cfg = {
+            "rollout": {"remote_workers": 1, "rendezvous": f"127.0.0.1:{taken.getsockname()[1]}", "timeout_s": 10},
+            "comm": {"transport": "torch_distributed", "codec": "raw"},
+            "weight_sync": {"transport": "directory", "directory": str(tmp_path / "weights")},
+        }
+        try:
+            make_pool(cfg, placements=[])
+        except Exception as exc:  # noqa: BLE001 - the store's error; the pool's frames are still alive here
+            assert "EADDRINUSE" in str(exc), exc
+            assert consumers and consumers[0]._closing.is_set()  # closed by the failed start, not by a later gc
+        else:
+            pytest.fail("the pool started on a taken rendezvous port")
+
+
 def test_remote_worker_generates_with_published_weights_and_stops_cleanly(tmp_path):
     from mrl_plugins.rollout.engine import TransformersEngine
 

@@ -106,6 +106,20 @@ def test_dtype_mismatch_with_the_trainer_is_refused():
         VLLMEngine(model, tok, params=SamplingParams(max_new_tokens=2), llm_kwargs={"dtype": "bfloat16"})
 
 
+@require_vllm
+def test_a_failed_start_leaves_no_config_folder(monkeypatch, tmp_path):
+    """vLLM refusing to start (an engine option it does not take) removes the engine's private config folder."""
+    import tempfile
+
+    from mrl_plugins.rollout.vllm_engine import VLLMEngine
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    model, tok = build_model("tiny", seed=0)
+    with pytest.raises(Exception, match="no_such_vllm_option"):
+        VLLMEngine(model, tok, params=SamplingParams(max_new_tokens=2), llm_kwargs={"no_such_vllm_option": 1})
+    assert [f for f in os.listdir(tmp_path) if f.startswith("mrl-vllm-")] == []
+
+
 @pytest.fixture(scope="module")
 def engine():
     from mrl_plugins.rollout.vllm_engine import VLLMEngine

@@ -73,12 +73,11 @@ class TrainerShare:
         budgets: dict[str, tuple[list[int], int]] | None,
         *,
         lend: bool,
-        auto: bool,
         idle: Callable[[], bool],
     ) -> None:
         self.ctx, self._model, self.budgets = ctx, model, budgets  # model(): the trainer's model, read when needed
         self.lend_cpu = bool(lend and budgets)  # CPU cores to lend (placement auto with budgets and lend_cores)
-        self._lend_device = bool(lend and auto)  # an NPU stream share, where the device has one to lend
+        self._lend_device = bool(lend)  # an NPU stream share, where the device has one to lend (lend: placement auto)
         self._idle = idle
         self.now: str | None = None
         self.hooks: list[Any] = []
@@ -231,7 +230,7 @@ class Placement:
         self.controller = controller
         self.arrangement = controller.current if controller is not None else SPLIT
         self.warmup = warmup
-        self.share = TrainerShare(ctx, model, budgets, lend=lend, auto=controller is not None, idle=idle)
+        self.share = TrainerShare(ctx, model, budgets, lend=lend, idle=idle)
         self._balancer_factory = balancer_factory
         self.interval = interval  # optimizer steps per generation (the host's generation interval)
         self.balancer: Any = None
@@ -345,15 +344,22 @@ class Placement:
 
     @staticmethod
     def _renice(pool: Any, nice: int) -> bool:
-        """Set the local workers' nice value (raising it is always allowed; lowering it back may need privileges:
-        then they keep the low priority, which costs nothing while they have their cores to themselves)."""
+        """Set the local workers' nice value, on every thread (Linux: a nice value is per thread, and a thread
+        inherits its creator's). Raising it is always allowed; lowering it back may need privileges (CAP_SYS_NICE or
+        RLIMIT_NICE): then they keep the low priority, which costs nothing while they have their cores to
+        themselves."""
         import os
 
         done = False
         for pid in pool.pids if pool is not None else ():
             try:
-                os.setpriority(os.PRIO_PROCESS, pid, nice)
-                done = True
-            except (PermissionError, ProcessLookupError, OSError) as exc:
-                log.debug("rollout worker %d: nice %d not applied (%s)", pid, nice, exc)
+                tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+            except OSError:  # no /proc (not Linux: a nice value per process), or the worker is gone
+                tids = [pid]
+            for tid in tids:
+                try:
+                    os.setpriority(os.PRIO_PROCESS, tid, nice)
+                    done = True
+                except OSError as exc:  # not permitted, or the thread / worker ended meanwhile
+                    log.debug("rollout worker %d (thread %d): nice %d not applied (%s)", pid, tid, nice, exc)
         return done

@@ -21,7 +21,8 @@ rollouts (``mrl/time/wait_s`` over the step interval). Over the last ``rebalance
 At most one worker moves per decision, and always through
 :meth:`~mrl_plugins.rollout.pool.WorkerPool.move_worker` without waiting: the worker's unanswered
 requests go to the other workers first, the others keep serving while it restarts in its new place
-(the service never stops), and it takes requests again once it reports ready. One worker always stays
+(the service never stops), and it takes requests again once it reports ready; until then no decision is made
+(the generations meanwhile are not measured: they judge neither placement). One worker always stays
 dedicated so that a move never leaves the pool without a worker on its own device. Not yet: moving whole
 training ranks (the launcher fixes the training world size), signals other than the wait share (queue depth, p99).
 """
@@ -34,8 +35,6 @@ import time
 from collections import deque
 from dataclasses import dataclass
 from typing import Any
-
-from mrl_plugins.errors import ConfigError
 
 log = logging.getLogger("mrl_plugins.rollout")
 
@@ -86,11 +85,6 @@ class HybridBalancer:
         low: float = 0.05,
         metrics: Any = None,
     ) -> None:
-        if len(placements) != len(pools) or len(pools) < 2:
-            raise ConfigError("rollout.rebalance: needs rollout.workers >= 2 (one worker moves, the others serve)")
-        bad = [p for p in pools if p not in (COLOCATED, DEDICATED)]
-        if bad:
-            raise ConfigError(f"rollout.rebalance: unknown pool {bad[0]!r}; valid: 'colocated', 'dedicated'")
         self.pool = pool
         self.placements = [dict(p) for p in placements]
         self.pools = list(pools)
@@ -100,7 +94,6 @@ class HybridBalancer:
         self.window, self.high, self.low = window, high, low
         self.metrics = metrics
         self.shares: deque[float] = deque(maxlen=window)
-        self.moves: list[Move] = []
         self._last: float | None = None
 
     def observe(self, wait_s: float, now: float | None = None) -> Move | None:
@@ -110,9 +103,11 @@ class HybridBalancer:
         if last is None or now <= last:
             return None
         share = min(1.0, max(0.0, wait_s / (now - last)))
-        self.shares.append(share)
         if self.metrics is not None:
             self.metrics.gauge("rollout/hybrid/wait_share", share)
+        if self.pool.workers.draining:  # a move in progress (a restart, up to the engine's start): no decision,
+            return None  # and its generations judge neither placement
+        self.shares.append(share)
         move = decide(list(self.shares), self.pools, window=self.window, high=self.high, low=self.low)
         if move is None:
             return None
@@ -127,7 +122,6 @@ class HybridBalancer:
         self.pool.move_worker(move.worker, place, wait=False)
         self.pools[move.worker] = move.to
         self.placements[move.worker] = dict(place)
-        self.moves.append(move)
         self.shares.clear()  # judge the new placement on fresh measurements
         if self.metrics is not None:
             self.metrics.add("rollout/hybrid/moves", 1)

@@ -98,48 +98,48 @@ class WorkerPool:
                 self.senders[m] = pm.weight_sync_open_sender(
                     ctx=ctx, model_id=m, run_id=self.run_id, receivers=self.n, same_process=False
                 )
-        except BaseException:
+            self.sender = self.senders["policy"]
+            # a new process can take a worker's place only where every end is rejoinable
+            for ends, caps, what in (
+                ([*self.senders.values()], ws_caps, names[1]),
+                ([self.consumer], comm_caps, names[0]),
+            ):
+                rejoinable = all(getattr(e, "capabilities", caps).rejoinable for e in ends)
+                if self.workers.no_rejoin is None and not rejoinable:
+                    self.workers.no_rejoin = no_rejoin(what)
+            served = {
+                m: ServedModel(
+                    mod.config.to_dict(), type(mod).__name__, self.senders[m].receiver_handle(), *param_dtypes(mod)
+                )
+                for m, mod in self.models.items()
+            }
+            places = [*placements, *({"device": "auto"} for _ in range(remote))]
+            specs = [
+                WorkerSpec(
+                    index=i,
+                    config=cfg,
+                    models=served,
+                    sampling=sampling,
+                    engine_factory=engine.factory,
+                    own_weights=engine.own_weights,
+                    comm_handle=self.consumer.producer_handle(i),
+                    cores=place.get("cores"),
+                    threads=place.get("threads", cfg.rollout.engine_threads),
+                    plugin_factory=pm.factory,
+                    env=place.get("env", {}),
+                    device=place.get("device", "cpu"),
+                    seed=seed,
+                    log_level=logging.getLogger("mrl_plugins").getEffectiveLevel(),
+                )
+                for i, place in enumerate(places)
+            ]
+        except BaseException:  # nothing started yet: release the ends and Ray's reservation
             for end in (*self.senders.values(), self.consumer):
                 if end is not None:
                     end.close()
             self.workers.abort()
             raise
-        self.sender = self.senders["policy"]
-        # a new process can take a worker's place only where every end is rejoinable
-        for ends, caps, what in (
-            ([*self.senders.values()], ws_caps, names[1]),
-            ([self.consumer], comm_caps, names[0]),
-        ):
-            rejoinable = all(getattr(e, "capabilities", caps).rejoinable for e in ends)
-            if self.workers.no_rejoin is None and not rejoinable:
-                self.workers.no_rejoin = no_rejoin(what)
-        served = {
-            m: ServedModel(
-                mod.config.to_dict(), type(mod).__name__, self.senders[m].receiver_handle(), *param_dtypes(mod)
-            )
-            for m, mod in self.models.items()
-        }
-        places = [*placements, *({"device": "auto"} for _ in range(remote))]
-        specs = [
-            WorkerSpec(
-                index=i,
-                config=cfg,
-                models=served,
-                sampling=sampling,
-                engine_factory=engine.factory,
-                own_weights=engine.own_weights,
-                comm_handle=self.consumer.producer_handle(i),
-                cores=place.get("cores"),
-                threads=place.get("threads", cfg.rollout.engine_threads),
-                plugin_factory=pm.factory,
-                env=place.get("env", {}),
-                device=place.get("device", "cpu"),
-                seed=seed,
-                log_level=logging.getLogger("mrl_plugins").getEffectiveLevel(),
-            )
-            for i, place in enumerate(places)
-        ]
-        self.workers.launch(specs, [self.consumer, *self.senders.values()])
+        self.workers.launch(specs, [self.consumer, *self.senders.values()])  # releases all of it when it fails
 
     # ------------------------------------------------------------------ the workers
     @property
@@ -203,7 +203,8 @@ class WorkerPool:
                 progress(now - self.started_at)
                 note = now + every
             self._drain_events()
-            waiting = next(e for e in self.workers.ready_events if not e.is_set())
+            # None: the last worker became ready meanwhile (the loop condition sees it)
+            waiting = next((e for e in self.workers.ready_events if not e.is_set()), None)
             waiting.wait(0.2) if hasattr(waiting, "wait") else time.sleep(0.2)
         return time.monotonic() - start
 

@@ -10,8 +10,8 @@ It owns every worker's spec, request queue and ready flag, the local processes (
 Invariants: worker ``i``'s request queue is ``requests[i]`` (a new one for every new local process: one killed
 inside ``Queue.get()`` keeps the old queue's reader lock); a worker in ``draining`` takes no new request (it is
 moving); a dead worker is replaced only where every end the pool opened is rejoinable (``no_rejoin`` is None) and
-restarts are left, else :meth:`check` raises :class:`WorkerDiedError` naming it. :meth:`check` returns the workers
-that got a new process, whose unanswered requests the pool hands to them again.
+restarts are left (:meth:`why_no_restart`), else :meth:`check` raises :class:`WorkerDiedError` naming it.
+:meth:`check` returns the workers that got a new process, whose unanswered requests the pool hands to them again.
 """
 
 from __future__ import annotations
@@ -85,14 +85,14 @@ class WorkerSupervisor:
         )  # fmt: skip
         if self.launcher is not None:
             self._lifetime["launcher"] = self.launcher
-        if self.n > self.n_local:
-            from .remote import RemoteSlots
-
-            self.remote = RemoteSlots(
-                cfg.rollout.rendezvous, self.n_local, self.n - self.n_local, cfg.rollout.timeout_s
-            )
-            self._lifetime["remote"] = self.remote
         try:
+            if self.n > self.n_local:  # the rendezvous store (its port may be taken: released like the rest)
+                from .remote import RemoteSlots
+
+                self.remote = RemoteSlots(
+                    cfg.rollout.rendezvous, self.n_local, self.n - self.n_local, cfg.rollout.timeout_s
+                )
+                self._lifetime["remote"] = self.remote
             for i, spec in enumerate(specs):
                 self.specs.append(spec)
                 self.procs.append(None)
@@ -178,15 +178,11 @@ class WorkerSupervisor:
         for i, proc in enumerate(self.procs):
             if proc is None or proc.is_alive():
                 continue
-            if self.no_rejoin is not None:
+            why = self.why_no_restart()
+            if why is not None:
                 raise WorkerDiedError(
                     f"rollout worker {i} (pid {proc.pid}) died with exit code {proc.exitcode}; it is not "
-                    f"restarted: {self.no_rejoin}"
-                )
-            if self.restarts >= self.cfg.rollout.restart_workers:
-                raise WorkerDiedError(
-                    f"rollout worker {i} (pid {proc.pid}) died with exit code {proc.exitcode}; "
-                    f"set rollout.restart_workers > 0 to restart dead workers"
+                    f"restarted: {why}"
                 )
             self._count_restart()
             log.warning("rollout worker %d died (exit %s): restarting", i, proc.exitcode)
@@ -194,6 +190,18 @@ class WorkerSupervisor:
             self._start(i)
             fresh.append(i)
         return fresh
+
+    def why_no_restart(self) -> str | None:
+        """Why no new process may take a dead worker's place now (None: one may): ends that are not rejoinable,
+        or the restart budget (``rollout.restart_workers``) off or spent."""
+        if self.no_rejoin is not None:
+            return self.no_rejoin
+        budget = self.cfg.rollout.restart_workers
+        if budget == 0:
+            return "set rollout.restart_workers > 0 to restart dead workers"
+        if self.restarts >= budget:
+            return f"the restart budget is spent ({self.restarts} of rollout.restart_workers {budget} used)"
+        return None
 
     def _count_restart(self) -> None:
         self.restarts += 1
@@ -221,9 +229,7 @@ class WorkerSupervisor:
     def _rejoin(self, i: int, incarnation: int) -> None:
         """A new process joined as remote worker ``i`` (Ray restarted its actor, or `mrl worker` was started again);
         the restart is counted."""
-        why = self.no_rejoin
-        if why is None and self.restarts >= self.cfg.rollout.restart_workers:
-            why = f"rollout.restart_workers ({self.cfg.rollout.restart_workers}) restarts are used up"
+        why = self.why_no_restart()
         if why is not None:
             raise WorkerDiedError(f"rollout worker {i} was restarted (a new process joined) but cannot rejoin: {why}")
         self._count_restart()
@@ -234,10 +240,12 @@ class WorkerSupervisor:
 
     # ------------------------------------------------------------------ moves
     def move(self, i: int, placement: dict, timeout: float) -> None:
-        """Stop local worker ``i`` (already drained: it is in ``draining``) and start it in ``placement``; it takes
-        requests again once ready (:meth:`moved`), at most ``timeout`` s from now."""
+        """Stop local worker ``i`` (already drained: it is in ``draining``, the pool handed its chunks to the others,
+        so what still waits in its queue is dropped) after the request it serves, and start it in ``placement``; it
+        takes requests again once ready (:meth:`moved`), at most ``timeout`` s from now."""
         deadline = time.monotonic() + timeout
         proc = self.procs[i]
+        _drop_queued(self.requests[i])  # its chunks went to the other workers: stop after the one it generates
         self.requests[i].put(STOP)
         proc.join(max(0.1, deadline - time.monotonic()))
         if proc.is_alive():
@@ -276,3 +284,13 @@ class WorkerSupervisor:
             release(self._finalizer)
         else:
             self.abort()
+
+
+def _drop_queued(requests: Any) -> None:
+    """Discard what waits in a local worker's request queue (at most ``INFLIGHT_PER_WORKER`` chunks and notices).
+    A worker idle in ``get()`` holds the queue's reader lock: then nothing waits and this returns within 0.05 s."""
+    while True:
+        try:
+            requests.get(timeout=0.05)
+        except queue.Empty:
+            return

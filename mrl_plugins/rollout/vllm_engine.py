@@ -39,7 +39,7 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
-from mrl_plugins.errors import ConfigError, choices
+from mrl_plugins.errors import ConfigError
 from mrl_plugins.optional import check_vllm_installed
 
 from .engine import EngineOutput, SamplingParams, _check_prompts, cut_after_eos, teacher_forced_logps
@@ -150,8 +150,6 @@ class VLLMEngine:
         ``gpu_memory_utilization``, ``max_model_len``, ``enforce_eager``. ``dtype`` must equal the model's.
     """
 
-    #: capability read by the workers: the engine holds its own copy of the weights and needs them applied
-
     def __init__(
         self,
         model: Any,
@@ -189,13 +187,17 @@ class VLLMEngine:
                     f"the engine must sample with the weights the trainer trains (remove dtype, or cast the model)"
                 )
             self._tmpdir = tempfile.mkdtemp(prefix="mrl-vllm-")
-            config = copy.deepcopy(model.config)
-            config.architectures = config.architectures or [type(model).__name__]  # a model built in code has none
-            config.save_pretrained(self._tmpdir)
-            kwargs.update(load_format="dummy", skip_tokenizer_init=True, dtype=model_dtype)
-            self.llm = self._build(self._tmpdir, kwargs)
-            if "weight_transfer_config" not in kwargs:  # else the first version arrives by vLLM's weight transfer
-                self.apply_weights(version=0)
+            try:
+                config = copy.deepcopy(model.config)
+                config.architectures = config.architectures or [type(model).__name__]  # one built in code has none
+                config.save_pretrained(self._tmpdir)
+                kwargs.update(load_format="dummy", skip_tokenizer_init=True, dtype=model_dtype)
+                self.llm = self._build(self._tmpdir, kwargs)
+                if "weight_transfer_config" not in kwargs:  # else the first version arrives by vLLM's weight transfer
+                    self.apply_weights(version=0)
+            except BaseException:  # a failed start leaves neither the folder nor vLLM's engine behind
+                self.close()
+                raise
             return
         import vllm
 
@@ -330,12 +332,6 @@ class VLLMEngine:
                 pad_id=self.params.resolved_pad(),
             )
         return EngineOutput(flat, completions, logprobs, seconds=time.perf_counter() - start)
-
-    def score(self, prompts: list[list[int]], completions: list[list[int]]) -> list[list[float]]:
-        raise ConfigError(
-            "rollout.ref_logps 'engine' scores with the 'transformers' engine; with rollout.engine 'vllm' set "
-            f"rollout.ref_logps: trainer (valid engines for scoring: {choices(['transformers'])})"
-        )
 
     def close(self) -> None:
         """Release vLLM's engine and the private config folder (idempotent)."""
