@@ -7,17 +7,19 @@ picture: no leak warnings, and no tracker unlinking a segment behind a live read
 * **Names**: ``mrl-<stage>-<run_id>-p<owner pid>-<8 hex>[.<role>...]`` (:func:`new_path`), e.g.
   ``mrl-comm-run1-p4242-0a1b2c3d.ring`` or ``mrl-weights-run1-p4242-9f8e7d6c.policy.s0``.
 * **Stale sweep**: :func:`remove_stale` unlinks the segments of crashed runs, whose owner pid no longer exists.
-* **Cleanup**: a process's own segments (:func:`register`) and open owners (:func:`register_owner`, anything
-  with ``close()``) are removed on normal interpreter exit (``atexit``) and on SIGTERM/SIGINT. The handlers
-  are installed once per process, from the main thread, and chain to the handlers that were there before
-  (a previous Python handler is called; the default action is re-raised after the cleanup). The registry is
-  per process because exit and signals are.
-* :class:`Segment`: one mapped file, created (optionally pre-faulted), attached, grown and re-mapped.
+* **Cleanup**: a process's own segments (:func:`register`) are removed on normal interpreter exit (``atexit``) and
+  on SIGTERM/SIGINT. The handlers are installed once per process, from the main thread, and chain to the
+  handlers that were there before (a previous Python handler is called; the default action is re-raised after the
+  cleanup). The registry is per process because exit and signals are.
+* :class:`Segment`: one mapped file, created (optionally pre-faulted), attached, grown and re-mapped. Its pages are
+  reserved when it is created or grown (``posix_fallocate``): a full ``/dev/shm`` is a
+  :class:`SharedMemoryFullError` then, never a SIGBUS on a later write into a page the filesystem cannot give.
 """
 
 from __future__ import annotations
 
 import atexit
+import errno
 import mmap
 import os
 import re
@@ -26,11 +28,10 @@ import signal
 import struct
 import tempfile
 import threading
-import weakref
 from typing import Any
 
 from mrl_plugins._proc import pid_alive
-from mrl_plugins.errors import ConfigError
+from mrl_plugins.errors import ConfigError, MrlError
 
 PREFIX = "mrl-"
 _NAME_RE = re.compile(r"^mrl-(?P<stage>[a-z]+)-(?P<run>.+)-p(?P<pid>\d+)-[0-9a-f]{8}(\.[A-Za-z0-9_]+)*$")
@@ -100,7 +101,6 @@ def remove_stale(directory: str | None = None) -> list[str]:
 # ------------------------------------------------------------------ the cleanup registry (per process)
 
 _owned: set[str] = set()
-_owners: weakref.WeakSet = weakref.WeakSet()
 _lock = threading.Lock()
 _installed = False
 _previous: dict[int, Any] = {}
@@ -111,19 +111,6 @@ def register(path: str) -> None:
     with _lock:
         _owned.add(path)
     _install()
-
-
-def register_owner(owner: Any) -> None:
-    """Call ``owner.close()`` at exit and on SIGTERM/SIGINT (held weakly: a collected owner is forgotten)."""
-    with _lock:
-        _owners.add(owner)
-    _install()
-
-
-def forget_owner(owner: Any) -> None:
-    """``owner`` closed itself: nothing to do for it at exit."""
-    with _lock:
-        _owners.discard(owner)
 
 
 def unlink(path: str) -> None:
@@ -137,16 +124,10 @@ def unlink(path: str) -> None:
 
 
 def unlink_all() -> None:
-    """Close every registered owner and remove every segment this process owns."""
+    """Remove every segment this process owns (mappings stay valid until they are dropped)."""
     with _lock:
-        owners, paths = list(_owners), list(_owned)
-        _owners.clear()
+        paths = list(_owned)
         _owned.clear()
-    for o in owners:
-        try:
-            o.close()
-        except Exception:  # noqa: BLE001 - best effort at exit
-            pass
     for p in paths:
         try:
             os.unlink(p)
@@ -187,11 +168,47 @@ def _on_signal(signum: int, frame: object) -> None:
 # ------------------------------------------------------------------ one mapped file
 
 
+class SharedMemoryFullError(MrlError, OSError):
+    """The shared-memory filesystem has no room for a segment (errno ``ENOSPC``)."""
+
+
+def _mib(n: int) -> str:
+    return f"{n / (1 << 20):.1f} MiB"
+
+
+def _reserve(fd: int, path: str, start: int, size: int) -> None:
+    """Extend the file to ``size`` bytes with its pages from ``start`` on allocated now."""
+    if size <= start:
+        os.ftruncate(fd, size)
+        return
+    try:
+        os.posix_fallocate(fd, start, size - start)
+    except OSError as exc:
+        if exc.errno in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):  # a filesystem without it: sparse
+            os.ftruncate(fd, size)
+            return
+        if exc.errno != errno.ENOSPC:
+            raise
+        folder = os.path.dirname(path) or "."
+        try:
+            st = os.statvfs(folder)
+            free = f"{_mib(st.f_bavail * st.f_frsize)} free of {_mib(st.f_blocks * st.f_frsize)}"
+        except OSError:
+            free = "free space unknown"
+        raise SharedMemoryFullError(
+            errno.ENOSPC,
+            f"no room in {folder} for shared-memory segment {os.path.basename(path)}: it needs {_mib(size - start)} "
+            f"more ({_mib(size)} in all), {free}. Give the container more shared memory (docker run --shm-size=..., "
+            "a Kubernetes emptyDir with medium: Memory) or use smaller sizes (comm.slot_bytes / comm.ring_slots, "
+            "fewer rollout workers)",
+        ) from None
+
+
 class Segment:
     """A mapped shared-memory file: ``buf`` (memoryview) and ``tensor`` (torch uint8 view) of its bytes.
 
     :meth:`create` makes it (registered for cleanup; ``prefault`` touches every page once, so the hot path
-    does not pay the page faults; without it the file stays sparse); :meth:`attach` maps an existing one;
+    does not pay the page faults; its pages are allocated either way); :meth:`attach` maps an existing one;
     :meth:`grow` extends it and :meth:`refresh` re-maps after another process grew it (old mappings stay
     valid until :meth:`close`, for views still handed out). The file descriptor stays open (``flock``).
     """
@@ -205,11 +222,12 @@ class Segment:
 
     @classmethod
     def create(cls, path: str, size: int, *, prefault: bool = True) -> Segment:
-        """Create ``path`` with ``size`` bytes and register it for cleanup (``prefault``: every page now)."""
+        """Create ``path`` with ``size`` bytes (allocated: :class:`SharedMemoryFullError` when they do not fit) and
+        register it for cleanup (``prefault``: every page mapped now)."""
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         register(path)
         try:
-            os.ftruncate(fd, size)
+            _reserve(fd, path, 0, size)
             seg = cls(path, fd, owner=True, populate=prefault)
         except BaseException:
             os.close(fd)
@@ -247,8 +265,9 @@ class Segment:
         return self._tensor
 
     def grow(self, size: int) -> None:
-        """Extend the file to ``size`` bytes and map it again."""
-        os.ftruncate(self.fd, size)
+        """Extend the file to ``size`` bytes (allocated: :class:`SharedMemoryFullError` when they do not fit) and map
+        it again."""
+        _reserve(self.fd, self.path, os.fstat(self.fd).st_size, size)
         self.refresh()
 
     def refresh(self) -> None:

@@ -183,7 +183,8 @@ class UpstreamWeightSync:
         from mrl_plugins.weight_sync.plugin import attach_handle
         from mrl_plugins.weight_sync.receiver import DirectLoader
 
-        loader = DirectLoader(model, attach_handle(handle, rank), model_id)  # into the live weights, no staging
+        # into the live weights, no staging
+        loader = DirectLoader(model, attach_handle(handle, rank, _PER_PARAM.collective), model_id)
         loader.capabilities = _PER_PARAM
         return loader
 

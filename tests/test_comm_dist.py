@@ -83,7 +83,7 @@ def test_torch_distributed_round_trip_order_codec_and_close():
         with pytest.raises(ChannelClosedError):
             cons.receive(timeout=10)
         st = cons.stats()
-        assert st["frames"] == 6 and st["bytes"] < st["raw_bytes"]
+        assert st["frames"] == 6 and st["bytes"] < st["raw_bytes"] and st["link_errors"] == 0  # closed, not broken
         assert st["fallbacks"] == 6  # 'big' of every frame, counted by the consumer from the frames
     finally:
         _join(p, timeout=5)
@@ -102,9 +102,11 @@ def test_torch_distributed_dead_producer_detected():
             cons.receive(timeout=0.3)
         os.kill(p.pid, signal.SIGKILL)
         t0 = time.monotonic()
-        with pytest.raises(PeerDeadError):
+        with pytest.raises(PeerDeadError) as err:
             cons.receive(timeout=30)
         assert time.monotonic() - t0 < cfg.heartbeat_timeout_s + 1.0
+        # the receiver's broken link is counted and named, not swallowed
+        assert cons.stats()["link_errors"] == 1 and "its link failed" in str(err.value)
     finally:
         _join(p, timeout=5)
         cons.close()
@@ -199,4 +201,32 @@ def test_torch_distributed_restarted_producer_rejoins_under_its_index():
     finally:
         _join(first, timeout=5)
         _join(second, timeout=5)
+        cons.close()
+
+
+def test_torch_distributed_close_is_bounded_when_the_consumer_stopped_receiving():
+    """A consumer that never receives: the producer's sender thread blocks in gloo and its outbox fills; close()
+    still returns (its flush times out) and marks the producer closed."""
+    import threading
+
+    cons = dist_factory(_cfg(ring_slots=1), n_producers=1, run_id=RUN)
+    try:
+        prod = cons.producer_handle(0).attach(timeout=30)
+        big = {"x": torch.zeros(4 << 20, dtype=torch.uint8)}
+        for seq in range(64):  # until the inbox, the socket buffers and the outbox are full
+            try:
+                prod.send(big, {"seq": seq}, timeout=0.5)
+            except StageTimeoutError:
+                break
+        else:
+            pytest.fail("the producer's outbox never filled")
+        errors: list = []
+        th = threading.Thread(target=lambda: errors.append(pytest.raises(StageTimeoutError, prod.close, 0.5)))
+        th.daemon = True
+        th.start()
+        th.join(15)
+        assert not th.is_alive(), "close() blocked on the full outbox"
+        assert errors and "flush timed out" in str(errors[0].value)
+        assert cons._master.check(["closed/0/1"])  # marked closed for the consumer
+    finally:
         cons.close()

@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 
-from mrl_plugins.comm import CommConfig, FrameError, PeerDeadError
+from mrl_plugins.comm import ChannelClosedError, CommConfig, FrameError, PeerDeadError
 from mrl_plugins.comm.queue_transport import queue_factory
 from mrl_plugins.comm.shm_ring import shm_factory
 from mrl_plugins.errors import StageTimeoutError
@@ -337,3 +337,104 @@ def test_a_kept_batch_costs_one_copy_at_most_and_survives_the_slot_reuse(codec):
     finally:
         prod.close()
         cons.close()
+
+
+def _queue_big_then_close(handle) -> None:
+    torch.set_num_threads(1)
+    prod = handle.attach()
+    prod.send({"x": torch.zeros(1 << 20, dtype=torch.uint8)}, {"seq": 0}, timeout=10)  # more than the pipe holds
+    prod.close()
+
+
+def test_queue_producer_close_is_bounded_when_the_consumer_stops_reading():
+    """The consumer never takes the 1 MiB item: the producer's close gives up after send_timeout_s (its feeder
+    thread stays blocked on the full pipe) and the process exits, instead of joining the feeder forever."""
+    cons = queue_factory(_cfg(send_timeout_s=2.0), n_producers=1, run_id=RUN)
+    p = CTX.Process(target=_queue_big_then_close, args=(cons.producer_handle(0),))
+    try:
+        p.start()
+        p.join(timeout=60)
+        state = "" if p.exitcode is not None else _proc_state(p.pid)
+        assert p.exitcode == 0, state
+        assert cons.state[0] == 2  # marked closed
+    finally:
+        _join(p, timeout=5)
+        cons.close()
+
+
+def test_queue_restarted_producer_is_watched_again():
+    """A producer reported dead, then a new process attaching under its index: it is live (a receive times out
+    instead of calling the channel closed) and its own death is reported too."""
+    cons = queue_factory(_cfg(), n_producers=1, run_id=RUN)
+    handle = cons.producer_handle(0)
+    first = CTX.Process(target=_send_then_hang, args=(handle,))
+    second = CTX.Process(target=_send_then_hang, args=(handle,))
+    try:
+        first.start()
+        assert cons.receive(timeout=60).meta["seq"] == 0
+        # its feeder thread releases the queue's write lock just after the item left: killed before that, it would
+        # hold the lock forever (a multiprocessing.Queue hazard of its own) and the next producer could not send
+        time.sleep(0.5)
+        first.kill()
+        with pytest.raises(PeerDeadError, match=f"pid {first.pid}"):
+            cons.receive(timeout=10)
+        second.start()
+        deadline = time.monotonic() + 60
+        while True:  # closed (its only producer is dead) until the new process attached, after its imports
+            try:
+                assert cons.receive(timeout=60).meta["seq"] == 0
+                break
+            except ChannelClosedError:
+                assert time.monotonic() < deadline, "the restarted producer never attached"
+                time.sleep(0.05)
+        with pytest.raises(StageTimeoutError):  # alive and watched, not "closed"
+            cons.receive(timeout=0.5)
+        second.kill()
+        with pytest.raises(PeerDeadError, match=f"pid {second.pid}"):
+            cons.receive(timeout=10)
+        assert cons.stats()["dead_peers"] == 2
+    finally:
+        _join(first, second, timeout=5)
+        cons.close()
+
+
+def _segment_child(path: str, size: int, grow: bool, q) -> None:
+    from mrl_plugins.shmem import Segment
+
+    try:
+        if grow:  # a weight slot growing for a bigger model: then written
+            seg = Segment.create(path, 64 << 10, prefault=False)
+            seg.grow(size)
+            seg.tensor.fill_(2)
+        else:  # a ring: created pre-faulted
+            Segment.create(path, size)
+        q.put("no error")
+    except Exception as exc:  # noqa: BLE001 - handed to the test
+        q.put(f"{type(exc).__name__}: {exc} exists={os.path.exists(path)}")
+
+
+def test_full_shared_memory_is_a_clear_error_not_sigbus(tmp_path):
+    """Segments on a 1 MiB tmpfs: creating or growing one to 4 MiB is one error naming the size, the free space
+    and the fix, in the calling process (with sparse files, the first write into a missing page was a SIGBUS)."""
+    import subprocess
+
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small tmpfs needs root")
+    mnt = tmp_path / "shm"
+    mnt.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)], capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here")
+    try:
+        for grow in (False, True):
+            path = str(mnt / f"mrl-comm-tfull-p{os.getpid()}-0000000{int(grow)}.ring")
+            q = CTX.Queue()
+            p = CTX.Process(target=_segment_child, args=(path, 4 << 20, grow, q))
+            p.start()
+            _join(p, timeout=60)
+            assert p.exitcode == 0, f"the segment's process died with exit code {p.exitcode} (-7: SIGBUS)"
+            msg = q.get(timeout=5)
+            assert msg.startswith("SharedMemoryFullError") and os.path.basename(path) in msg, msg
+            assert "MiB free of 1.0 MiB" in msg and "--shm-size" in msg and "comm.slot_bytes" in msg, msg
+            assert ("4.0 MiB in all" in msg) and msg.endswith(f"exists={grow}"), msg  # a failed create is removed
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)

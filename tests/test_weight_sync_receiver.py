@@ -445,3 +445,79 @@ def test_poll_with_no_time_left_does_not_misbehave(shm):
     recv = DoubleBufferedReceiver(model, s.receiver_handle().attach())
     s.publish(1, filled(model, 1.0))
     assert recv.poll(0) == 1 and recv.switch(5).to_version == 1
+
+
+def test_sources_strip_checkpoint_wrappers_on_the_zero3_path_too(monkeypatch):
+    """Activation-checkpointing wrappers add ``_checkpoint_wrapped_module.`` to the trainer's names: stripped on the
+    plain and the ZeRO-3 path alike (the served model has no such part; unstripped, it is a "no destination" error).
+    ZeRO-3 here: parameters carrying ``ds_id`` and a stand-in for ``deepspeed.zero.GatheredParameters``."""
+    import contextlib
+    import sys
+    import types
+
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    served = make_model()
+    want = [n for n, _ in served.named_parameters()]
+    torch.manual_seed(0)
+    trained = torch.nn.Sequential(
+        checkpoint_wrapper(torch.nn.Linear(16, 32)), torch.nn.ReLU(), torch.nn.Linear(32, 8), torch.nn.LayerNorm(8)
+    )
+    assert "0._checkpoint_wrapped_module.weight" in dict(trained.named_parameters())
+    assert [n for n, _ in iter_trainer_weights(trained)] == want
+    gathered: list[list[torch.Tensor]] = []
+    ds = types.ModuleType("deepspeed")
+    ds.zero = types.SimpleNamespace(
+        GatheredParameters=lambda ps, modifier_rank: (gathered.append(ps), contextlib.nullcontext())[1]
+    )
+    monkeypatch.setitem(sys.modules, "deepspeed", ds)
+    for i, p in enumerate(trained.parameters()):
+        p.ds_id = i
+    got = dict(iter_trainer_weights(trained, bucket_bytes=1024))
+    assert list(got) == want and len(gathered) > 1  # gathered a bucket at a time
+    assert torch.equal(got["0.weight"], trained[0]._checkpoint_wrapped_module.weight)
+
+
+def test_third_party_collective_transport_gets_its_group_rank(fresh_pm):
+    """A registered transport declaring ``collective`` is attached with ``rank=rank + 1`` (as
+    WeightTransport promises), whatever its handle's class; its receiver then loads versions."""
+    from mrl_plugins.hookspecs import Capabilities, WeightTransport
+
+    attached: list[int] = []
+
+    class RingHandle:
+        def __init__(self, inner):
+            self.inner = inner
+
+        def attach(self, rank=None):
+            if rank is None:
+                raise WeightSyncError("a ring receiver needs its group rank")
+            attached.append(rank)
+            return self.inner.attach()
+
+    class RingSender(ShmSender):
+        def receiver_handle(self):
+            return RingHandle(super().receiver_handle())
+
+    class Ring:
+        @hookimpl
+        def mrl_weight_sync_register_transports(self):
+            caps = Capabilities(collective=True, cross_host=True)
+            return [WeightTransport(name="ring", factory=RingSender, description="test ring", capabilities=caps)]
+
+    mgr = fresh_pm({"weight_sync": {"transport": "ring", "timeout_s": 5}}, plugins=[("ringplug", Ring())])
+    ctx = StageContext(config=mgr.config)
+    s = mgr.weight_sync_open_sender(ctx=ctx, model_id="policy", run_id="ring", receivers=3, same_process=False)
+    model = make_model()
+    recvs = []
+    try:
+        for r in (0, 2):
+            h = s.receiver_handle()
+            recvs.append(mgr.weight_sync_open_receiver(ctx=ctx, model=model, handle=h, model_id="policy", rank=r))
+        assert attached == [1, 3]
+        s.publish(1, filled(model, 1.0))
+        assert recvs[1].poll(5) == 1 and recvs[1].switch(5).to_version == 1 and values(model) == {1.0}
+    finally:
+        for r in recvs:
+            r.close()
+        s.close()

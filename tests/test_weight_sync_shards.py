@@ -272,7 +272,7 @@ def test_config_validation():
     cfg = WeightSyncConfig()
     assert cfg.validate() is cfg and cfg.transport == "auto" and cfg.verify_checksum  # auto: derived when loaded
     assert cfg.chunk_for("shm") > 0 and cfg.bucket_for("broadcast") >= cfg.chunk_for("broadcast")
-    with pytest.raises(ConfigError, match="unknown weight_sync key 'chunk'.*valid keys: transport, chunk_bytes"):
+    with pytest.raises(ConfigError, match="unknown weight_sync key 'chunk'.*valid keys: .*chunk_bytes"):
         WeightSyncConfig.from_dict({"chunk": 5})
     with pytest.raises(ConfigError, match="staging must be 'device' or 'host'"):
         WeightSyncConfig.from_dict({"staging": "disk"})
@@ -372,3 +372,118 @@ def test_shm_streaming_reader_sees_an_aborted_version(shm_sender):
     rx.fetch_into(2, d, 5)
     assert torch.all(d["a"] == 2)
     rx.close()
+
+
+def _bounded(fn, limit: float):
+    """Run ``fn`` in a daemon thread; its exception (or None), and whether it finished within ``limit`` s."""
+    import threading
+
+    out: list = []
+
+    def run():
+        try:
+            fn()
+            out.append(None)
+        except BaseException as exc:  # noqa: BLE001 - handed to the test
+            out.append(exc)
+
+    th = threading.Thread(target=run, daemon=True)
+    th.start()
+    th.join(limit)
+    return (out[0] if out else None), not th.is_alive()
+
+
+def _odd_ctl_child(q, attached) -> None:
+    s = ShmSender(WeightSyncConfig(chunk_bytes=1024, timeout_s=30), model_id="policy", run_id="todd")
+    s.publish(1, [("a", torch.ones(8))])
+    (cseq,) = s.ctl.read("<Q", 8)
+    s.ctl.write("<Q", 8, cseq + 1)  # dies between the two counter writes of a publish
+    q.put(s.receiver_handle())
+    attached.wait(60)
+    os._exit(0)  # no cleanup: the segments stay, the counter stays odd
+
+
+def test_shm_reader_does_not_spin_on_an_odd_control_counter(shm_sender):
+    """A sender that dies (or stalls) between the control counter's two writes: the reader's latest_version and
+    fetch_into raise StageTimeoutError (at once for a dead sender pid, at their timeout for a live one)."""
+    import multiprocessing as mp
+    import time
+
+    from mrl_plugins.errors import StageTimeoutError
+
+    ctx = mp.get_context("spawn")
+    q, attached = ctx.Queue(), ctx.Event()
+    p = ctx.Process(target=_odd_ctl_child, args=(q, attached))
+    p.start()
+    h = q.get(timeout=60)
+    rx = h.attach()
+    try:
+        attached.set()
+        p.join(30)
+        assert p.exitcode == 0
+        t0 = time.monotonic()
+        err, done = _bounded(rx.latest_version, 5)
+        assert done and isinstance(err, StageTimeoutError) and f"pid {h.writer_pid} died" in str(err)
+        err, done = _bounded(lambda: rx.fetch_into(1, {"a": torch.zeros(8)}, 1.0), 5)
+        assert done and isinstance(err, StageTimeoutError) and f"pid {h.writer_pid} died" in str(err)
+        assert time.monotonic() - t0 < 2  # the dead pid is seen at once, not at the 30 s timeout
+    finally:
+        rx.close()
+        for path in (h.ctl_path, *h.slot_paths):
+            if os.path.exists(path):  # another run's stale sweep may have taken them (dead owner pid)
+                os.unlink(path)
+
+    s = shm_sender(timeout_s=1)  # alive but stuck mid-update: the timeouts bound the wait
+    s.publish(1, [("a", torch.ones(8))])
+    rx = s.receiver_handle().attach()
+    (cseq,) = s.ctl.read("<Q", 8)
+    s.ctl.write("<Q", 8, cseq + 1)
+    t0 = time.monotonic()
+    err, done = _bounded(lambda: rx.fetch_into(1, {"a": torch.zeros(8)}, 0.5), 5)
+    assert done and isinstance(err, StageTimeoutError) and "not announced within 0.5s" in str(err)
+    err, done = _bounded(rx.latest_version, 5)
+    assert done and isinstance(err, StageTimeoutError) and "within 1.0s" in str(err)
+    assert time.monotonic() - t0 < 4
+    s.ctl.write("<Q", 8, cseq + 2)
+    assert rx.latest_version() == 1
+    rx.close()
+
+
+def test_directory_sender_removes_its_run_at_close_and_sweeps_dead_writers(tmp_path):
+    """run_id is new on every pool start: a closed sender leaves no versions behind; a starting one removes what
+    writers of this host that died left (temp entries, their runs), never a live writer's or another host's."""
+    from mrl_plugins.weight_sync.directory import _host
+
+    cfg = WeightSyncConfig(transport="directory", directory=str(tmp_path), chunk_bytes=4096)
+    dead = 4194305  # above the default pid_max: no such process
+    host = _host()
+    old = tmp_path / "old" / "policy"  # a killed writer's run: a complete version and one cut short
+    (old / "weight_v1").mkdir(parents=True)
+    (old / "manifest.json").write_text(json.dumps({"version": 1, "writer_pid": dead, "writer_host": host}))
+    live = tmp_path / "live" / "policy"  # a live writer's run with a version in progress
+    (live / f".weight_v2.tmp-{host}-{os.getpid()}").mkdir(parents=True)
+    (live / "manifest.json").write_text(json.dumps({"version": 1, "writer_pid": os.getpid(), "writer_host": host}))
+    (live / f".weight_v3.tmp-{host}-{dead}").mkdir()  # a dead writer's temp folder and manifest in it
+    (live / f"manifest.json.tmp-{host}-{dead}").write_text("{")
+    (live / f".weight_v4.tmp-otherhost-{dead}").mkdir()  # pids of other hosts cannot be judged here
+
+    pol = DirectorySender(cfg, model_id="policy", run_id="r2")
+    ref = DirectorySender(cfg, model_id="ref", run_id="r2")
+    assert not (tmp_path / "old").exists()
+    assert sorted(p.name for p in live.iterdir()) == sorted(
+        [f".weight_v2.tmp-{host}-{os.getpid()}", "manifest.json", f".weight_v4.tmp-otherhost-{dead}"]
+    )
+    for v in (1, 2, 3):
+        pol.publish(v, [("w", torch.full((3000,), float(v)))])
+        ref.publish(v, [("w", torch.full((3000,), float(v)))])
+    rx = pol.receiver_handle().attach()
+    dest = {"w": torch.zeros(3000)}
+    rx.fetch_into(3, dest, 2)
+    assert torch.all(dest["w"] == 3)
+    pol.close()
+    assert not (tmp_path / "r2" / "policy").exists() and (tmp_path / "r2" / "ref" / "weight_v3").exists()
+    ref.close()
+    ref.close()  # idempotent
+    assert not (tmp_path / "r2").exists()
+    with pytest.raises(WeightSyncError, match="closed"):
+        pol.publish(4, [("w", torch.zeros(3000))])

@@ -24,6 +24,7 @@ producer is watched again).
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 import time
@@ -40,6 +41,8 @@ from .base import ChannelClosedError, Heartbeat, PeerDeadError, Received, deadli
 from .codec import make_codec
 from .config import CommConfig
 from .frame import FrameError, FramePlan, decode_frame
+
+LOG = logging.getLogger("mrl_plugins.comm")
 
 _TAG_LEN, _TAG_FRAME = 11, 12
 #: seconds between two looks of the consumer for producers that joined (a new one or a restarted one)
@@ -87,8 +90,10 @@ class DistConsumer:
         self._seen: dict[int, tuple[int, float]] = {}
         self._reported: dict[int, int] = {}  # producer -> the incarnation reported dead
         self._arrived: dict[tuple[int, int], int] = {}  # frames queued per (producer, incarnation)
+        self._link_errors: dict[tuple[int, int], str] = {}  # (producer, incarnation) -> how its link failed
         self._stats = dict.fromkeys(
-            ("frames", "bytes", "raw_bytes", "fallbacks", "corrupt", "wait_s", "dead_peers", "rejoins"), 0
+            ("frames", "bytes", "raw_bytes", "fallbacks", "corrupt", "wait_s", "dead_peers", "rejoins", "link_errors"),
+            0,
         )
         # the producers' codec: tells their overflow fallbacks from the frames
         self._codec = codec if codec is not None else make_codec(config)
@@ -138,8 +143,11 @@ class DistConsumer:
                         break
                     except queue.Full:
                         continue
-        except BaseException:  # noqa: BLE001 - its process died or its link broke: the heartbeat reports it
-            pass
+        except BaseException as exc:  # noqa: BLE001 - its process died or its link broke: the heartbeat reports it
+            if not self._closing.is_set() and not self._master.check([f"closed/{i}/{incarnation}"]):
+                self._stats["link_errors"] += 1  # counted and logged, named in the dead-peer report
+                self._link_errors[key] = f"{type(exc).__name__}: {exc}"[:300]
+                LOG.warning("torch_distributed producer %d (incarnation %d): link failed: %s", i, incarnation, exc)
         finally:
             if self._joined[i] != incarnation:  # superseded: let its group go
                 self._links.pop(key, None)
@@ -176,9 +184,11 @@ class DistConsumer:
             elif now - last[1] > self.config.heartbeat_timeout_s:
                 self._reported[i] = g
                 self._stats["dead_peers"] += 1
+                err = self._link_errors.get((i, g))
+                link = f"; its link failed: {err}" if err else ""
                 raise PeerDeadError(
                     f"torch_distributed producer {i} is dead: heartbeat unchanged for {now - last[1]:.2f} s "
-                    f"(heartbeat timeout {self.config.heartbeat_timeout_s:g} s: timeout_s across hosts)"
+                    f"(heartbeat timeout {self.config.heartbeat_timeout_s:g} s: timeout_s across hosts){link}"
                 )
         if closed == self.n and self._inbox.empty() and self._err is None:
             raise ChannelClosedError(f"all {self.n} torch_distributed producers closed")
@@ -218,7 +228,8 @@ class DistConsumer:
         return Received(meta, batch, frame.numel(), src)
 
     def stats(self) -> dict[str, float]:
-        """Counters: frames, bytes, raw_bytes, corrupt, wait_s, dead_peers, rejoins, queue_depth (always 0)."""
+        """Counters: frames, bytes, raw_bytes, corrupt, wait_s, dead_peers, rejoins, link_errors (receiver links
+        that broke), queue_depth (always 0)."""
         return {**self._stats, "queue_depth": 0}
 
     def close(self, unlink: bool = True) -> None:
@@ -338,7 +349,10 @@ class DistProducer:
         try:
             self.flush(timeout)
         finally:
-            self._outbox.put(None)
+            try:  # a sender thread stuck on a consumer that stopped receiving, or dead, leaves the outbox full
+                self._outbox.put_nowait(None)
+            except queue.Full:
+                pass  # the thread is abandoned (daemon); its frames were not taken
             self._tx.join(timeout=1.0)
             self._hb.stop()
             # the frames handed to the wire by this incarnation

@@ -10,6 +10,7 @@ The codec is not applied (fields travel in their own dtype). Handles pass throug
 
 from __future__ import annotations
 
+import logging
 import multiprocessing as mp
 import os
 import pickle
@@ -26,6 +27,8 @@ from mrl_plugins.shmem import check_run_id
 
 from .base import ChannelClosedError, Heartbeat, PeerDeadError, Received, deadline_of, pid_alive
 from .config import CommConfig
+
+LOG = logging.getLogger("mrl_plugins.comm")
 
 _FREE, _ATTACHED, _CLOSED = 0, 1, 2
 
@@ -62,7 +65,7 @@ class QueueConsumer:
         self.state = ctx.RawArray("i", n_producers)
         self.pids = ctx.RawArray("q", n_producers)
         self._stats = dict.fromkeys(("frames", "bytes", "raw_bytes", "wait_s", "dead_peers", "corrupt"), 0)
-        self._reported: set[int] = set()
+        self._reported: dict[int, int] = {}  # producer -> the pid reported dead (a new pid is watched again)
         self._closed = False
 
     def producer_handle(self, i: int) -> QueueProducerHandle:
@@ -96,11 +99,13 @@ class QueueConsumer:
     def _check_peers(self) -> None:
         now = time.monotonic()
         for i in range(self.n):
+            if i in self._reported and self.state[i] == _ATTACHED and self.pids[i] != self._reported[i]:
+                del self._reported[i]  # a restarted producer attached under this index
             if self.state[i] != _ATTACHED or i in self._reported:
                 continue
             age = now - self.hb[i]
             if age > self.config.heartbeat_timeout_s or not pid_alive(self.pids[i]):
-                self._reported.add(i)
+                self._reported[i] = self.pids[i]
                 self._stats["dead_peers"] += 1
                 raise PeerDeadError(f"queue producer {i} (pid {self.pids[i]}) is dead: last heartbeat {age:.2f} s ago")
         if all(self.state[i] == _CLOSED or i in self._reported for i in range(self.n)) and self.q.empty():
@@ -184,13 +189,27 @@ class QueueProducer:
         return dict(self._stats)
 
     def close(self) -> None:
-        """Flush the queue's feeder thread and mark this producer closed."""
+        """Flush the queue's feeder thread (at most ``send_timeout_s``; not waited for once the consumer is dead)
+        and mark this producer closed. Items the consumer did not take by then are dropped, with a warning."""
         if self._closed:
             return
         self._closed = True
         self._hb.stop()
-        self.h.q.close()
-        self.h.q.join_thread()
+        q = self.h.q
+        q.close()
+        feeder = getattr(q, "_thread", None)  # the feeder writing buffered items into the pipe
+        deadline = time.monotonic() + self.config.send_timeout_s
+        while feeder is not None and feeder.is_alive():
+            if time.monotonic() >= deadline or not pid_alive(self.h.consumer_pid):
+                q.cancel_join_thread()  # neither here nor at exit: a consumer that stopped reading keeps it blocked
+                LOG.warning(
+                    "queue producer %d: the consumer (pid %d) took no more items; unsent ones dropped at close",
+                    self.index, self.h.consumer_pid,
+                )  # fmt: skip
+                break
+            feeder.join(0.05)
+        else:
+            q.join_thread()
         self.h.state[self.index] = _CLOSED
 
 

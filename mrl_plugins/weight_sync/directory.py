@@ -4,13 +4,18 @@ Layout under ``<directory>/<run_id>/<model_id>/``::
 
     weight_v{N}/shard_{i:05d}.safetensors   one valid safetensors file per shard (see .shards)
     manifest.json                           {"model_id", "version", "uuid", "shard_count", "nbytes",
-                                             "files": [[name, size, crc32c], ...], "writer_pid", "time"}
+                                             "files": [[name, size], ...], "writer_pid", "writer_host", "time"}
 
-A version is written into ``.weight_v{N}.tmp-<pid>``, renamed to ``weight_v{N}`` when complete, and
-only then announced by writing ``manifest.json.tmp-<pid>`` and ``os.replace``-ing it over the
+A version is written into ``.weight_v{N}.tmp-<host>-<pid>``, renamed to ``weight_v{N}`` when complete, and
+only then announced by writing ``manifest.json.tmp-<host>-<pid>`` and ``os.replace``-ing it over the
 manifest, so a reader sees either the old or the new manifest, never a partial one, and never a
 manifest naming an incomplete version. Older versions beyond ``keep_versions`` are deleted after the
 new manifest is in place. Works on local disk and shared filesystems (pools that poll).
+
+Disk: the sender removes its model's folder (and the run's folder once empty) at ``close()``: ``run_id`` is new
+on every pool start, and a reader of a finished run needs none of it. A starting sender sweeps what writers that died
+on this machine and in this pid namespace left under ``directory``: their temp folders and manifests, and the
+folders of their runs (entries of other machines or containers are never judged).
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import logging
 import os
 import re
 import shutil
+import socket
 import time
 import uuid as uuidlib
 from collections.abc import Iterable
@@ -28,6 +34,7 @@ from typing import Any
 
 import torch
 
+from mrl_plugins._proc import pid_alive
 from mrl_plugins.errors import StageTimeoutError
 from mrl_plugins.hookspecs import PublishReport
 
@@ -37,6 +44,7 @@ from .shards import Dest, ShardWriter, VersionGoneError, WeightSyncError, check_
 LOG = logging.getLogger("mrl_plugins.weight_sync")
 
 MANIFEST = "manifest.json"
+_TMP_RE = re.compile(r"^(\.weight_v\d+|manifest\.json)\.tmp-(?P<host>[A-Za-z0-9_.]+)-(?P<pid>\d+)$")
 
 
 def _safe(s: str) -> str:
@@ -91,15 +99,72 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
+def _host() -> str:
+    """Where this process's pids mean something: the machine's boot and the pid namespace (containers on one
+    machine, even with one hostname, have their own), so a sweep never judges another namespace's pid."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip().replace("-", "")[:16]
+        ns = os.stat("/proc/self/ns/pid").st_ino
+    except OSError:  # no /proc: the hostname alone
+        return _safe(socket.gethostname()) or "host"
+    return f"{boot}.{ns}"
+
+
+def _sweep_dead(directory: str) -> None:
+    """Remove what dead writers of this host left in ``directory/<run>/<model>/``: temp entries, and the model
+    folders whose manifest names a dead writer (a killed trainer's run). Other hosts' entries are left alone."""
+    host = _host()
+    for run in os.listdir(directory):
+        run_dir = os.path.join(directory, run)
+        if not os.path.isdir(run_dir) or run.startswith("."):
+            continue
+        for model in os.listdir(run_dir):
+            root = os.path.join(run_dir, model)
+            try:
+                with open(os.path.join(root, MANIFEST), "rb") as f:
+                    m = json.loads(f.read())
+                if m.get("writer_host") == host and not pid_alive(int(m.get("writer_pid", 0))):
+                    shutil.rmtree(root, ignore_errors=True)
+                    continue
+            except (OSError, ValueError, TypeError, AttributeError):
+                pass  # no manifest yet, or not one of ours
+            try:
+                names = os.listdir(root)
+            except OSError:
+                continue
+            for n in names:
+                t = _TMP_RE.match(n)
+                if t and t["host"] == host and not pid_alive(int(t["pid"])):
+                    path = os.path.join(root, n)
+                    shutil.rmtree(path, ignore_errors=True) if os.path.isdir(path) else _unlink(path)
+        try:
+            os.rmdir(run_dir)  # empty now
+        except OSError:
+            pass
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+
+
 class DirectorySender:
-    """Publish versions as ``weight_v{N}`` folders of safetensors shards plus ``manifest.json``."""
+    """Publish versions as ``weight_v{N}`` folders of safetensors shards plus ``manifest.json``; removes them at
+    ``close()``."""
 
     def __init__(self, config: WeightSyncConfig, *, model_id: str = "policy", run_id: str = "run", **_: Any) -> None:
         if not config.directory:
             raise WeightSyncError("the 'directory' transport needs weight_sync.directory")
         self.config, self.model_id, self.run_id = config, model_id, run_id
         self.root = os.path.join(config.directory, _safe(run_id), _safe(model_id))
+        if os.path.isdir(config.directory):
+            _sweep_dead(config.directory)
         os.makedirs(self.root, exist_ok=True)
+        self._tmp = f"tmp-{_host()}-{os.getpid()}"
+        self._closed = False
         self.chunk_bytes = config.chunk_for("directory")
         self._latest: int | None = None
 
@@ -108,7 +173,9 @@ class DirectorySender:
         check_newer(self.model_id, version, self._latest)
         t0 = time.perf_counter()
         final = os.path.join(self.root, f"weight_v{version}")
-        tmp = os.path.join(self.root, f".weight_v{version}.tmp-{os.getpid()}")
+        if self._closed:
+            raise WeightSyncError("directory sender is closed")
+        tmp = os.path.join(self.root, f".weight_v{version}.{self._tmp}")
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
         try:
@@ -127,10 +194,7 @@ class DirectorySender:
             writer.flush()
             sink.close()
             count = writer.finish()
-            files = [
-                [f, os.path.getsize(os.path.join(tmp, f)), meta.checksum]
-                for f, (_, _, meta, _) in zip(sink.files, writer.shards)
-            ]
+            files = [[f, os.path.getsize(os.path.join(tmp, f))] for f in sink.files]  # checksums: in the shards
             shutil.rmtree(final, ignore_errors=True)
             os.rename(tmp, final)
         except BaseException:
@@ -144,9 +208,10 @@ class DirectorySender:
             "nbytes": writer.nbytes,
             "files": files,
             "writer_pid": os.getpid(),
+            "writer_host": _host(),
             "time": time.time(),
         }
-        mtmp = os.path.join(self.root, f"{MANIFEST}.tmp-{os.getpid()}")
+        mtmp = os.path.join(self.root, f"{MANIFEST}.{self._tmp}")
         with open(mtmp, "w") as f:
             json.dump(manifest, f)
             f.flush()
@@ -177,7 +242,15 @@ class DirectorySender:
         )
 
     def close(self) -> None:
-        """Nothing to release: published versions stay on disk for late readers."""
+        """Remove this model's folder, and the run's once no other model is left in it (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        shutil.rmtree(self.root, ignore_errors=True)
+        try:
+            os.rmdir(os.path.dirname(self.root))
+        except OSError:  # another model of the run is still there
+            pass
 
 
 @dataclass(frozen=True)
@@ -270,7 +343,7 @@ class DirectoryReceiver:
 
     def _blobs(self, m: dict) -> Iterable[torch.Tensor]:
         folder = os.path.join(self.h.root, f"weight_v{m['version']}")
-        for name, size, _crc in m["files"]:
+        for name, size, *_ in m["files"]:  # [name, size] (a crc32c third before: in the shard header too)
             path = os.path.join(folder, name)
             if self._buf.numel() < size:
                 self._buf = torch.empty(size, dtype=torch.uint8)

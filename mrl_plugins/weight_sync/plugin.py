@@ -23,7 +23,7 @@ from typing import Any
 from mrl_plugins.errors import ConfigError, choices
 from mrl_plugins.hookspecs import Capabilities, StageContext, StagePlugin, WeightTransport, hookimpl
 
-from .broadcast import BroadcastHandle, BroadcastSender, PerParamSender
+from .broadcast import BroadcastSender, PerParamSender
 from .directory import DirectorySender
 from .shm import ShmSender
 from .vllm_transfer import VLLMTransferHandle, VLLMTransferSender
@@ -44,9 +44,10 @@ def _group_host(ctx: StageContext) -> str:
     return "127.0.0.1"
 
 
-def attach_handle(handle: Any, rank: int) -> Any:
-    """The receiving end of a transport handle; in a collective group receiver ``rank`` is group rank ``rank + 1``."""
-    return handle.attach(rank=rank + 1) if isinstance(handle, BroadcastHandle) else handle.attach()
+def attach_handle(handle: Any, rank: int, collective: bool) -> Any:
+    """The receiving end of a transport handle: ``.attach(rank=rank + 1)`` for a ``collective`` transport (its
+    registration's capability: receiver ``rank`` is group rank ``rank + 1``), ``.attach()`` otherwise."""
+    return handle.attach(rank=rank + 1) if collective else handle.attach()
 
 
 class WeightSyncPlugin:
@@ -119,14 +120,15 @@ class WeightSyncPlugin:
             receiver = handle.attach(rank + 1, model)
             receiver.capabilities = _transport(ctx).capabilities
             return receiver
+        caps = _transport(ctx).capabilities
         receiver = DoubleBufferedReceiver(
             model,
-            attach_handle(handle, rank),
+            attach_handle(handle, rank, caps.collective),
             model_id=model_id,
             staging=ctx.config.weight_sync.staging,
             name_map=ctx.plugins.weight_sync_name_map(model_id),
         )
-        receiver.capabilities = _transport(ctx).capabilities
+        receiver.capabilities = caps
         return receiver
 
 

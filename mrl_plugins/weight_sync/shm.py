@@ -7,7 +7,7 @@ Segments (files under ``/dev/shm``, named ``mrl-weights-<run_id>-p<pid>-<8 hex>.
   and the writer's pid;
 * ``s0`` / ``s1``: two slots (double buffering), each a 1 MiB slot header (magic, seqlock counter,
   ``version + 1``, bytes used, shard count, uuid, version being written, shards done, and a table of
-  ``(offset, length)`` per shard; sparse, only used pages are touched) followed by the version's
+  ``(offset, length)`` per shard; its pages are allocated with the slot) followed by the version's
   shards (valid safetensors blobs, 64-byte aligned, see :mod:`.shards`).
 
 Readers can stream a version while it is written: each shard is announced in the table once its
@@ -40,7 +40,7 @@ import torch
 from mrl_plugins._proc import pid_alive
 from mrl_plugins.errors import StageTimeoutError
 from mrl_plugins.hookspecs import PublishReport
-from mrl_plugins.shmem import Segment, forget_owner, new_path, register_owner, remove_stale, safe_role
+from mrl_plugins.shmem import Segment, new_path, remove_stale, safe_role
 
 from .config import WeightSyncConfig
 from .shards import (
@@ -58,7 +58,7 @@ from .shards import (
 STAGE = "weights"
 CTL_MAGIC = b"MRLWCTL1"
 SLOT_MAGIC = b"MRLWSLT1"
-SLOT_HDR = 1 << 20  # slot header + shard table (sparse: only the pages used are ever touched)
+SLOT_HDR = 1 << 20  # slot header + shard table
 _SLOT_FMT = "<8sQQQQQQ32s"  # magic, seq, version+1, used, shard_count, (unused x2), uuid
 _UUID_OFF = 56
 _WRITING_OFF = 88  # version being written + 1, shards done
@@ -169,7 +169,6 @@ class ShmSender:
         self.ctl.write("<8sQQQQQQ", 0, CTL_MAGIC, 0, 0, 0, os.getpid(), 0, 0)
         self._latest: int | None = None
         self._latest_slot = 1
-        register_owner(self)
 
     def publish(self, version: int, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> PublishReport:
         """Write ``version`` into the free slot, then make it the latest. Streams: one chunk held at most.
@@ -193,8 +192,7 @@ class ShmSender:
             seg.write("<32s", _UUID_OFF, uid.encode())
             seg.write("<QQ", _WRITING_OFF, version + 1, 0)  # writing version + 1, shards done
         finally:
-            if seg.fd >= 0:  # closed by a signal's cleanup meanwhile: the lock went with the descriptor
-                fcntl.flock(seg.fd, fcntl.LOCK_UN)
+            fcntl.flock(seg.fd, fcntl.LOCK_UN)
         self.ctl.write("<QQ", _CTL_WRITING_OFF, version + 1, si)
         try:
             sink = _SlotSink(seg)
@@ -213,10 +211,9 @@ class ShmSender:
             seg.write("<Q", 8, seq + 2)  # even: complete
             seg.write("<Q", _WRITING_OFF, 0)
         except BaseException:
-            if not self._closed:  # a SIGTERM/SIGINT cleanup may have closed (and unlinked) us mid-write: then
-                seg.write("<QQ", _WRITING_OFF, 0, 0)  # there is nothing to mark; else streamers see the abort
-                seg.write("<QQ", 8, seq + 2, 0)
-                self.ctl.write("<QQ", _CTL_WRITING_OFF, 0, 0)
+            seg.write("<QQ", _WRITING_OFF, 0, 0)  # streamers see the abort
+            seg.write("<QQ", 8, seq + 2, 0)
+            self.ctl.write("<QQ", _CTL_WRITING_OFF, 0, 0)
             raise
         (cseq,) = self.ctl.read("<Q", 8)
         self.ctl.write("<Q", 8, cseq + 1)
@@ -245,7 +242,6 @@ class ShmSender:
         for s in self._segs:
             s.close(unlink_file=True)
         self._segs = []
-        forget_owner(self)
 
 
 @dataclass(frozen=True)
@@ -277,16 +273,29 @@ class ShmReceiver:
         if self.ctl.read("<8s")[0] != CTL_MAGIC:
             raise WeightSyncError(f"{handle.ctl_path} is not a weight-sync control segment")
 
-    def _ctl(self) -> tuple[int | None, int]:
+    def _ctl(self, deadline: float | None = None, timeout: float | None = None) -> tuple[int | None, int]:
+        """``(latest version, its slot)`` from the control seqlock. The sender holds it odd for two struct writes;
+        one that stays odd (a sender dead between them) raises StageTimeoutError: at once when the sender's pid
+        is gone, at ``deadline`` (default: the handle's timeout) otherwise."""
+        spins = 0
         while True:
             s1, v1, slot = self.ctl.read("<QQQ", 8)
             (s2,) = self.ctl.read("<Q", 8)
             if s1 == s2 and s1 % 2 == 0:
                 return (v1 - 1 if v1 else None), slot
+            spins += 1
+            if spins == 1:
+                timeout = self.h.timeout_s if timeout is None else timeout
+                deadline = time.monotonic() + timeout if deadline is None else deadline
+            elif spins % 64 == 0:
+                what = "the latest version"
+                self._check_sender(
+                    -1, deadline, timeout, "while announcing", "not announced", "(control counter odd)", what
+                )
             time.sleep(0)
 
     def latest_version(self) -> int | None:
-        """Newest complete version (a few struct reads; no lock)."""
+        """Newest complete version (a few struct reads; no lock; StageTimeoutError when its sender died mid-update)."""
         return self._ctl()[0]
 
     def writing_version(self) -> int | None:
@@ -305,7 +314,7 @@ class ShmReceiver:
         deadline = time.monotonic() + timeout
         attempts, delay = 0, 0.0005
         while True:
-            latest, _ = self._ctl()
+            latest, _ = self._ctl(deadline, timeout)
             w, wslot = self.ctl.read("<QQ", _CTL_WRITING_OFF)
             if latest is not None and latest >= version:
                 seg = next((x for x in self.slots if x.read("<Q", 16)[0] == version + 1), None)
@@ -334,17 +343,17 @@ class ShmReceiver:
             finally:
                 fcntl.flock(seg.fd, fcntl.LOCK_UN)
 
-    def _check_sender(self, version: int, deadline: float, timeout: float, died: str, late: str, detail: str) -> None:
+    def _check_sender(
+        self, version: int, deadline: float, timeout: float, died: str, late: str, detail: str, what: str = ""
+    ) -> None:
         """Raise StageTimeoutError when the sender is dead or the deadline passed (never wait forever)."""
+        what = what or f"version {version}"
         if not pid_alive(self.h.writer_pid):
             raise StageTimeoutError(
-                f"model_id={self.h.model_id}: shm sender pid {self.h.writer_pid} died {died} version {version} "
-                f"{detail}"
+                f"model_id={self.h.model_id}: shm sender pid {self.h.writer_pid} died {died} {what} {detail}"
             )
         if time.monotonic() > deadline:
-            raise StageTimeoutError(
-                f"model_id={self.h.model_id}: version {version} {late} within {timeout:.1f}s {detail}"
-            )
+            raise StageTimeoutError(f"model_id={self.h.model_id}: {what} {late} within {timeout:.1f}s {detail}")
 
     def _read_slot(self, seg: Segment, version: int, dest: Dest, deadline: float, timeout: float) -> int | None:
         """Stream the shards of ``version`` from ``seg`` (shared lock held); ``None`` if the slot moved on."""

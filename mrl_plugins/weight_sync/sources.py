@@ -71,6 +71,12 @@ def inference_copy(model: Any) -> Any:
     return out
 
 
+def strip_wrappers(name: str) -> str:
+    """A parameter's name without activation-checkpointing wrappers' ``_checkpoint_wrapped_module.`` parts (the
+    served model has none), on every path of :func:`iter_trainer_weights`."""
+    return name.replace("_checkpoint_wrapped_module.", "")
+
+
 def peft_base_name(name: str, prefix: str = "lora_") -> str | None:
     """TRL's name fixing for merged PEFT models: the base model's name, or ``None`` to skip the tensor."""
     name = name.removeprefix("base_model.model.").replace(".base_layer", "")
@@ -78,7 +84,7 @@ def peft_base_name(name: str, prefix: str = "lora_") -> str | None:
         return None
     if "original_module" in name:
         return None
-    return name.replace("modules_to_save.default.", "").replace("_checkpoint_wrapped_module.", "")
+    return strip_wrappers(name.replace("modules_to_save.default.", ""))
 
 
 def _numel_bytes(p: torch.nn.Parameter) -> int:
@@ -127,13 +133,13 @@ def iter_trainer_weights(
                 model.unmerge_adapter()
         return
 
-    items = list(model.named_parameters())
+    items = [(strip_wrappers(n), p) for n, p in model.named_parameters()]
     if zero3:
         for group in _zero3_buckets(items, bucket_bytes or DEFAULT_GATHER_BUCKET):
             yield from _gathered(group)
         return
     for n, p in items:
-        yield n.replace("_checkpoint_wrapped_module.", ""), p.detach()
+        yield n, p.detach()
 
 
 def _gathered(group: list[tuple[str, torch.nn.Parameter]]) -> Iterator:
