@@ -3,7 +3,7 @@ of the repository, beside the benchmarks: not installed with the package).
 
 ``python -m benchmarks.config_docs`` writes ``docs/config.md`` (``--out PATH`` elsewhere); ``--check`` only
 compares and exits 1 when the file differs from what the dataclasses say (``tests/test_docs.py`` does the
-same). Every key, type, default and help line comes from ``metadata["help"]`` of the fields in
+same). Every key, type, default, help line and rule (``choices``, bounds) comes from the ``metadata`` of the fields in
 :mod:`mrl_plugins.config` and each stage's ``config.py``; nothing here is written by hand except the preamble.
 """
 
@@ -19,7 +19,7 @@ import typing
 from pathlib import Path
 from typing import Any
 
-from mrl_plugins.config_fields import user_fields
+from mrl_plugins.config_fields import rule_text, user_fields
 
 #: where ``python -m benchmarks.config_docs`` writes by default (relative to the working directory)
 DEFAULT_OUT = Path("docs") / "config.md"
@@ -162,7 +162,8 @@ def render() -> str:
                 out.append(f"### {group}\n\n{_doc(part)}\n")
             rows = ["| key | type | default | what it does |", "|---|---|---|---|"]
             for f in user_fields(part):
-                help_text = _md(f.metadata.get("help", ""))
+                rule = rule_text(f)
+                help_text = _md(f.metadata.get("help", "") + (f" ({rule})" if rule else ""))
                 if not key and f.name in nested:
                     rows.append(f"| `{f.name}` | section | | {help_text}: see below |")
                     continue

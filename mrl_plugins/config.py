@@ -8,7 +8,6 @@ applied. Stage sections come from the stage packages (``mrl_plugins.comm.config`
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 import typing
 from dataclasses import dataclass, field
@@ -24,15 +23,17 @@ from mrl_plugins.config_fields import (  # noqa: F401 - the parser's names, re-e
     _join,
     _nested,
     _type_ok,
+    check_fields,
     internal,
     is_internal,
     section_from_dict,
 )
 from mrl_plugins.demo import tool_task
+from mrl_plugins.demo.models import PRESETS, TOOL_PRESETS
+from mrl_plugins.device.select import canonical_device_spec
 from mrl_plugins.errors import ConfigError, choices
 
 MODES = ("colocate", "disaggregated", "hybrid")
-DEVICES = ("auto", "cpu", "cuda", "npu")
 TRAINERS = ("grpo", "rloo")
 #: the embedded job's tasks (``train.task``): the count task of the ``tiny``/``small`` presets, and the tool task
 #: (:mod:`mrl_plugins.demo.tool_task`, preset ``tiny-tools``) with ``tools=``, one environment factory or a dict of two
@@ -75,29 +76,25 @@ class PluginsConfig:
 class TrainConfig:
     """The GRPO/RLOO run that ``mrl run`` and ``mrl compare`` launch (ignored by ``mrl_plugins.enable``)."""
 
-    trainer: str = field(default="grpo", metadata={"help": "TRL trainer: 'grpo' or 'rloo'"})
+    trainer: str = field(default="grpo", metadata={"help": "TRL trainer", "choices": TRAINERS})
     model: str = field(
-        default="small",
-        metadata={
-            "help": "preset ('tiny', 'small', 'tiny-tools'; the GPU job's 'qwen2-360m', 'qwen2-tiny') or a local HF "
-            "checkpoint folder"
-        },
+        default="small", metadata={"help": f"preset ({choices(PRESETS)}) or a local HF checkpoint folder"}
     )
     task: str = field(
         default="count",
         metadata={
-            "help": "'count' (presets tiny, small, qwen2-360m, qwen2-tiny), or the calculator task of preset "
-            "tiny-tools (grpo only): "
-            "'tools' (tools=[add, subtract]), 'environment' (environment_factory=CalculatorEnv) or 'environments' "
-            "(a dict of two: AddEnv, SubtractEnv)"
+            "help": f"'count' (presets {choices(p for p in PRESETS if p not in TOOL_PRESETS)}), or the calculator "
+            f"task of preset {choices(TOOL_PRESETS)} (grpo only): 'tools' (tools=[add, subtract]), 'environment' "
+            "(environment_factory=CalculatorEnv) or 'environments' (a dict of two: AddEnv, SubtractEnv)",
+            "choices": TASKS,
         },
     )
-    steps: int = field(default=30, metadata={"help": "optimizer steps (max_steps)"})
+    steps: int = field(default=30, metadata={"help": "optimizer steps (max_steps)", "ge": 1})
     seed: int = field(default=0, metadata={"help": "random seed (same for every compared run)"})
     learning_rate: float = field(default=3e-3, metadata={"help": "learning rate"})
-    num_prompts: int = field(default=512, metadata={"help": "size of the generated prompt dataset"})
+    num_prompts: int = field(default=512, metadata={"help": "size of the generated prompt dataset", "ge": 1})
     threads: int = field(
-        default=0, metadata={"help": "torch threads of the trainer process; 0 = all cores of the budget"}
+        default=0, metadata={"help": "torch threads of the trainer process; 0 = all cores of the budget", "ge": 0}
     )
     device: str = field(
         default="auto",
@@ -107,32 +104,18 @@ class TrainConfig:
         },
     )
     output_dir: str = field(default="mrl-out", metadata={"help": "TRL output_dir"})
-    logging_steps: int = field(default=1, metadata={"help": "TRL logging_steps"})
+    logging_steps: int = field(default=1, metadata={"help": "TRL logging_steps", "ge": 1})
     trl_args: dict = field(default_factory=dict, metadata={"help": "extra GRPOConfig/RLOOConfig keyword arguments"})
 
     def validate(self) -> None:
-        if self.trainer not in TRAINERS:
-            raise ConfigError(f"train.trainer: {self.trainer!r} is not supported; valid: {choices(TRAINERS)}")
-        if self.task not in TASKS:
-            raise ConfigError(f"train.task: {self.task!r} is not a task of the embedded job; valid: {choices(TASKS)}")
+        """The fields' rules, the task's trainer, and ``device`` in the one spelling the code compares."""
+        check_fields(self, "train")
         if self.task != "count" and self.trainer != "grpo":
             raise ConfigError(
                 f"train.task: {self.task!r} needs train.trainer 'grpo' (TRL's RLOOTrainer takes no tools), "
                 f"got {self.trainer!r}"
             )
-        for key in ("steps", "num_prompts", "logging_steps"):
-            if getattr(self, key) < 1:
-                raise ConfigError(f"train.{key}: must be >= 1, got {getattr(self, key)}")
-        if self.threads < 0:
-            raise ConfigError(f"train.threads: must be >= 0, got {self.threads}")
-        check_device_spec(self.device, "train.device")
-
-
-def check_device_spec(value: Any, key: str) -> None:
-    """``auto``, ``cpu``, ``cuda[:N]`` or ``npu[:N]``; ConfigError naming ``key`` otherwise."""
-    dev, sep, index = str(value).partition(":")
-    if not isinstance(value, str) or dev not in DEVICES or (sep and (dev in ("auto", "cpu") or not index.isdigit())):
-        raise ConfigError(f"{key}: {value!r} is not a device; valid: {choices(DEVICES)} (cuda/npu optionally ':N')")
+        self.device = canonical_device_spec(self.device, "train.device")
 
 
 def derive(top: Any, rollout: Any, weight_sync: Any, comm: Any) -> dict[str, dict[str, Any]]:
@@ -199,7 +182,7 @@ class MrlConfig:
     plugins: PluginsConfig = field(default_factory=PluginsConfig, metadata={"help": "plugin per stage"})
     disable: list[str] = field(default_factory=list, metadata={"help": "plugin names blocked before loading"})
     autoload: bool = internal(AUTOLOAD_WHY, default=True)
-    mode: str = field(default="colocate", metadata={"help": "deployment: 'colocate', 'disaggregated' or 'hybrid'"})
+    mode: str = field(default="colocate", metadata={"help": "deployment", "choices": MODES})
     device: str | None = internal(DEVICE_WHY, default=None)
     timeout_s: float = field(
         default=120.0,
@@ -207,7 +190,8 @@ class MrlConfig:
             "help": "seconds to wait for another process (a worker's answer, each wait of a weight transfer, a send "
             "or receive of experience, a remote worker's silence) before the run fails naming it; a worker may "
             "take 1.5x as long to start (vLLM at least 300 s), a peer on this host is dead after min(timeout_s, "
-            "5) s without a heartbeat"
+            "5) s without a heartbeat",
+            "ge": 1,
         },
     )
     checksums: bool = field(
@@ -227,9 +211,7 @@ class MrlConfig:
         """Parse every section once, then derive: a section's internal fields its settings (a mapping's keys, or
         what code set on an object: :func:`_set_in_code`) leave unset take their values from :func:`derive`,
         whatever form the section came in."""
-        for name, cls in (("plugins", PluginsConfig), ("train", TrainConfig)):
-            if isinstance(getattr(self, name), dict):  # MrlConfig(train={...}) builds the typed section
-                setattr(self, name, _nested(cls, getattr(self, name), name))
+        self._typed_sections()
         self.validate()  # the top-level values, before anything derives from them
         settings, parsed = {}, {}
         for name, cls in _stage_classes().items():
@@ -258,8 +240,15 @@ class MrlConfig:
                 f"got mode: {self.mode}, workers: {rc.workers}"
             )
 
+    def _typed_sections(self) -> None:
+        """``plugins`` and ``train`` parsed (``MrlConfig(train={...})``) or, objects, checked (as their copies)."""
+        for name, cls in (("plugins", PluginsConfig), ("train", TrainConfig)):
+            if isinstance(getattr(self, name), dict | cls):
+                setattr(self, name, _nested(cls, getattr(self, name), name))
+
     def validate_all(self) -> None:
         """Validate the top level and every section (for objects built in code, or changed after loading)."""
+        self._typed_sections()
         stages = _stage_classes()
         top = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in stages}
         section_from_dict(MrlConfig, top, TOP, validate=False)  # the top level's types (sections by default)
@@ -286,16 +275,10 @@ class MrlConfig:
         return section_from_dict(cls, data, TOP, validate=False)  # __post_init__ validates
 
     def validate(self) -> None:
-        if self.mode not in MODES:
-            raise ConfigError(f"mode: {self.mode!r} is not a deployment mode; valid: {choices(MODES)}")
+        """The top level's own fields (the sections: :meth:`validate_all`)."""
+        check_fields(self, TOP)
         if self.device is not None:
-            check_device_spec(self.device, "device")
-        t = self.timeout_s
-        if isinstance(t, bool) or not isinstance(t, int | float) or not math.isfinite(t) or not t >= 1:
-            raise ConfigError(f"timeout_s: must be a finite number of seconds >= 1, got {t!r}")
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+            self.device = canonical_device_spec(self.device, "device")
 
 
 def load_yaml(path: str | os.PathLike[str]) -> dict[str, Any]:

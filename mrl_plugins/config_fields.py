@@ -1,5 +1,7 @@
-"""What a config field is to a user: a setting (``metadata["help"]``), or internal (``metadata["internal"]``); and
-the one parser of a section (:func:`section_from_dict`: removed, unknown, internal and wrongly typed keys refused).
+"""What a config field is to a user: a setting (``metadata["help"]``), or internal (``metadata["internal"]``); the
+rules of its value (``metadata``: ``choices``, bounds ``ge``/``gt``/``le``/``lt``; :func:`check_fields`, one message
+format); and the one parser of a section (:func:`section_from_dict`: removed, unknown, internal and wrongly typed
+keys refused). A section's ``validate()`` starts with :func:`check_fields` and writes only its cross-field rules.
 
 An internal field is not a setting: its value follows from the deployment (derived when the config is loaded,
 :meth:`mrl_plugins.config.MrlConfig.derive`) or is a measured constant. It stays an attribute of its section, so the
@@ -15,7 +17,9 @@ setting and carries no promise across releases.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
+import operator
 import os
 import types
 import typing
@@ -27,11 +31,14 @@ from mrl_plugins.errors import ConfigError, choices
 INTERNAL_ENV = "MRL_ALLOW_INTERNAL_KEYS"
 
 
-def internal(why: str, *, default: Any = dataclasses.MISSING, default_factory: Any = dataclasses.MISSING) -> Any:
-    """A dataclass field that is not a user setting; ``why`` completes "``<key>`` is not a setting: ...".
+def internal(
+    why: str, *, default: Any = dataclasses.MISSING, default_factory: Any = dataclasses.MISSING, **rules: Any
+) -> Any:
+    """A dataclass field that is not a user setting; ``why`` completes "``<key>`` is not a setting: ...";
+    ``rules``: its value's ``choices`` / bounds, as a setting's metadata.
 
     A default of ``None`` on a derived field means "derive it when the config is loaded"."""
-    kwargs: dict[str, Any] = {"metadata": {"internal": why}}
+    kwargs: dict[str, Any] = {"metadata": {"internal": why, **rules}}
     if default_factory is not dataclasses.MISSING:
         kwargs["default_factory"] = default_factory
     else:
@@ -89,6 +96,58 @@ def _type_ok(value: Any, tp: Any) -> bool:
     return True
 
 
+#: metadata bound -> (test, how the range is written: as a lower or an upper end)
+BOUNDS = {
+    "ge": (operator.ge, ">=", "["),
+    "gt": (operator.gt, ">", "("),
+    "le": (operator.le, "<=", "]"),
+    "lt": (operator.lt, "<", ")"),
+}
+
+
+def rule_text(f: dataclasses.Field) -> str | None:
+    """What ``f``'s metadata allows, as the errors and ``docs/config.md`` say it: ``valid: 'a' or 'b'``, ``>= 1``,
+    ``in [0, 1)``; None without a rule."""
+    if "choices" in f.metadata:
+        valid = f.metadata["choices"]
+        return "valid: " + (choices(valid) if all(isinstance(v, str) for v in valid) else ", ".join(map(repr, valid)))
+    ends = [(op, f.metadata[op]) for op in BOUNDS if op in f.metadata]
+    if len(ends) == 2:
+        return f"in {BOUNDS[ends[0][0]][2]}{ends[0][1]}, {ends[1][1]}{BOUNDS[ends[1][0]][2]}"
+    return " ".join(f"{BOUNDS[op][1]} {bound}" for op, bound in ends) or None
+
+
+@functools.cache
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def check_fields(obj: Any, path: str) -> None:
+    """Every field of the dataclass ``obj`` against its type and its metadata's rules (None passes the rules: a
+    derived field not yet derived, or a null that means "the default"); ConfigError ``<key>: 'x' invalid; valid:
+    'a' or 'b'`` / ``<key>: must be >= 1, got 0`` otherwise. Nested sections are checked by their own validate()."""
+    for f in dataclasses.fields(obj):
+        key, value, tp = _join(path, f.name), getattr(obj, f.name), _hints(type(obj))[f.name]
+        if dataclasses.is_dataclass(tp):
+            continue
+        _check_type(key, value, tp)
+        rule = rule_text(f)
+        if value is None or rule is None:
+            continue
+        if "choices" in f.metadata:
+            if value not in f.metadata["choices"]:
+                raise ConfigError(f"{key}: {value!r} invalid; {rule}")
+        elif not all(BOUNDS[op][0](value, f.metadata[op]) for op in BOUNDS if op in f.metadata):
+            raise ConfigError(f"{key}: must be {rule}, got {value!r}")
+
+
+def _check_type(key: str, value: Any, tp: Any) -> None:
+    if not _type_ok(value, tp):
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"{key}: must be a finite number, got {value!r}")
+        raise ConfigError(f"{key}: expected {getattr(tp, '__name__', tp)}, got {value!r}")
+
+
 #: public keys that were removed: dotted key -> why, and what to use instead (one error naming it, not "unknown key")
 REMOVED_KEYS: dict[str, str] = {
     "comm.prefetch": (
@@ -130,7 +189,7 @@ def section_from_dict(cls: type, data: Any, path: str, *, validate: bool = True)
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: expected a mapping, got {type(data).__name__}")
     fields = {f.name: f for f in dataclasses.fields(cls)}
-    hints = typing.get_type_hints(cls)
+    hints = _hints(cls)
     _check_removed(data, path)
     unknown = sorted(set(data) - set(fields), key=str)
     if unknown:
@@ -143,10 +202,7 @@ def section_from_dict(cls: type, data: Any, path: str, *, validate: bool = True)
         if dataclasses.is_dataclass(tp):
             kwargs[key] = _nested(tp, value, _join(path, key))
             continue
-        if not _type_ok(value, tp):
-            if isinstance(value, float) and not math.isfinite(value):
-                raise ConfigError(f"{_join(path, key)}: must be a finite number, got {value!r}")
-            raise ConfigError(f"{_join(path, key)}: expected {getattr(tp, '__name__', tp)}, got {value!r}")
+        _check_type(_join(path, key), value, tp)
         kwargs[key] = float(value) if tp is float else value
     obj = cls(**kwargs)
     if validate and getattr(obj, "validate", None) is not None:
@@ -193,6 +249,7 @@ def _nested(cls: type, value: Any, path: str) -> Any:
 
 __all__ = [
     "INTERNAL_ENV",
+    "check_fields",
     "REMOVED_KEYS",
     "internal",
     "internal_allowed",

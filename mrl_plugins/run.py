@@ -112,16 +112,12 @@ def preflight(cfg: MrlConfig | Any, *, enable_plugins: bool = True) -> MrlConfig
     :class:`~mrl_plugins.errors.MrlError` naming the problem and the valid choices.
     """
     from mrl_plugins.adapters.trl import check_trl_version
-    from mrl_plugins.demo.models import PRESETS, _is_local_checkpoint
+    from mrl_plugins.demo.models import check_model
     from mrl_plugins.device import get_device
 
     cfg = load_config(cfg)
     check_trl_version()
-    if cfg.train.model not in PRESETS and not _is_local_checkpoint(cfg.train.model):
-        raise ConfigError(
-            f"train.model: {cfg.train.model!r} is neither a preset nor a local checkpoint folder (with config.json); "
-            f"valid presets: {choices(PRESETS)}"
-        )
+    check_model(cfg.train.model, "train.model")
     _check_task_model(cfg.train.task, cfg.train.model)
     device = get_device(cfg.train.device)  # where build_trainer puts the model
     if not enable_plugins:

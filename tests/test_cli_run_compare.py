@@ -271,3 +271,13 @@ def test_mrl_compare_flags_are_checked_before_any_run(tmp_path, capsys, flag, va
         cli([flag, value, "--out", str(tmp_path / "out")])
     assert exit_.value.code == 2 and says in capsys.readouterr().err
     assert not (tmp_path / "out").exists()  # nothing ran
+
+
+def test_mrl_compare_model_help_names_every_preset(capsys):
+    from mrl_plugins.cli.compare import cli
+    from mrl_plugins.demo.models import PRESETS
+
+    with pytest.raises(SystemExit):
+        cli(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert all(f"'{name}'" in text for name in PRESETS) and "'qwen2-tiny'" in text

@@ -630,3 +630,13 @@ def test_mode_flag_wins_over_the_config_everywhere(fake_npu, tmp_path, capsys):
     cli(["--config", str(cfg), "--mode", "disaggregated"], env=env)
     line = [x for x in capsys.readouterr().out.splitlines() if "visible devices:" in x]
     assert line[0].startswith("fail") and "needs device index 1 but" in line[0], line
+
+
+def test_device_flag_follows_the_one_device_spec_rule_with_or_without_a_config(capsys):
+    """``--device ' CPU'`` is the spec a run's train.device takes (it was refused with ``--config``, accepted
+    without); a bad spec is one input error either way."""
+    assert cli(["--device", " CPU", "--threads", "1"], env={}) == 0
+    assert cli(["--config", "colocate", "--device", " CPU"], env={}) == 0
+    capsys.readouterr()
+    assert cli(["--config", "colocate", "--device", "tpu"], env={}) == 2
+    assert "train.device: 'tpu' is not a device; valid forms:" in capsys.readouterr().err

@@ -42,8 +42,10 @@ def test_bad_settings_are_refused():
     from mrl_plugins.config import load_config
     from mrl_plugins.errors import ConfigError
 
-    with pytest.raises(ConfigError, match="rebalance_low/rebalance_high: need 0 <= low < high <= 1"):
+    with pytest.raises(ConfigError, match=r"rollout\.rebalance_low/rebalance_high: need low < high, got 0.5 and 0.4"):
         load_config({"rollout": {"rebalance_low": 0.5, "rebalance_high": 0.4}})
+    with pytest.raises(ConfigError, match=r"rollout\.rebalance_high: must be <= 1, got 1.5"):
+        load_config({"rollout": {"rebalance_high": 1.5}})
 
 
 @pytest.mark.slow

@@ -56,7 +56,7 @@ def test_engine_budget_keys_are_checked_with_the_config():
         load_config({"rollout": {"engine_budget": {"npu_cubes": 8}}})
     with pytest.raises(ConfigError, match="cores and threads come from"):
         load_config({"rollout": {"engine_budget": {"cores": [0]}}})
-    with pytest.raises(ConfigError, match="stream_priority 'urgent'"):
+    with pytest.raises(ConfigError, match="stream_priority: 'urgent' invalid; valid: 'high', 'low' or 'normal'"):
         load_config({"rollout": {"engine_budget": {"stream_priority": "urgent"}}})
 
 

@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from mrl_plugins.demo.models import PRESETS
 from mrl_plugins.errors import ConfigError, choices
 from mrl_plugins.optional import installed
 
@@ -556,7 +557,7 @@ def cli(argv: list[str]) -> int:
     p.add_argument("--json", help="also write report.json here")
     p.add_argument("--steps", type=_positive_int, help="override train.steps (>= 1)")
     p.add_argument(
-        "--model", type=_non_empty, help="override train.model (tiny, small, tiny-tools or a checkpoint folder)"
+        "--model", type=_non_empty, help=f"override train.model ({choices(PRESETS)} or a checkpoint folder)"
     )
     p.add_argument(
         "--runs",

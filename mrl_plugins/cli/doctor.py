@@ -45,6 +45,7 @@ from mrl_plugins.cli.doctor_checks import (  # noqa: F401 - re-exported (tests):
 from mrl_plugins.cli.doctor_ray import ray_checks
 from mrl_plugins.cli.triage import NETWORK_TRANSPORTS, load_report, triage
 from mrl_plugins.config import MODES, load_config, load_yaml
+from mrl_plugins.device.memory import DEFAULT_HEADROOM
 from mrl_plugins.device.placement import accelerator_indices, colocated_count
 from mrl_plugins.errors import ConfigError, MrlError
 
@@ -109,7 +110,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--reserve", help="memory fractions of one card: name=fraction,... e.g. trainer=0.5,rollout=0.3")
     p.add_argument("--peak", help="measured peaks name=SIZE,... (e.g. trainer=8GiB); needs --device-memory")
     p.add_argument("--device-memory", help="device memory size for --peak, e.g. 64GiB")
-    p.add_argument("--headroom", type=float, default=0.2, help="reservation = peak x (1 + headroom) (default 0.2)")
+    headroom = "reservation = peak x (1 + headroom) (default %(default)s)"
+    p.add_argument("--headroom", type=float, default=DEFAULT_HEADROOM, help=headroom)
     p.add_argument("--reserve-root", type=float, help="root/system reserve as a fraction of device memory")
     p.add_argument("--threads", help="torch threads per process: one number for all, or one per process 'a,b,...'")
     p.add_argument("--json", metavar="PATH", help="also write the checks (or triage) as JSON")

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mrl_plugins.cli.checks import Check
+from mrl_plugins.device.memory import DEFAULT_HEADROOM
 from mrl_plugins.errors import ConfigError
 
 #: Root/system reserve limit (source §5: keep the root context's reserved memory under 20% of device memory).
@@ -354,7 +355,7 @@ def check_memory(reserve_root: float | None, reserve: Mapping[str, float], cards
         if cards_shared:
             return [Check("warn", "memory", "processes share a card but no reservation was given: without explicit "
                           "limits the trainer takes all device memory; set --reserve name=fraction,... "
-                          "(each = measured peak x 1.2)")]  # fmt: skip
+                          f"(each = measured peak x {1 + DEFAULT_HEADROOM:g})")]  # fmt: skip
         return [Check("ok", "memory", "no reservations requested")]
     checks = []
     if root is not None:

@@ -6,7 +6,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from mrl_plugins.config_fields import internal, section_from_dict
+from mrl_plugins.config_fields import check_fields, internal, section_from_dict
 from mrl_plugins.errors import ConfigError, choices
 
 #: experience transports between processes of one host (a heartbeat older than 5 s there means a hung process)
@@ -50,20 +50,25 @@ class CommConfig:
         "experience listens on the host of rollout.rendezvous, the address remote workers reach (derived)",
         default=None,
     )
-    ring_slots: int = internal("a producer has 4 frames in flight (its 2 requests and their answers)", default=4)
+    ring_slots: int = internal("a producer has 4 frames in flight (its 2 requests and their answers)", default=4, ge=1)
     slot_bytes: int = field(
-        default=8 << 20, metadata={"help": "bytes per ring slot = largest frame accepted (>= 4096)"}
+        default=8 << 20, metadata={"help": "bytes per ring slot = largest frame accepted", "ge": 4096}
     )
-    send_timeout_s: float | None = internal("the top-level timeout_s bounds a send (derived)", default=None)
-    receive_timeout_s: float | None = internal("the top-level timeout_s bounds a receive (derived)", default=None)
-    heartbeat_interval_s: float = internal("each end stamps its heartbeat every 0.25 s", default=0.25)
+    send_timeout_s: float | None = internal("the top-level timeout_s bounds a send (derived)", default=None, gt=0)
+    receive_timeout_s: float | None = internal(
+        "the top-level timeout_s bounds a receive (derived)", default=None, gt=0
+    )
+    heartbeat_interval_s: float = internal("each end stamps its heartbeat every 0.25 s", default=0.25, gt=0)
     heartbeat_timeout_s: float | None = internal(
         "a peer is dead after min(timeout_s, 5 s) without a heartbeat on one host, timeout_s across hosts (derived)",
         default=None,
+        gt=0,
     )
-    start_timeout_s: float = internal("a peer that never beat counts as starting for 60 s", default=60.0)
+    start_timeout_s: float = internal("a peer that never beat counts as starting for 60 s", default=60.0, gt=0)
     checksum: str | None = internal(
-        "the top-level checksums switches experience checksums (xxh3, the fastest; derived)", default=None
+        "the top-level checksums switches experience checksums (xxh3, the fastest; derived)",
+        default=None,
+        choices=CHECKSUMS,
     )
 
     def __post_init__(self) -> None:
@@ -74,43 +79,24 @@ class CommConfig:
                 setattr(self, key, value)
 
     def validate(self) -> CommConfig:
-        """Check every field; raise :class:`ConfigError` naming the key and the valid values."""
-        if not isinstance(self.transport, str) or not self.transport:
+        """The fields' types, choices and bounds (their metadata), then the rules between fields."""
+        check_fields(self, "comm")
+        if not self.transport:
             raise ConfigError(f"comm.transport must be a non-empty string, got {self.transport!r}")
-        if not isinstance(self.codec, str) or not self.codec:
+        if not self.codec:
             # names are checked against the registered codecs by the plugin manager (plugins may add codecs)
             raise ConfigError(
                 f"comm.codec must be a non-empty string (built in: {choices(CODECS)}), got {self.codec!r}"
             )
-        if not isinstance(self.lossless_fields, (list, tuple)) or not all(
-            isinstance(f, str) and f for f in self.lossless_fields
-        ):
+        if not all(self.lossless_fields):
             raise ConfigError(f"comm.lossless_fields must be a list of field names, got {self.lossless_fields!r}")
-        for key, lo in (("ring_slots", 1), ("slot_bytes", 4096)):
-            val = getattr(self, key)
-            if isinstance(val, bool) or not isinstance(val, int) or val < lo:
-                raise ConfigError(f"comm.{key} must be an integer >= {lo}, got {val!r}")
-        if self.host is not None and (not isinstance(self.host, str) or not self.host):
-            raise ConfigError(f"comm.host must be a host name or IP address, got {self.host!r}")
-        for key in (
-            "send_timeout_s",
-            "receive_timeout_s",
-            "heartbeat_interval_s",
-            "heartbeat_timeout_s",
-            "start_timeout_s",
-        ):
-            val = getattr(self, key)
-            if val is None:  # derived from the top-level timeout_s when the whole config is loaded
-                continue
-            if isinstance(val, bool) or not isinstance(val, (int, float)) or not val > 0:
-                raise ConfigError(f"comm.{key} must be a number > 0, got {val!r}")
+        if self.host == "":
+            raise ConfigError("comm.host must be a host name or IP address, got ''")
         if self.heartbeat_timeout_s is not None and self.heartbeat_timeout_s <= 2 * self.heartbeat_interval_s:
             raise ConfigError(
                 f"comm.heartbeat_timeout_s ({self.heartbeat_timeout_s}) must exceed twice "
                 f"comm.heartbeat_interval_s ({self.heartbeat_interval_s})"
             )
-        if self.checksum is not None and self.checksum not in CHECKSUMS:
-            raise ConfigError(f"comm.checksum: unknown checksum {self.checksum!r}; valid: {choices(CHECKSUMS)}")
         return self
 
     @classmethod

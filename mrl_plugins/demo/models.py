@@ -128,23 +128,29 @@ def _is_local_checkpoint(spec: str) -> bool:
     return os.path.isdir(spec) and os.path.isfile(os.path.join(spec, "config.json"))
 
 
+def check_model(spec: str, key: str = "model") -> None:
+    """``spec`` names a preset or a local checkpoint folder (with config.json); ConfigError naming ``key`` and the
+    presets otherwise (``train.model``, :func:`build_model`)."""
+    if spec not in PRESETS and not _is_local_checkpoint(spec):
+        raise ConfigError(
+            f"{key}: {spec!r} is neither a preset nor a local checkpoint folder (with config.json); "
+            f"valid presets: {choices(PRESETS)}"
+        )
+
+
 def build_model(spec: str = "tiny", *, seed: int = 0) -> tuple[Any, Any]:
     """Return ``(model, tokenizer)`` for a preset name or a local HF checkpoint folder.
 
     :raise mrl_plugins.errors.ConfigError: unknown preset and not a checkpoint folder.
     """
+    check_model(spec)
     if spec not in PRESETS:
-        if _is_local_checkpoint(spec):
-            from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoModelForCausalLM, AutoTokenizer
 
-            tokenizer = AutoTokenizer.from_pretrained(spec, padding_side="left")
-            if tokenizer.pad_token is None:
-                tokenizer.pad_token = tokenizer.eos_token
-            return AutoModelForCausalLM.from_pretrained(spec), tokenizer
-        raise ConfigError(
-            f"model: {spec!r} is neither a preset nor a local checkpoint folder (with config.json); "
-            f"valid presets: {choices(PRESETS)}"
-        )
+        tokenizer = AutoTokenizer.from_pretrained(spec, padding_side="left")
+        if tokenizer.pad_token is None:
+            tokenizer.pad_token = tokenizer.eos_token
+        return AutoModelForCausalLM.from_pretrained(spec), tokenizer
     if spec in TOOL_PRESETS:
         from transformers import LlamaForCausalLM
 

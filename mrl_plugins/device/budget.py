@@ -19,9 +19,9 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
-from mrl_plugins.config_fields import section_from_dict
+from mrl_plugins.config_fields import check_fields, section_from_dict
 from mrl_plugins.device.base import STREAM_PRIORITIES, CoreLimitWarning, Device, DeviceStream, warn_once
-from mrl_plugins.errors import ConfigError, DeviceError, choices
+from mrl_plugins.errors import ConfigError, DeviceError
 
 
 def _parse_cpu_list(text: str) -> set[int]:
@@ -79,42 +79,35 @@ class ComputeBudget:
         default=None, metadata={"help": "CPU core ids this side runs on (os.sched_setaffinity); null: unchanged"}
     )
     threads: int | None = field(
-        default=None, metadata={"help": "torch intra-op threads (torch.set_num_threads); null: unchanged"}
+        default=None, metadata={"help": "torch intra-op threads (torch.set_num_threads); null: unchanged", "ge": 1}
     )
     npu_cube_cores: int | None = field(
-        default=None, metadata={"help": "NPU cube (AI) cores for this side (torch_npu set_*_limit); null: unlimited"}
+        default=None,
+        metadata={"help": "NPU cube (AI) cores for this side (torch_npu set_*_limit); null: unlimited", "ge": 1},
     )
     npu_vector_cores: int | None = field(
-        default=None, metadata={"help": "NPU vector cores for this side (torch_npu set_*_limit); null: unlimited"}
+        default=None,
+        metadata={"help": "NPU vector cores for this side (torch_npu set_*_limit); null: unlimited", "ge": 1},
     )
     stream_priority: str = field(
         default="normal",
-        metadata={"help": "priority of this side's stream: high | normal | low (hardware priority on CUDA only)"},
+        metadata={
+            "help": "priority of this side's stream (hardware priority on CUDA only)",
+            "choices": STREAM_PRIORITIES,
+        },
     )
 
     def validate(self) -> None:
         """ConfigError naming the key and the allowed values for anything malformed (machine-independent)."""
-        if self.cores is not None:
-            if not isinstance(self.cores, (list, tuple)) or not self.cores:
-                raise ConfigError(f"budget.cores must be a non-empty list of core ids or null, got {self.cores!r}")
-            for c in self.cores:
-                if isinstance(c, bool) or not isinstance(c, int) or c < 0:
-                    raise ConfigError(f"budget.cores: {c!r} is not a non-negative integer core id")
-            if len(set(self.cores)) != len(self.cores):
-                raise ConfigError(f"budget.cores {list(self.cores)} contain duplicates")
-        for key in ("threads", "npu_cube_cores", "npu_vector_cores"):
-            value = getattr(self, key)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-                raise ConfigError(f"budget.{key} must be a positive integer or null, got {value!r}")
-        if self.stream_priority not in STREAM_PRIORITIES:
-            raise ConfigError(
-                f"budget.stream_priority {self.stream_priority!r} is not valid; choose {choices(STREAM_PRIORITIES)}"
-            )
+        check_fields(self, "budget")
+        cores = self.cores
+        if cores is not None and (not cores or min(cores) < 0 or len(set(cores)) < len(cores)):
+            raise ConfigError(f"budget.cores: {cores!r} invalid; a non-empty list of distinct core ids >= 0 or null")
 
     @classmethod
     def from_dict(cls, d: dict[str, Any], path: str = "budget") -> ComputeBudget:
-        """Build and validate from a mapping (:func:`mrl_plugins.config_fields.section_from_dict`, the one parser); errors
-        name the keys under ``path`` (``rollout.engine_budget.stream_priority``)."""
+        """Build and validate from a mapping (:func:`mrl_plugins.config_fields.section_from_dict`, the one parser);
+        errors name the keys under ``path`` (``rollout.engine_budget.stream_priority``)."""
         d = {k: (list(v) if k == "cores" and isinstance(v, tuple) else v) for k, v in dict(d).items()}
         budget = section_from_dict(cls, d, path, validate=False)
         try:

@@ -8,6 +8,7 @@ reason; an explicit ``npu`` request raises :class:`~mrl_plugins.errors.DeviceErr
 from __future__ import annotations
 
 import re
+from typing import Any
 
 from mrl_plugins.device import probe
 from mrl_plugins.device.base import (
@@ -27,17 +28,22 @@ SPEC_FORMS: tuple[str, ...] = ("auto", "cpu", "cuda", "cuda:N", "npu", "npu:N")
 _SPEC = re.compile(r"^(auto|cpu|cuda|npu)(?::(\d+))?$")
 
 
-def parse_device_spec(spec: str) -> tuple[str, int | None]:
-    """Split a device spec into ``(type, index)``; ConfigError naming the valid forms for anything else.
+def parse_device_spec(spec: Any, key: str = "device") -> tuple[str, int | None]:
+    """Split a device spec into ``(type, index)``: the one rule of a spec (``train.device``, ``mrl doctor --device``,
+    :func:`get_device`), case and surrounding blanks aside; ConfigError naming ``key`` and the valid forms otherwise.
 
-    ``"auto"`` -> ``("auto", None)``, ``"npu"`` -> ``("npu", None)``, ``"cuda:1"`` -> ``("cuda", 1)``.
+    ``"auto"`` -> ``("auto", None)``, ``"NPU"`` -> ``("npu", None)``, ``"cuda:1"`` -> ``("cuda", 1)``.
     """
-    if not isinstance(spec, str):
-        raise ConfigError(f"device must be a string, got {type(spec).__name__}; valid forms: {choices(SPEC_FORMS)}")
-    m = _SPEC.match(spec.strip().lower())
+    m = _SPEC.match(spec.strip().lower()) if isinstance(spec, str) else None
     if m is None or (m.group(2) is not None and m.group(1) in ("auto", "cpu")):
-        raise ConfigError(f"device {spec!r} is not a valid device spec; valid forms: {choices(SPEC_FORMS)}")
+        raise ConfigError(f"{key}: {spec!r} is not a device; valid forms: {choices(SPEC_FORMS)}")
     return m.group(1), None if m.group(2) is None else int(m.group(2))
+
+
+def canonical_device_spec(spec: Any, key: str = "device") -> str:
+    """``spec`` in the one spelling the code compares (``" CUDA:1"`` -> ``"cuda:1"``); errors: parse_device_spec."""
+    kind, index = parse_device_spec(spec, key)
+    return kind if index is None else f"{kind}:{index}"
 
 
 def _device_counts(npu: probe.NpuStatus) -> dict[str, int]:

@@ -5,19 +5,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from mrl_plugins.config_fields import check_fields
 from mrl_plugins.errors import ConfigError, choices
 from mrl_plugins.optional import is_ray_available
 
 from .config_sections import SECTIONS, DeploymentSection, EngineSection, SchedulingSection
 
-PIPELINES = ("async", "sync")
-STALE_POLICIES = ("drop", "keep")
-OLD_LOGPS = ("trainer", "engine")
-PLACEMENTS = ("fixed", "auto")
-PLACEMENT_STARTS = ("split", "turns")
-START_METHODS = ("auto", "spawn", "fork")
-REF_LOGPS = ("trainer", "engine")
-RAY_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 #: bundle resources the ray launcher sets itself (rollout.ray_resources may not name them)
 RAY_OWN_RESOURCES = ("CPU", "GPU", "NPU", "memory", "object_store_memory")
 
@@ -80,10 +73,10 @@ class RolloutConfig(SchedulingSection, DeploymentSection, EngineSection):
         return float("inf") if self.max_staleness is None else float(self.max_staleness)
 
     def validate(self) -> None:
+        """The fields' choices and bounds (their metadata), then the rules between fields."""
+        check_fields(self, "rollout")
         if not self.engine:
             raise ConfigError("rollout.engine: must name an engine")
-        if not isinstance(self.engine_options, dict):
-            raise ConfigError(f"rollout.engine_options: must be a mapping, got {type(self.engine_options).__name__}")
         fixed = sorted(
             {"model", "load_format", "logprobs_mode", "tensor_parallel_size", "weight_transfer_config"}
             & set(self.engine_options)
@@ -93,38 +86,11 @@ class RolloutConfig(SchedulingSection, DeploymentSection, EngineSection):
                 f"rollout.engine_options: {fixed} are set by the engine itself (weight_transfer_config: by "
                 f"weight_sync.transport 'vllm' and weight_sync.vllm_backend); remove them"
             )
-        if self.pipeline not in PIPELINES:
-            raise ConfigError(f"rollout.pipeline: {self.pipeline!r} invalid; valid: {choices(PIPELINES)}")
-        if self.stale_policy not in STALE_POLICIES:
-            raise ConfigError(f"rollout.stale_policy: {self.stale_policy!r} invalid; valid: {choices(STALE_POLICIES)}")
-        if self.max_staleness is not None and (isinstance(self.max_staleness, bool) or self.max_staleness < 0):
-            raise ConfigError(
-                f"rollout.max_staleness: must be an int >= 0 (0: take turns) or null (keep every sample), got "
-                f"{self.max_staleness!r}"
-            )
-        if self.old_logps not in OLD_LOGPS:
-            raise ConfigError(f"rollout.old_logps: {self.old_logps!r} invalid; valid: {choices(OLD_LOGPS)}")
-        if self.ref_logps not in REF_LOGPS:
-            raise ConfigError(f"rollout.ref_logps: {self.ref_logps!r} invalid; valid: {choices(REF_LOGPS)}")
         if self.ref_logps == "engine" and self.workers == 0 and self.remote_workers == 0:
             raise ConfigError(
                 "rollout.ref_logps: 'engine' needs rollout workers (rollout.workers or rollout.remote_workers > 0) "
                 "to score on; valid here: 'trainer'"
             )
-        if self.placement not in PLACEMENTS:
-            raise ConfigError(f"rollout.placement: {self.placement!r} invalid; valid: {choices(PLACEMENTS)}")
-        if self.placement_start not in PLACEMENT_STARTS:
-            raise ConfigError(
-                f"rollout.placement_start: {self.placement_start!r} invalid; valid: {choices(PLACEMENT_STARTS)}"
-            )
-        if self.local_warmup not in (True, False, "auto"):
-            raise ConfigError(f"rollout.local_warmup: {self.local_warmup!r} invalid; valid: true, false, 'auto'")
-        if self.start_method not in START_METHODS:
-            raise ConfigError(f"rollout.start_method: {self.start_method!r} invalid; valid: {choices(START_METHODS)}")
-        if self.placement_interval < 1:
-            raise ConfigError(f"rollout.placement_interval: must be >= 1, got {self.placement_interval}")
-        if not 0 <= self.placement_margin < 1:
-            raise ConfigError(f"rollout.placement_margin: must be in [0, 1), got {self.placement_margin}")
         for key in ("engine_cores", "trainer_cores"):
             cores = getattr(self, key)
             if cores is not None and not cores:
@@ -132,23 +98,16 @@ class RolloutConfig(SchedulingSection, DeploymentSection, EngineSection):
                     f"rollout.{key}: an empty list leaves that side with no core; list at least one core or remove "
                     "the key (None: split the process's cores)"
                 )
-            if cores and (any(isinstance(c, bool) or not isinstance(c, int) or c < 0 for c in cores)
-                          or len(set(cores)) != len(cores)):  # fmt: skip
+            if cores and (min(cores) < 0 or len(set(cores)) != len(cores)):
                 raise ConfigError(f"rollout.{key}: {cores!r} invalid; a list of distinct CPU core ids >= 0")
-        for key in ("engine_threads", "trainer_threads"):
-            if getattr(self, key) is not None and getattr(self, key) < 1:
-                raise ConfigError(f"rollout.{key}: must be >= 1, got {getattr(self, key)}")
         if self.remote_workers:
             parse_address(self.rendezvous)
         self._validate_launcher()
-        for key in ("workers", "restart_workers", "colocated_workers", "remote_workers"):
-            if getattr(self, key) < 0:
-                raise ConfigError(f"rollout.{key}: must be >= 0, got {getattr(self, key)}")
         if self.colocated_workers > self.workers:
             raise ConfigError(
                 f"rollout.colocated_workers: {self.colocated_workers} exceeds rollout.workers ({self.workers})"
             )
-        if not isinstance(self.engine_budget, dict) or {"cores", "threads"} & set(self.engine_budget):
+        if {"cores", "threads"} & set(self.engine_budget):
             raise ConfigError(
                 "rollout.engine_budget: a mapping of npu_cube_cores, npu_vector_cores, stream_priority (cores and "
                 "threads come from rollout.engine_cores / engine_threads)"
@@ -156,19 +115,10 @@ class RolloutConfig(SchedulingSection, DeploymentSection, EngineSection):
         from mrl_plugins.device.budget import ComputeBudget
 
         ComputeBudget.from_dict(dict(self.engine_budget), "rollout.engine_budget")  # unknown keys/values refused
-        if not 0 <= self.memory_headroom <= 4:
-            raise ConfigError(f"rollout.memory_headroom: must be in [0, 4], got {self.memory_headroom}")
-        if self.tool_timeout_s < 0:
-            raise ConfigError(f"rollout.tool_timeout_s: must be >= 0 (0: no bound), got {self.tool_timeout_s}")
-        for key in ("timeout_s", "start_timeout_s"):  # None: derived from the top-level timeout_s
-            if getattr(self, key) is not None and getattr(self, key) <= 0:
-                raise ConfigError(f"rollout.{key}: must be > 0, got {getattr(self, key)}")
-        if self.rebalance_window < 1:
-            raise ConfigError(f"rollout.rebalance_window: must be >= 1, got {self.rebalance_window}")
-        if not 0 <= self.rebalance_low < self.rebalance_high <= 1:
+        if not self.rebalance_low < self.rebalance_high:
             raise ConfigError(
-                f"rollout.rebalance_low/rebalance_high: need 0 <= low < high <= 1, got "
-                f"{self.rebalance_low} and {self.rebalance_high}"
+                f"rollout.rebalance_low/rebalance_high: need low < high, got {self.rebalance_low} and "
+                f"{self.rebalance_high}"
             )
 
     def fixed_by(self, mode: str, processes: int = 1, engine: Any = None) -> str | None:
@@ -235,8 +185,6 @@ class RolloutConfig(SchedulingSection, DeploymentSection, EngineSection):
             if changed:
                 raise ConfigError(f"rollout.{changed[0]}: only used with rollout.ray_address set (Ray's workers)")
             return
-        if self.ray_strategy not in RAY_STRATEGIES:
-            raise ConfigError(f"rollout.ray_strategy: {self.ray_strategy!r} invalid; valid: {choices(RAY_STRATEGIES)}")
         if not self.ray_address.strip():
             raise ConfigError("rollout.ray_address: 'auto', 'local' or the head's HOST:PORT")
         if self.ray_address.startswith("ray://"):

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from mrl_plugins.config_fields import internal
+from mrl_plugins.device.memory import DEFAULT_HEADROOM
 
 
 @dataclass
@@ -26,7 +27,7 @@ class EngineSection:
             "logprobs_mode and tensor_parallel_size 1 itself"
         },
     )
-    engine_threads: int = field(default=1, metadata={"help": "torch threads of each rollout engine"})
+    engine_threads: int = field(default=1, metadata={"help": "torch threads of each rollout engine", "ge": 1})
     engine_cores: list[int] | None = internal(
         "the workers take the process's cores outside rollout.trainer_cores (restrict the process with taskset to "
         "leave cores out)",
@@ -41,10 +42,12 @@ class EngineSection:
         },
     )
     memory_headroom: float = field(
-        default=0.2,
+        default=DEFAULT_HEADROOM,
         metadata={
             "help": "NPU/CUDA rollout workers (transformers engine): after the first generation the worker caps its "
-            "allocator at the measured peak x (1 + headroom) of the device (CPU: measured and reported only)"
+            "allocator at the measured peak x (1 + headroom) of the device (CPU: measured and reported only)",
+            "ge": 0,
+            "le": 4,
         },
     )
 
@@ -55,7 +58,8 @@ class DeploymentSection:
     share, restarts and rebalancing."""
 
     workers: int = field(
-        default=1, metadata={"help": "rollout worker processes; 0 = engine inside the trainer process (no overlap)"}
+        default=1,
+        metadata={"help": "rollout worker processes; 0 = engine inside the trainer process (no overlap)", "ge": 0},
     )
     remote_workers: int = field(
         default=0,
@@ -64,7 +68,8 @@ class DeploymentSection:
             "rollout.rendezvous (indices after the local ones); started by hand (launcher 'manual': `mrl worker "
             "--connect <rendezvous> --index i`) or, with rollout.ray_address set, as Ray actors; the transports "
             "'auto' then carry experience over torch_distributed and weights over broadcast (or directory, when "
-            "weight_sync.directory names a shared filesystem)"
+            "weight_sync.directory names a shared filesystem)",
+            "ge": 0,
         },
     )
     rendezvous: str = field(
@@ -81,7 +86,9 @@ class DeploymentSection:
         },
     )
     ray_strategy: str = internal(
-        "Ray places the workers' bundles PACK; target nodes with rollout.ray_resources", default="PACK"
+        "Ray places the workers' bundles PACK; target nodes with rollout.ray_resources",
+        default="PACK",
+        choices=("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"),
     )
     ray_resources: dict = field(
         default_factory=dict,
@@ -100,7 +107,7 @@ class DeploymentSection:
         },
     )
     colocated_workers: int = field(
-        default=0, metadata={"help": "hybrid mode: how many of the workers share the trainer's device"}
+        default=0, metadata={"help": "hybrid mode: how many of the workers share the trainer's device", "ge": 0}
     )
     placement: str = field(
         default="auto",
@@ -111,15 +118,18 @@ class DeploymentSection:
             "trainer's own model generates, the workers idle), re-checked every 10 steps (mrl_plugins.rollout."
             "autoplace; mrl/rollout/placement 0 split, 1 turns); in the split the trainer borrows the cores the "
             "workers leave idle; elsewhere the split, with the reason in enable()'s line. 'fixed': always the "
-            "split (the workers serve from their start)"
+            "split (the workers serve from their start)",
+            "choices": ("fixed", "auto"),
         },
     )
     placement_start: str = internal(
-        "placement auto starts by taking turns while the workers start (rollout.autoplace)", default="turns"
+        "placement auto starts by taking turns while the workers start (rollout.autoplace)",
+        default="turns",
+        choices=("split", "turns"),
     )
-    placement_interval: int = internal("placement auto decides every 10 steps (the first after 3)", default=10)
+    placement_interval: int = internal("placement auto decides every 10 steps (the first after 3)", default=10, ge=1)
     placement_margin: float = internal(
-        "placement auto switches when the other way is projected 10 % faster", default=0.1
+        "placement auto switches when the other way is projected 10 % faster", default=0.1, ge=0, lt=1
     )
     lend_cores: bool | None = internal(
         "placement auto lends the workers' idle cores to the trainer whenever the weight transport's publish is "
@@ -127,7 +137,7 @@ class DeploymentSection:
         default=None,
     )
     trainer_threads: int | None = internal(
-        "the trainer runs one torch thread per core of rollout.trainer_cores (derived)", default=None
+        "the trainer runs one torch thread per core of rollout.trainer_cores (derived)", default=None, ge=1
     )
     trainer_cores: list[int] | None = field(
         default=None,
@@ -145,22 +155,26 @@ class DeploymentSection:
         metadata={
             "help": "restarts allowed for dead workers over the run (0: a dead worker is an error); needs "
             "rejoinable transports. Local workers are restarted by the pool, launcher 'ray' workers by Ray (each "
-            "actor's max_restarts), a 'manual' worker you start again rejoins"
+            "actor's max_restarts), a 'manual' worker you start again rejoins",
+            "ge": 0,
         },
     )
     start_timeout_s: float | None = internal(
         "a worker may take max(1.5 x timeout_s, its engine's declared start: vllm 300 s) to start (derived)",
         default=None,
+        gt=0,
     )
     start_method: str = internal(
         "a local worker is forked where that is safe (a CPU worker with one thread of an engine registered "
         "fork_safe, no device runtime in the trainer), else spawned (rollout.lifecycle)",
         default="auto",
+        choices=("auto", "spawn", "fork"),
     )
     local_warmup: bool | str = internal(
         "while the workers start, the trainer's own model generates with the transformers engine where the "
         "engine's registration declares warmup (transformers); with vllm the first generation waits for it",
         default="auto",
+        choices=(True, False, "auto"),
     )
     rebalance: bool = field(
         default=False,
@@ -169,11 +183,11 @@ class DeploymentSection:
             "share (see mrl_plugins.rollout.hybrid); needs workers >= 2"
         },
     )
-    rebalance_window: int = internal("hybrid rebalancing averages 5 generations per decision", default=5)
+    rebalance_window: int = internal("hybrid rebalancing averages 5 generations per decision", default=5, ge=1)
     rebalance_high: float = internal(
-        "a dedicated worker joins the trainer's device above a 0.25 wait share", default=0.25
+        "a dedicated worker joins the trainer's device above a 0.25 wait share", default=0.25, le=1
     )
-    rebalance_low: float = internal("a colocated worker leaves below a 0.05 wait share", default=0.05)
+    rebalance_low: float = internal("a colocated worker leaves below a 0.05 wait share", default=0.05, ge=0)
 
 
 @dataclass
@@ -183,10 +197,12 @@ class SchedulingSection:
     pipeline: str | None = internal(
         "rollout.max_staleness: 0 takes turns (generate, then train), >= 1 generates one batch ahead (derived)",
         default=None,
+        choices=("async", "sync"),
     )
     stale_policy: str | None = internal(
         "samples older than rollout.max_staleness are regenerated; max_staleness: null keeps them all (derived)",
         default=None,
+        choices=("drop", "keep"),
     )
     max_staleness: int | None = field(
         default=1,
@@ -194,7 +210,8 @@ class SchedulingSection:
             "help": "weight versions a sample may lag the trainer: 0 = take turns (generate, then train, on-policy); "
             "N >= 1 = generate step k+1 while training step k and regenerate samples older than N versions; "
             "null = generate ahead and keep every sample (counted in mrl/rollout/stale_samples). With TRL "
-            "num_iterations=k the lookahead is submitted one step before it is used"
+            "num_iterations=k the lookahead is submitted one step before it is used",
+            "ge": 0,
         },
     )
     old_logps: str = field(
@@ -202,7 +219,8 @@ class SchedulingSection:
         metadata={
             "help": "GRPO's old logprobs in the loss: 'trainer' (TRL's extra forward pass per generation plus its "
             "importance-sampling correction) or 'engine' (the engine's sampling logprobs, i.e. the behaviour "
-            "policy, as TRL's AsyncGRPO does; saves that forward pass; GRPO only, temperature-only sampling)"
+            "policy, as TRL's AsyncGRPO does; saves that forward pass; GRPO only, temperature-only sampling)",
+            "choices": ("trainer", "engine"),
         },
     )
     ref_logps: str = field(
@@ -210,11 +228,12 @@ class SchedulingSection:
         metadata={
             "help": "reference-model logprobs for the KL term (beta != 0): 'trainer' (TRL's forward pass of its "
             "ref_model on the trainer) or 'engine' (every rollout worker holds a copy of the reference model and "
-            "scores the completions it generated; the trainer skips that pass; needs rollout workers)"
+            "scores the completions it generated; the trainer skips that pass; needs rollout workers)",
+            "choices": ("trainer", "engine"),
         },
     )
     timeout_s: float | None = internal(
-        "the top-level timeout_s bounds every wait for a worker (derived)", default=None
+        "the top-level timeout_s bounds every wait for a worker (derived)", default=None, gt=0
     )
     tool_rollouts_ahead: bool = field(
         default=True,
@@ -232,7 +251,8 @@ class SchedulingSection:
             "help": "TRL tools and environment methods: max seconds a tool call may take; a tool past it is reported "
             "to the model as a failing tool ({'error': ...}, tools/failure_frequency) and the rollout goes on. A "
             "synchronous tool is called in a thread of its own so that it can be bounded (one past the bound is "
-            "left running); 0: no bound, tools are called as TRL calls them"
+            "left running); 0: no bound, tools are called as TRL calls them",
+            "ge": 0,
         },
     )
 

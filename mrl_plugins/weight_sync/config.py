@@ -9,8 +9,7 @@ of the 12 GB/s of an idle machine; torch 2.13 CPU, one torch thread per process)
 transport   chunk_bytes   bucket_bytes  measured (median GB/s; see ``python -m benchmarks weights``)
 ==========  ============  ============  ===================================================
 shm         4 MiB         (unused)      publish+load, 177 MB bf16, one process: 1 MiB 2.69,
-                                        4 MiB 3.31, 16 MiB 2.74, 64 MiB 2.40 (checksums on);
-                                        4 MiB is also the streaming unit of a reader
+                                        4 MiB 3.31, 16 MiB 2.74, 64 MiB 2.40 (checksums on)
 directory   64 MiB        (unused)      4/16/64 MiB within noise (0.3-0.7 GB/s, disk bound);
                                         64 MiB keeps the file count low
 broadcast   4 MiB         16 MiB        988 MB Qwen2.5-0.5B-like list, 2 processes, xxh3
@@ -32,7 +31,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from mrl_plugins.config_fields import internal, section_from_dict
+from mrl_plugins.config_fields import check_fields, internal, section_from_dict
 from mrl_plugins.errors import ConfigError, choices
 
 KNOWN_TRANSPORTS = ("shm", "directory", "broadcast", "per_param", "vllm")
@@ -57,38 +56,42 @@ class WeightSyncConfig:
         },
     )
     chunk_bytes: int | None = internal(
-        "each transport's measured chunk (DEFAULT_CHUNK_BYTES) is the unit of checksum and retry", default=None
+        "each transport's measured chunk (DEFAULT_CHUNK_BYTES) is the unit of checksum and retry", default=None, ge=64
     )
     bucket_bytes: int | None = internal(
-        "broadcast sends 16 MiB messages (DEFAULT_BUCKET_BYTES, measured)", default=None
+        "broadcast sends 16 MiB messages (DEFAULT_BUCKET_BYTES, measured)", default=None, ge=64
     )
     staging: str = field(
         default="device",
         metadata={
             "help": "where the staging copy lives: 'device' (2x weights on device, O(#params) pointer "
-            "switch) or 'host' (1x on device + 1x host, switch copies host->device)"
+            "switch) or 'host' (1x on device + 1x host, switch copies host->device)",
+            "choices": STAGING_CHOICES,
         },
     )
     poll_interval_s: float | None = internal(
         "an idle worker polls at 3/8 of the measured interval between versions (every publish also sends a "
         "notice, and every request names the version it needs)",
         default=None,
+        gt=0,
     )
     vllm_backend: str = internal(
         "vLLM's weight-transfer backend follows from the device: nccl on CUDA, hccl on Ascend, mrl_gloo on CPU",
         default="auto",
     )
     timeout_s: float | None = internal(
-        "the top-level timeout_s bounds every wait of a transfer (derived)", default=None
+        "the top-level timeout_s bounds every wait of a transfer (derived)", default=None, gt=0
     )
     directory: str | None = field(
         default=None, metadata={"help": "root folder of the 'directory' transport (local disk or shared filesystem)"}
     )
-    max_retries: int = internal("a version is read again twice after a checksum or missing-shard error", default=2)
+    max_retries: int = internal(
+        "a version is read again twice after a checksum or missing-shard error", default=2, ge=0
+    )
     verify_checksum: bool | None = internal(
         "the top-level checksums switches weights' checksums (derived)", default=None
     )
-    keep_versions: int = internal("the directory transport keeps the last 2 versions on disk", default=2)
+    keep_versions: int = internal("the directory transport keeps the last 2 versions on disk", default=2, ge=1)
 
     def __post_init__(self) -> None:
         """Standalone defaults of the derived fields (a loaded config derives them: mrl_plugins.config.derive)."""
@@ -98,22 +101,11 @@ class WeightSyncConfig:
             self.verify_checksum = True
 
     def validate(self) -> WeightSyncConfig:
-        """Check every value; raise :class:`ConfigError` naming the key and the allowed values."""
-        if not isinstance(self.transport, str) or not self.transport:
+        """The fields' types, choices and bounds (their metadata), then the rules between fields."""
+        check_fields(self, "weight_sync")
+        if not self.transport:
             raise ConfigError(f"weight_sync.transport must be a non-empty string, e.g. {choices(KNOWN_TRANSPORTS)}")
-        for key in ("chunk_bytes", "bucket_bytes"):
-            v = getattr(self, key)
-            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 64):
-                raise ConfigError(f"weight_sync.{key} must be an integer >= 64 or null (transport default), got {v!r}")
-        if self.staging not in STAGING_CHOICES:
-            raise ConfigError(f"weight_sync.staging must be {choices(STAGING_CHOICES)}, got {self.staging!r}")
-        p = self.poll_interval_s
-        if p is not None and (isinstance(p, bool) or not isinstance(p, (int, float)) or p <= 0):
-            raise ConfigError(f"weight_sync.poll_interval_s must be a number > 0 or null (auto), got {p!r}")
-        t = self.timeout_s
-        if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float)) or t <= 0):
-            raise ConfigError(f"weight_sync.timeout_s must be a number > 0, got {t!r}")
-        if not isinstance(self.vllm_backend, str) or not self.vllm_backend:
+        if not self.vllm_backend:
             raise ConfigError(
                 f"weight_sync.vllm_backend must be 'auto' or a vLLM weight-transfer backend name, got "
                 f"{self.vllm_backend!r}"
@@ -123,16 +115,10 @@ class WeightSyncConfig:
                 f"weight_sync.vllm_backend {self.vllm_backend!r} is read by weight_sync.transport 'vllm' only "
                 f"(transport is {self.transport!r}); remove it or set transport: vllm"
             )
-        if self.directory is not None and (not isinstance(self.directory, str) or not self.directory):
-            raise ConfigError(f"weight_sync.directory must be a non-empty path or null, got {self.directory!r}")
+        if self.directory == "":
+            raise ConfigError("weight_sync.directory must be a non-empty path or null, got ''")
         if self.transport == "directory" and self.directory is None:
             raise ConfigError("weight_sync.directory must be set when weight_sync.transport is 'directory'")
-        for key, low in (("max_retries", 0), ("keep_versions", 1)):
-            v = getattr(self, key)
-            if isinstance(v, bool) or not isinstance(v, int) or v < low:
-                raise ConfigError(f"weight_sync.{key} must be an integer >= {low}, got {v!r}")
-        if self.verify_checksum is not None and not isinstance(self.verify_checksum, bool):
-            raise ConfigError(f"weight_sync.verify_checksum must be true or false, got {self.verify_checksum!r}")
         return self
 
     @classmethod
