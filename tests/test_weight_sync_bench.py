@@ -40,7 +40,7 @@ def test_bench_cli_quick_writes_json(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "ratio bucketed_vs_per_param" in out and "switch_ms" in out
     main = r["models"]["qwen0.5b"]
-    for case in ("per_param", "bucketed", "shm", "shm_no_checksum"):
+    for case in ("per_param", "bucketed", "shm_sequential"):
         assert main[case]["min"] <= main[case]["median"] <= main[case]["max"] and main[case]["median"] > 0
     assert (
         main["per_param"]["bit_exact"] and main["bucketed"]["bit_exact"] and main["bucketed_no_checksum"]["bit_exact"]
@@ -52,7 +52,9 @@ def test_bench_cli_quick_writes_json(tmp_path, capsys):
     assert r["ratios"]["bucketed_vs_per_param_min"] == pytest.approx(r["ratios"]["bucketed_vs_per_param"])
     nocrc = main["bucketed_no_checksum"]["per_rep"][0]
     assert r["ratios"]["bucketed_no_checksum_vs_per_param"] == pytest.approx(nocrc / pp[0])
-    assert r["ratios"]["shm_vs_memcpy"] == pytest.approx(main["shm"]["median"] / r["memcpy_gbps"]["median"])
+    shm = main["shm_sequential"]["median"]
+    assert r["ratios"]["shm_sequential_vs_memcpy"] == pytest.approx(shm / r["memcpy_gbps"]["median"])
+    assert "shm" not in main and "shm_vs_memcpy" not in r["ratios"]  # the streaming read is gone
     assert r["ratios"]["switch_ms"] == r["switch_ms"]["median"] > 0
     assert r["models"]["small"]["tensors"] > 10
     assert all(0 < main[c]["receiver_cpu_share"] < 4 for c in ("per_param", "bucketed", "bucketed_no_checksum"))

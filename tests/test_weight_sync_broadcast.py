@@ -335,3 +335,28 @@ def _stop(children, sender, *queues) -> None:
     for q in queues:
         q.close()
         q.join_thread()
+
+
+def test_vllm_store_wait_returns_when_every_receiver_acknowledged_and_times_out_otherwise():
+    """The vllm transport's phase wait on its real TCPStore: a key, then a counter reaching the receivers."""
+    import threading
+
+    import torch.distributed as dist
+
+    from mrl_plugins.errors import StageTimeoutError
+    from mrl_plugins.weight_sync.vllm_transfer import _free_port, _wait
+
+    store = dist.TCPStore("127.0.0.1", _free_port("127.0.0.1"), world_size=1, is_master=True, wait_for_workers=False)
+    t0 = time.monotonic()
+    with pytest.raises(StageTimeoutError, match=r"weight_sync 'vllm': round 3 not done within 0 s"):
+        _wait(store, "round_done/3", 2, 0.3, "round 3")
+    assert 0.3 <= time.monotonic() - t0 < 2
+    store.add("round_done/3", 1)
+    with pytest.raises(StageTimeoutError):  # one of two receivers is not enough
+        _wait(store, "round_done/3", 2, 0.2, "round 3")
+    later = threading.Timer(0.2, store.add, args=("round_done/3", 1))
+    later.start()
+    _wait(store, "round_done/3", 2, 5, "round 3")
+    later.join(5)
+    store.set("init", "{}")
+    _wait(store, "init", None, 0.2, "joining")  # a key that exists: at once

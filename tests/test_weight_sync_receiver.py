@@ -296,26 +296,26 @@ def test_hookimpl_marker_is_the_projects():
     assert hookimpl is not None
 
 
-def test_eager_poll_streams_a_version_being_written(shm):
+def test_poll_takes_a_version_only_once_its_publish_completed(shm):
     model = torch.nn.Sequential(*[torch.nn.Linear(32, 32) for _ in range(4)])
     s = shm(chunk_bytes=2048)
     recv = DoubleBufferedReceiver(model, s.receiver_handle().attach())
+    started = threading.Event()
 
     def slow():
         for item in filled(model, 9.0):
+            started.set()
             time.sleep(0.02)
             yield item
 
     th = threading.Thread(target=s.publish, args=(1, slow()))
     th.start()
     try:
-        deadline = time.monotonic() + 5
-        while recv.tr.writing_version() is None and time.monotonic() < deadline:
-            time.sleep(0.001)
-        assert recv.poll(5) is None  # not complete yet: a plain poll does not see it
-        assert recv.poll(5, eager=True) == 1  # streams it, returns when complete
+        assert started.wait(5)
+        assert recv.poll(5) is None  # being written: not seen yet
     finally:
         th.join(10)
+    assert recv.poll(5) == 1
     assert recv.switch().to_version == 1 and values(model) == {9.0}
 
 

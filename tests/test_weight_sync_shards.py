@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 import pytest
 import torch
 from safetensors.torch import load as st_load
 
-from mrl_plugins.errors import ConfigError, MrlError
+from mrl_plugins.errors import ConfigError, MrlError, StageTimeoutError
 from mrl_plugins.shmem import remove_stale, shm_dir
 from mrl_plugins.weight_sync import DirectorySender, ShmSender, WeightSyncConfig, WeightSyncError
 from mrl_plugins.weight_sync.shards import ALIGN, parse_shard
@@ -190,6 +191,11 @@ def test_wrong_destination_is_a_clear_error(shm_sender):
         rx.fetch_into(1, {"a": torch.zeros(3)}, 2)
     with pytest.raises(WeightSyncError, match="destination is torch.float16"):
         rx.fetch_into(1, {"a": torch.zeros(3, dtype=torch.float16), "b": torch.zeros(2)}, 2)
+    s.publish(2, [("big", torch.ones(300, 4))])  # 4800 bytes: row chunks of at most 1024
+    for wrong in ((299, 4), (300, 5), (1200,)):  # every chunk checks the whole tensor's shape
+        msg = f"big: received torch.float32(300, 4), destination is torch.float32{wrong}"
+        with pytest.raises(WeightSyncError, match=re.escape(msg)):
+            rx.fetch_into(2, {"big": torch.zeros(wrong)}, 2)
     rx.close()
 
 
@@ -274,7 +280,7 @@ def test_config_validation():
     assert cfg.chunk_for("shm") > 0 and cfg.bucket_for("broadcast") >= cfg.chunk_for("broadcast")
     with pytest.raises(ConfigError, match="unknown weight_sync key 'chunk'.*valid keys: .*chunk_bytes"):
         WeightSyncConfig.from_dict({"chunk": 5})
-    with pytest.raises(ConfigError, match="staging must be 'device' or 'host'"):
+    with pytest.raises(ConfigError, match="weight_sync.staging: 'disk' invalid; valid: 'device' or 'host'"):
         WeightSyncConfig.from_dict({"staging": "disk"})
     with pytest.raises(ConfigError, match="directory must be set"):
         WeightSyncConfig.from_dict({"transport": "directory"})
@@ -306,72 +312,67 @@ def test_directory_manifest_is_atomic_and_old_versions_collected(tmp_path):
     assert torch.all(dest["w"] == 5)
 
 
-def test_shm_reader_streams_a_version_while_it_is_written(shm_sender):
-    """The reader verifies and copies shards as they complete, before the writer is done."""
-    import threading
-    import time
-
-    s = shm_sender(chunk_bytes=4096)
-    rx = s.receiver_handle().attach()
-    ts = {f"w{i}": torch.full((4096,), float(i)) for i in range(12)}
-    finished = {}
-
-    def slow():
-        for k, v in ts.items():
-            time.sleep(0.02)
-            yield k, v
-
-    def write():
-        s.publish(1, slow())
-        finished["t"] = time.monotonic()
-
-    first = {}
-
-    def dest(name, row0, view):
-        first.setdefault("t", time.monotonic())
-        got[name][row0 : row0 + view.shape[0]].copy_(view)
-
-    got = {k: torch.zeros(4096) for k in ts}
-    th = threading.Thread(target=write)
-    th.start()
-    deadline = time.monotonic() + 5
-    while rx.writing_version() is None and time.monotonic() < deadline:
-        time.sleep(0.001)
-    assert rx.writing_version() == 1 and rx.latest_version() is None
-    assert rx.fetch_into(1, dest, 10) == sum(t.nbytes for t in ts.values())
-    th.join(10)
-    assert first["t"] < finished["t"] - 0.1  # data arrived long before the publish ended
-    assert all(torch.equal(got[k], v) for k, v in ts.items())
-    rx.close()
-
-
-def test_shm_streaming_reader_sees_an_aborted_version(shm_sender):
-    import threading
-    import time
-
+def test_shm_aborted_publish_leaves_the_latest_version_and_the_next_goes_through(shm_sender):
+    """A publish that fails midway publishes nothing: the previous version stays readable, a reader waiting for
+    the aborted one times out, and the next version is written into the same free slot."""
     s = shm_sender(chunk_bytes=4096, max_retries=0)
     rx = s.receiver_handle().attach()
+    s.publish(1, [("a", torch.ones(4096))])
 
     def broken():
-        yield "a", torch.ones(4096)
-        time.sleep(0.2)
+        yield "a", torch.full((4096,), 9.0)
         raise RuntimeError("gather failed")
 
-    errors = []
-    th = threading.Thread(target=lambda: errors.append(pytest.raises(RuntimeError, s.publish, 1, broken())))
-    th.start()
-    deadline = time.monotonic() + 5
-    while rx.writing_version() is None and time.monotonic() < deadline:
-        time.sleep(0.001)
-    with pytest.raises(WeightSyncError, match="aborted version 1"):
-        rx.fetch_into(1, {"a": torch.zeros(4096)}, 5)
-    th.join(10)
-    assert errors and rx.latest_version() is None and rx.writing_version() is None
-    s.publish(2, [("a", torch.full((4096,), 2.0))])  # the next version goes through
+    with pytest.raises(RuntimeError, match="gather failed"):
+        s.publish(2, broken())
+    assert rx.latest_version() == 1
     d = {"a": torch.zeros(4096)}
-    rx.fetch_into(2, d, 5)
-    assert torch.all(d["a"] == 2)
+    assert rx.fetch_into(1, d, 5) == 4096 * 4 and torch.all(d["a"] == 1)
+    with pytest.raises(StageTimeoutError, match="version 2 not published"):
+        rx.fetch_into(2, d, 0.2)
+    s.publish(3, [("a", torch.full((4096,), 3.0))])
+    rx.fetch_into(3, d, 5)
+    assert torch.all(d["a"] == 3) and rx.latest_version() == 3
     rx.close()
+
+
+@pytest.mark.parametrize("transport", ["shm", "directory"])
+def test_a_reader_waits_for_a_version_until_its_timeout_then_names_the_latest(transport, tmp_path, shm_sender):
+    """fetch_into of a version not published yet: it arrives while the reader waits, or the wait ends at the
+    timeout with the transport's message naming the version and the latest one."""
+    import fcntl
+    import threading
+    import time
+
+    if transport == "shm":
+        s = shm_sender(chunk_bytes=4096)
+    else:
+        cfg = WeightSyncConfig(transport="directory", directory=str(tmp_path), chunk_bytes=4096)
+        s = DirectorySender(cfg, model_id="policy", run_id="t")
+    rx = s.receiver_handle().attach()
+    s.publish(1, [("a", torch.ones(16))])
+    d = {"a": torch.zeros(16)}
+    t0 = time.monotonic()
+    with pytest.raises(StageTimeoutError, match=r"version 2 not published .*within 0\.3s \(latest 1\)"):
+        rx.fetch_into(2, d, 0.3)
+    assert 0.3 <= time.monotonic() - t0 < 2
+    later = threading.Timer(0.2, s.publish, args=(2, [("a", torch.full((16,), 2.0))]))
+    later.start()
+    assert rx.fetch_into(2, d, 5) == 64 and torch.all(d["a"] == 2)
+    later.join(5)
+    if transport == "shm":  # a slot locked by its writer: the reader's wait for the lock is bounded too
+        seg = next(x for x in s.slots if x.read("<Q", 16)[0] == 3)
+        fd = os.open(seg.path, os.O_RDWR)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            with pytest.raises(StageTimeoutError, match="timed out waiting for the lock on shm slot"):
+                rx.fetch_into(2, d, 0.3)
+        finally:
+            os.close(fd)
+        assert rx.fetch_into(2, d, 5) == 64
+    rx.close()
+    if transport == "directory":
+        s.close()
 
 
 def _bounded(fn, limit: float):

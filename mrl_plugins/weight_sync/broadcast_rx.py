@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import bisect
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -14,7 +15,7 @@ from mrl_plugins._net import td
 from mrl_plugins.errors import choices
 
 from .broadcast_group import CTRL_BYTES, HEAD, _ctrl_head, _Group, _peer_error, _tag
-from .shards import CHECKSUM_ALGOS, ST_TO_DTYPE, Dest, WeightSyncError, as_bytes, chunk_checksums
+from .shards import CHECKSUM_ALGOS, ST_TO_DTYPE, Dest, WeightSyncError, as_bytes, chunk_checksums, dest_tensor
 
 
 @dataclass(frozen=True)
@@ -129,24 +130,20 @@ class BroadcastReceiver:
             bad.append(f"asked for version {version}, the sender is publishing {msg.get('v')}")
 
     def _target(self, dest: Dest, name: str, dtype: torch.dtype, shape: list[int], bad: list[str]) -> Any:
-        if callable(dest) and not hasattr(dest, "get"):
+        """:func:`dest_tensor`, its error kept in ``bad`` (the stream is received to its end: the group stays in
+        step)."""
+        try:
+            return dest_tensor(dest, name, dtype, shape)
+        except WeightSyncError as exc:
+            bad.append(str(exc))
             return None
-        t = dest.get(name)
-        if t is None:
-            bad.append(
-                f"received tensor {name!r} has no destination (check name_map or the mrl_weight_sync_map_name hook)"
-            )
-        elif t.dtype != dtype or list(t.shape) != shape:
-            bad.append(f"{name}: received {dtype}{tuple(shape)}, destination is {t.dtype}{tuple(t.shape)}")
-            t = None
-        return t
 
     def _deliver(self, dest: Dest, name: str, target: Any, view: torch.Tensor, row0: int = 0) -> None:
         if target is not None:
             if row0 or (view.dim() and view.shape[0] != target.shape[0]):
                 target = target[row0 : row0 + view.shape[0]]
             target.copy_(view)
-        elif callable(dest) and not hasattr(dest, "get"):
+        elif callable(dest) and not isinstance(dest, Mapping):
             dest(name, row0, view)
 
     def _recv_params(self, msg: dict, dest: Dest, timeout: float, bad: list[str]) -> int:

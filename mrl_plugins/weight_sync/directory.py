@@ -34,8 +34,7 @@ from typing import Any
 
 import torch
 
-from mrl_plugins._proc import pid_alive
-from mrl_plugins.errors import StageTimeoutError
+from mrl_plugins._proc import pid_alive, wait_until
 from mrl_plugins.hookspecs import PublishReport
 
 from .config import WeightSyncConfig
@@ -295,17 +294,23 @@ class DirectoryReceiver:
         """Read, verify and copy ``version``; wait up to ``timeout`` s for its manifest."""
         timeout = self.h.timeout_s if timeout is None else timeout
         deadline = time.monotonic() + timeout
+        seen: list[dict | None] = [None]
+
+        def published() -> dict | None:
+            m = seen[0] = self.manifest()
+            return m if m is not None and m["version"] >= version else None
+
         attempts = 0
         while True:
-            m = self.manifest()
-            if m is None or m["version"] < version:
-                if time.monotonic() > deadline:
-                    raise StageTimeoutError(
-                        f"model_id={self.h.model_id}: version {version} not published in {self.h.root} within "
-                        f"{timeout:.1f}s (latest {None if m is None else m['version']})"
-                    )
-                time.sleep(0.01)
-                continue
+            m = wait_until(
+                published,
+                deadline,
+                lambda: (
+                    f"model_id={self.h.model_id}: version {version} not published in {self.h.root} within "
+                    f"{timeout:.1f}s (latest {None if seen[0] is None else seen[0]['version']})"
+                ),
+                sleep=0.01,
+            )
             if m["version"] != version:  # newer: this reader came too late for ``version``
                 raise VersionGoneError(
                     f"model_id={self.h.model_id}: asked for version {version}, manifest is at {m['version']}"

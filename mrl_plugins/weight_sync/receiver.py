@@ -149,23 +149,15 @@ class DoubleBufferedReceiver:
     def staged_version(self) -> int | None:
         return self._staged
 
-    def poll(self, timeout: float | None = None, *, eager: bool = False) -> int | None:
+    def poll(self, timeout: float | None = None) -> int | None:
         """Fetch the newest version into staging if it is newer than active and staged; return it, else ``None``.
 
-        ``eager=True`` also takes a version that is still being written when the transport can stream
-        it (shm: ``writing_version()``), so the copy overlaps the publish; the call then blocks until
-        that version is complete (at most ``timeout`` s). A version replaced by a newer one while it
-        was fetched (a slow reader; :class:`VersionGoneError`) is given up for the newer one, up to
-        ``GONE_RETRIES`` times in a row.
+        A version replaced by a newer one while it was fetched (a slow reader; :class:`VersionGoneError`) is given
+        up for the newer one, up to ``GONE_RETRIES`` times in a row.
         """
         deadline = None if timeout is None else time.monotonic() + timeout
         for lost in range(GONE_RETRIES + 1):
             v = self.tr.latest_version()
-            writing = getattr(self.tr, "writing_version", None) if eager else None
-            if writing is not None:
-                w = writing()
-                if w is not None and (v is None or w > v):
-                    v = w
             if v is None or v in (self.version, self._staged):
                 return None  # nothing new
             left = None if deadline is None else max(0.0, deadline - time.monotonic())

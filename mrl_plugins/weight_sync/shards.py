@@ -277,25 +277,32 @@ def check_meta(meta: ShardMeta, *, model_id: str, version: int, index: int, coun
         raise WeightSyncError(f"{where}: shard identity {got} does not match the expected {exp}")
 
 
-def copy_entry(dest: Dest, entry: Entry, view: torch.Tensor) -> None:
-    """Copy one received entry into ``dest`` (a mapping name -> tensor or a callable)."""
+def dest_tensor(dest: Dest, name: str, dtype: torch.dtype, shape: tuple[int, ...] | list[int]) -> torch.Tensor | None:
+    """The tensor of ``dest`` that receives the whole tensor ``name`` (``dtype``, ``shape``); ``None`` when ``dest``
+    is a callable. :class:`WeightSyncError` when ``dest`` has no such name or its tensor does not match."""
     if callable(dest) and not isinstance(dest, Mapping):
-        dest(entry.name, entry.row0, view)
-        return
-    target = dest.get(entry.name)
+        return None
+    target = dest.get(name)
     if target is None:
         raise WeightSyncError(
-            f"received tensor {entry.name!r} has no destination (check name_map or the mrl_weight_sync_map_name hook)"
+            f"received tensor {name!r} has no destination (check name_map or the mrl_weight_sync_map_name hook)"
         )
-    if entry.rows_total is not None:
-        if target.dim() == 0 or target.shape[0] != entry.rows_total:
-            raise WeightSyncError(f"{entry.name}: destination shape {tuple(target.shape)} vs {entry.rows_total} rows")
-        target = target[entry.row0 : entry.row0 + entry.shape[0]]
-    if tuple(target.shape) != tuple(view.shape) or target.dtype != view.dtype:
+    if target.dtype != dtype or tuple(target.shape) != tuple(shape):
         raise WeightSyncError(
-            f"{entry.name}: received {view.dtype}{tuple(view.shape)}, "
-            f"destination is {target.dtype}{tuple(target.shape)}"
+            f"{name}: received {dtype}{tuple(shape)}, destination is {target.dtype}{tuple(target.shape)}"
         )
+    return target
+
+
+def copy_entry(dest: Dest, entry: Entry, view: torch.Tensor) -> None:
+    """Copy one received entry (a whole tensor or a row chunk of one) into ``dest``."""
+    rows = entry.rows_total
+    target = dest_tensor(dest, entry.name, view.dtype, tuple(view.shape) if rows is None else (rows, *view.shape[1:]))
+    if target is None:
+        dest(entry.name, entry.row0, view)  # type: ignore[operator]
+        return
+    if rows is not None:
+        target = target[entry.row0 : entry.row0 + entry.shape[0]]
     target.copy_(view)
 
 

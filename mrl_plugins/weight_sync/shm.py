@@ -6,17 +6,15 @@ Segments (files under ``/dev/shm``, named ``mrl-weights-<run_id>-p<pid>-<8 hex>.
 * ``ctl`` (4 KiB): magic, a seqlock counter, ``latest version + 1`` (0 = none), the slot holding it
   and the writer's pid;
 * ``s0`` / ``s1``: two slots (double buffering), each a 1 MiB slot header (magic, seqlock counter,
-  ``version + 1``, bytes used, shard count, uuid, version being written, shards done, and a table of
-  ``(offset, length)`` per shard; its pages are allocated with the slot) followed by the version's
-  shards (valid safetensors blobs, 64-byte aligned, see :mod:`.shards`).
+  ``version + 1``, bytes used, shard count, uuid, and a table of ``(offset, length)`` per shard; its pages are
+  allocated with the slot) followed by the version's shards (valid safetensors blobs, 64-byte aligned, see
+  :mod:`.shards`).
 
-Readers can stream a version while it is written: each shard is announced in the table once its
-data and header are in place, so the reader's verify+copy overlaps the writer's copy (the two run in
-different processes). A publish writes into the slot that does *not* hold the latest version, so readers of the latest
-version are never overwritten; a reader holds a shared ``flock`` on the slot while copying and the
-writer takes the exclusive lock before writing (with the configured timeout), so even a reader that
-is two versions behind is never torn. Slots are reused across versions (grown, never re-allocated,
-when the model gets bigger): fresh pages cost a page fault each (1.2-2 GB/s), reused pages run at
+A reader reads a version once it is complete (the latest). A publish writes into the slot that does *not* hold
+the latest version, so readers of the latest version are never overwritten; a reader holds a shared ``flock`` on
+the slot while copying and the writer takes the exclusive lock before writing (with the configured timeout), so
+even a reader that is two versions behind is never torn. Slots are reused across versions (grown, never
+re-allocated, when the model gets bigger): fresh pages cost a page fault each (1.2-2 GB/s), reused pages run at
 memcpy speed.
 
 The sender unlinks its segments on ``close()``, at exit and on SIGTERM/SIGINT (:mod:`mrl_plugins.shmem`'s
@@ -37,7 +35,7 @@ from typing import Any
 
 import torch
 
-from mrl_plugins._proc import pid_alive
+from mrl_plugins._proc import pid_alive, wait_until
 from mrl_plugins.errors import StageTimeoutError
 from mrl_plugins.hookspecs import PublishReport
 from mrl_plugins.shmem import Segment, new_path, remove_stale, safe_role
@@ -59,13 +57,10 @@ STAGE = "weights"
 CTL_MAGIC = b"MRLWCTL1"
 SLOT_MAGIC = b"MRLWSLT1"
 SLOT_HDR = 1 << 20  # slot header + shard table
-_SLOT_FMT = "<8sQQQQQQ32s"  # magic, seq, version+1, used, shard_count, (unused x2), uuid
-_UUID_OFF = 56
-_WRITING_OFF = 88  # version being written + 1, shards done
-_DONE_OFF = 96
+_SLOT_FMT = "<8sQQQQ32s"  # magic, seq, version+1, used, shard_count, uuid
+_UUID_OFF = 40
 TABLE_OFF = 128  # (offset, length) u64 pairs, one per shard
 TABLE_CAP = (SLOT_HDR - TABLE_OFF) // 16
-_CTL_WRITING_OFF = 40  # control: version being written + 1, its slot
 _MIN_SLOT = 1 << 20
 
 
@@ -75,16 +70,15 @@ def _run_part(run_id: str) -> str:
 
 def _flock(fd: int, exclusive: bool, deadline: float, what: str) -> None:
     op = (fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH) | fcntl.LOCK_NB
-    delay = 0.0002
-    while True:
+
+    def locked() -> bool | None:
         try:
             fcntl.flock(fd, op)
-            return
+            return True
         except BlockingIOError:
-            if time.monotonic() > deadline:
-                raise StageTimeoutError(f"timed out waiting for the lock on {what}") from None
-            time.sleep(delay)
-            delay = min(delay * 2, 0.001)
+            return None
+
+    wait_until(locked, deadline, f"timed out waiting for the lock on {what}", sleep=0.0002, max_sleep=0.001)
 
 
 # ------------------------------------------------------------------ sender
@@ -93,9 +87,7 @@ def _flock(fd: int, exclusive: bool, deadline: float, what: str) -> None:
 class _SlotSink:
     """Bump allocator of shard space inside a slot (grows the segment when needed).
 
-    When a shard is complete (its first header write, after its data), its ``(offset, length)`` goes
-    into the slot's shard table and ``shards_done`` is bumped, so that a reader can stream it while
-    the rest of the version is still being written.
+    A shard's first header write (after its data) enters its ``(offset, length)`` in the slot's shard table.
     """
 
     def __init__(self, seg: Segment) -> None:
@@ -121,15 +113,11 @@ class _SlotSink:
             self._announced.add(off)
             self.seg.write("<QQ", TABLE_OFF + 16 * self.done, off, n)
             self.done += 1
-            self.seg.write("<Q", _DONE_OFF, self.done)
 
 
 class ShmSender:
-    """Publish versions of one model into double-buffered shared-memory slots.
-
-    ``factory(config, *, model_id, run_id, size_hint=None)``; ``size_hint`` (bytes) pre-sizes the
-    slots so that the first publish does not grow them.
-    """
+    """Publish versions of one model into double-buffered shared-memory slots (grown by the publish that needs
+    more room)."""
 
     def __init__(
         self,
@@ -137,7 +125,6 @@ class ShmSender:
         *,
         model_id: str = "policy",
         run_id: str = "run",
-        size_hint: int | None = None,
         **_: Any,
     ) -> None:
         self.config, self.model_id, self.run_id = config, model_id, run_id
@@ -151,12 +138,12 @@ class ShmSender:
         try:
             self.ctl = Segment.create(base + ".ctl", 4096, prefault=False)
             self._segs.append(self.ctl)
-            size = align(SLOT_HDR + max(int(size_hint or 0) * 9 // 8, _MIN_SLOT), 4096)
+            size = align(SLOT_HDR + _MIN_SLOT, 4096)
             self.slots = []
             for i in range(2):
                 seg = Segment.create(f"{base}.s{i}", size, prefault=False)
                 self._segs.append(seg)
-                seg.write(_SLOT_FMT, 0, SLOT_MAGIC, 0, 0, 0, 0, 0, 0, b"0" * 32)
+                seg.write(_SLOT_FMT, 0, SLOT_MAGIC, 0, 0, 0, 0, b"0" * 32)
                 self.slots.append(seg)
         except FileExistsError:
             self.close()
@@ -166,17 +153,12 @@ class ShmSender:
         except BaseException:
             self.close()
             raise
-        self.ctl.write("<8sQQQQQQ", 0, CTL_MAGIC, 0, 0, 0, os.getpid(), 0, 0)
+        self.ctl.write("<8sQQQQ", 0, CTL_MAGIC, 0, 0, 0, os.getpid())
         self._latest: int | None = None
         self._latest_slot = 1
 
     def publish(self, version: int, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> PublishReport:
-        """Write ``version`` into the free slot, then make it the latest. Streams: one chunk held at most.
-
-        Readers may stream the shards of ``version`` while it is written (``fetch_into`` with the
-        version announced by :meth:`ShmReceiver.writing_version`); ``latest_version`` changes only
-        when the version is complete.
-        """
+        """Write ``version`` into the free slot, then make it the latest. Streams: one chunk held at most."""
         if self._closed:
             raise WeightSyncError("shm sender is closed")
         check_newer(self.model_id, version, self._latest)
@@ -184,16 +166,14 @@ class ShmSender:
         si = 1 - self._latest_slot
         seg = self.slots[si]
         uid = uuidlib.uuid4().hex
-        # wait until readers of what this slot held are gone, mark it as being written, let streamers in
+        # wait until readers of what this slot held are gone, mark it as being written
         _flock(seg.fd, True, time.monotonic() + self.config.timeout_s, f"shm slot {seg.path} (a reader holds it)")
         try:
             (seq,) = seg.read("<Q", 8)
             seg.write("<QQ", 8, seq + 1, 0)  # odd: being written; version 0: no complete version here
             seg.write("<32s", _UUID_OFF, uid.encode())
-            seg.write("<QQ", _WRITING_OFF, version + 1, 0)  # writing version + 1, shards done
         finally:
             fcntl.flock(seg.fd, fcntl.LOCK_UN)
-        self.ctl.write("<QQ", _CTL_WRITING_OFF, version + 1, si)
         try:
             sink = _SlotSink(seg)
             writer = ShardWriter(
@@ -209,17 +189,13 @@ class ShmSender:
             count = writer.finish()  # patches shard counts only; data and checksums stay
             seg.write("<QQQ", 16, version + 1, sink.pos, count)
             seg.write("<Q", 8, seq + 2)  # even: complete
-            seg.write("<Q", _WRITING_OFF, 0)
         except BaseException:
-            seg.write("<QQ", _WRITING_OFF, 0, 0)  # streamers see the abort
-            seg.write("<QQ", 8, seq + 2, 0)
-            self.ctl.write("<QQ", _CTL_WRITING_OFF, 0, 0)
+            seg.write("<QQ", 8, seq + 2, 0)  # even, no version: the slot holds nothing
             raise
         (cseq,) = self.ctl.read("<Q", 8)
         self.ctl.write("<Q", 8, cseq + 1)
         self.ctl.write("<QQ", 16, version + 1, si)
         self.ctl.write("<Q", 8, cseq + 2)
-        self.ctl.write("<QQ", _CTL_WRITING_OFF, 0, 0)
         self._latest, self._latest_slot = version, si
         return PublishReport(self.model_id, version, writer.nbytes, time.perf_counter() - t0, count)
 
@@ -288,52 +264,53 @@ class ShmReceiver:
                 timeout = self.h.timeout_s if timeout is None else timeout
                 deadline = time.monotonic() + timeout if deadline is None else deadline
             elif spins % 64 == 0:
-                what = "the latest version"
-                self._check_sender(
-                    -1, deadline, timeout, "while announcing", "not announced", "(control counter odd)", what
-                )
+                self._sender_alive("while announcing", "the latest version", "(control counter odd)")
+                if time.monotonic() > deadline:
+                    raise StageTimeoutError(
+                        f"model_id={self.h.model_id}: the latest version not announced within {timeout:.1f}s "
+                        "(control counter odd)"
+                    )
             time.sleep(0)
 
     def latest_version(self) -> int | None:
         """Newest complete version (a few struct reads; no lock; StageTimeoutError when its sender died mid-update)."""
         return self._ctl()[0]
 
-    def writing_version(self) -> int | None:
-        """The version being written right now (``fetch_into`` can stream it), or ``None``."""
-        w, _ = self.ctl.read("<QQ", _CTL_WRITING_OFF)
-        return w - 1 if w else None
-
     def fetch_into(self, version: int, dest: Dest, timeout: float | None = None) -> int:
         """Copy ``version`` into ``dest``; returns tensor bytes.
 
-        Waits up to ``timeout`` s for the version to appear; if it is being written, its shards are
-        verified and copied as they complete (the copy overlaps with the writer). A writer that dies
-        gives :class:`StageTimeoutError` at once; a checksum error is retried ``max_retries`` times.
+        Waits up to ``timeout`` s for the version to be published. A writer that dies gives
+        :class:`StageTimeoutError` at once; a checksum error is retried ``max_retries`` times.
         """
         timeout = self.h.timeout_s if timeout is None else timeout
         deadline = time.monotonic() + timeout
-        attempts, delay = 0, 0.0005
+        seen: list[int | None] = [None]
+
+        def published() -> int | None:
+            seen[0] = self._ctl(deadline, timeout)[0]
+            return seen[0] if seen[0] is not None and seen[0] >= version else None
+
+        attempts = 0
         while True:
-            latest, _ = self._ctl(deadline, timeout)
-            w, wslot = self.ctl.read("<QQ", _CTL_WRITING_OFF)
-            if latest is not None and latest >= version:
-                seg = next((x for x in self.slots if x.read("<Q", 16)[0] == version + 1), None)
-                if seg is None:
-                    raise VersionGoneError(
-                        f"model_id={self.h.model_id}: version {version} is no longer in shared memory "
-                        f"(latest {latest})"
-                    )
-            elif w == version + 1 and wslot < len(self.slots):
-                seg = self.slots[wslot]
-            else:
-                detail = f"(latest {latest})"
-                self._check_sender(version, deadline, timeout, "before publishing", "not published", detail)
-                time.sleep(delay)
-                delay = min(delay * 2, 0.002)
-                continue
+            latest = wait_until(
+                published,
+                deadline,
+                lambda: (
+                    f"model_id={self.h.model_id}: version {version} not published within {timeout:.1f}s "
+                    f"(latest {seen[0]})"
+                ),
+                check=lambda: self._sender_alive("before publishing", f"version {version}", f"(latest {seen[0]})"),
+                sleep=0.0005,
+                max_sleep=0.002,
+            )
+            seg = next((x for x in self.slots if x.read("<Q", 16)[0] == version + 1), None)
+            if seg is None:
+                raise VersionGoneError(
+                    f"model_id={self.h.model_id}: version {version} is no longer in shared memory (latest {latest})"
+                )
             _flock(seg.fd, False, deadline, f"shm slot {seg.path}")
             try:
-                n = self._read_slot(seg, version, dest, deadline, timeout)
+                n = self._read_slot(seg, version, dest)
                 if n is not None:
                     return n
             except WeightSyncError:
@@ -343,57 +320,34 @@ class ShmReceiver:
             finally:
                 fcntl.flock(seg.fd, fcntl.LOCK_UN)
 
-    def _check_sender(
-        self, version: int, deadline: float, timeout: float, died: str, late: str, detail: str, what: str = ""
-    ) -> None:
-        """Raise StageTimeoutError when the sender is dead or the deadline passed (never wait forever)."""
-        what = what or f"version {version}"
+    def _sender_alive(self, died: str, what: str, detail: str) -> None:
+        """Raise StageTimeoutError when the sender's pid is gone (a wait on it would only end at its deadline)."""
         if not pid_alive(self.h.writer_pid):
             raise StageTimeoutError(
                 f"model_id={self.h.model_id}: shm sender pid {self.h.writer_pid} died {died} {what} {detail}"
             )
-        if time.monotonic() > deadline:
-            raise StageTimeoutError(f"model_id={self.h.model_id}: {what} {late} within {timeout:.1f}s {detail}")
 
-    def _read_slot(self, seg: Segment, version: int, dest: Dest, deadline: float, timeout: float) -> int | None:
-        """Stream the shards of ``version`` from ``seg`` (shared lock held); ``None`` if the slot moved on."""
-        seq, v1 = seg.read("<QQ", 8)
-        wv1, _ = seg.read("<QQ", _WRITING_OFF)
-        if not ((seq % 2 == 0 and v1 == version + 1) or wv1 == version + 1):
+    def _read_slot(self, seg: Segment, version: int, dest: Dest) -> int | None:
+        """Verify and copy the shards of the complete ``version`` from ``seg`` (shared lock held); ``None`` if the
+        slot moved on."""
+        seq, v1, _used, count = seg.read("<QQQQ", 8)
+        if not (seq % 2 == 0 and v1 == version + 1):
             return None
         uid = seg.read("<32s", _UUID_OFF)[0].decode()
-        nbytes, i, count, delay = 0, 0, None, 0.0002
-        while True:
-            if count is None:
-                seq, v1, _used, cnt = seg.read("<QQQQ", 8)
-                if seq % 2 == 0 and v1 == version + 1:
-                    count = cnt
-            wv1, done = seg.read("<QQ", _WRITING_OFF)
-            if count is not None and i >= count:
-                return nbytes
-            if i < (count if count is not None else done):
-                off, n = seg.read("<QQ", TABLE_OFF + 16 * i)
-                if off + n > seg.size:
-                    seg.refresh()
-                where = f"model_id={self.h.model_id} version={version} shard {i}"
-                parsed = parse_shard(seg.tensor[off : off + n], verify=self.h.verify, where=where)
-                m = parsed.meta
-                check_meta(m, model_id=self.h.model_id, version=version, index=i, count=m.shard_count, uuid=uid,
-                           where=where)  # fmt: skip
-                for entry, view in parsed.entries:
-                    copy_entry(dest, entry, view)
-                    nbytes += entry.nbytes
-                i += 1
-                delay = 0.0002
-                continue
-            if count is None and wv1 != version + 1:
-                seq, v1 = seg.read("<QQ", 8)
-                if not (seq % 2 == 0 and v1 == version + 1):
-                    raise WeightSyncError(f"model_id={self.h.model_id}: the sender aborted version {version}")
-                continue
-            self._check_sender(version, deadline, timeout, "while writing", "not complete", f"({i} shards received)")
-            time.sleep(delay)
-            delay = min(delay * 2, 0.001)
+        nbytes = 0
+        for i in range(count):
+            off, n = seg.read("<QQ", TABLE_OFF + 16 * i)
+            if off + n > seg.size:
+                seg.refresh()
+            where = f"model_id={self.h.model_id} version={version} shard {i}"
+            parsed = parse_shard(seg.tensor[off : off + n], verify=self.h.verify, where=where)
+            m = parsed.meta
+            check_meta(m, model_id=self.h.model_id, version=version, index=i, count=m.shard_count, uuid=uid,
+                       where=where)  # fmt: skip
+            for entry, view in parsed.entries:
+                copy_entry(dest, entry, view)
+                nbytes += entry.nbytes
+        return nbytes
 
     def close(self) -> None:
         for s in [self.ctl, *self.slots]:

@@ -36,6 +36,7 @@ from typing import Any
 import torch
 
 from mrl_plugins._net import td
+from mrl_plugins._proc import wait_until
 from mrl_plugins.errors import ConfigError, StageTimeoutError, choices
 from mrl_plugins.hookspecs import PublishReport, SwitchReport
 
@@ -82,13 +83,12 @@ def check_backend(backend: str) -> None:
 
 def _wait(store: Any, key: str, count: int | None, timeout: float, what: str) -> None:
     """Until ``key`` exists (``count`` None) or its counter reaches ``count``; StageTimeoutError after ``timeout``."""
-    deadline = time.monotonic() + timeout
-    while True:
-        if store.check([key]) and (count is None or int(store.add(key, 0)) >= count):
-            return
-        if time.monotonic() > deadline:
-            raise StageTimeoutError(f"weight_sync 'vllm': {what} not done within {timeout:.0f} s")
-        time.sleep(0.002)
+    wait_until(
+        lambda: True if store.check([key]) and (count is None or int(store.add(key, 0)) >= count) else None,
+        time.monotonic() + timeout,
+        f"weight_sync 'vllm': {what} not done within {timeout:.0f} s",
+        sleep=0.002,
+    )
 
 
 class StoreClient:
@@ -281,7 +281,6 @@ class VLLMTransferReceiver:
         self._round += 1
         rep = SwitchReport(self.model_id, self.version, int(msg["version"]), 0, seconds)
         self.version = int(msg["version"])
-        self.engine.weight_version = self.version
         self.engine.last_apply_ms = seconds * 1e3
         LOG.info("switch model_id=%s %d -> %d seconds=%.4f (vLLM weight transfer, %s)", self.model_id,
                  rep.from_version, rep.to_version, seconds, self.h.backend)  # fmt: skip
