@@ -103,6 +103,8 @@ def _take_rollouts_ahead(trainer: Any, state: Any, gen: Any, shadow: Any) -> Non
     rollout runs (its follow-up turns on the workers)."""
     import time
 
+    from mrl_plugins.rollout.runtime import too_stale
+
     orig = trainer._generate_and_score_completions
     rc = state.ctx.config.rollout
     metrics = state.ctx.metrics
@@ -116,17 +118,11 @@ def _take_rollouts_ahead(trainer: Any, state: Any, gen: Any, shadow: Any) -> Non
         shadow.note_current(inputs)
         if rollout is None:
             return orig(inputs)
-        step = trainer.state.global_step
-        if trainer._last_loaded_step != step:  # TRL syncs in _generate_single_turn, which it does not call now
-            gen.sync_weights()
-            trainer._last_loaded_step = step
+        gen.sync_weights_once()  # TRL syncs in _generate_single_turn, which it does not call now
         stale = gen.version - rollout.oldest_version()
         metrics.gauge("rollout/staleness", max(0, stale))
-        if stale > rc.staleness_bound:
-            metrics.add("rollout/stale_samples", len(inputs))
-            if rc.stale_policy == "drop":
-                metrics.add("rollout/dropped_samples", len(inputs))
-                return orig(inputs)  # rolled out again, now, by TRL
+        if too_stale(metrics, rc, stale, len(inputs)):
+            return orig(inputs)  # rolled out again, now, by TRL
         state.runtime.take_ahead(t0, waited, rollout.engine_s())
         metrics.add("rollout/ahead_thread_cpu_s", rollout.cpu_s)  # tools, parsing, tokenising: the trainer's CPU
         gen.last_result = None  # no worker scores for a multi-turn batch: TRL computes its reference pass

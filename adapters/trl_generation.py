@@ -159,6 +159,14 @@ class MrlGeneration:
             self.metrics.add("weights/bytes", rep.nbytes)
             self.metrics.gauge("weights/version", version)
 
+    def sync_weights_once(self) -> None:
+        """:meth:`sync_weights` unless TRL already synced this ``global_step`` (its ``_last_loaded_step``, which it
+        checks in ``_generate_single_turn``), for the places that generate without TRL's own sync point."""
+        step = self.trainer.state.global_step
+        if self.trainer._last_loaded_step != step:
+            self.sync_weights()
+            self.trainer._last_loaded_step = step
+
     def generate(self, prompts: list[list[int]], images: Any, num_generations: int, profiler: Any = None) -> tuple:
         if images is not None and any(i is not None for i in images):
             raise PluginError("mrl rollout: image prompts are not supported; set plugins.rollout: upstream")
@@ -240,22 +248,11 @@ def release_trl_vllm(trainer: Any) -> bool:
     released."""
     import gc
 
-    gen = getattr(trainer, "vllm_generation", None)
-    llm = getattr(gen, "llm", None) if gen is not None else None
-    if llm is None:
-        return False
-    try:
-        llm.llm_engine.engine_core.shutdown()
-    except Exception:  # noqa: BLE001 - best effort, the engine is dropped either way
-        pass
-    gen.llm = None
-    del llm
-    try:
-        from vllm.distributed.parallel_state import destroy_model_parallel
+    from mrl_plugins.rollout.vllm_engine import release_llm
 
-        destroy_model_parallel()
-    except Exception:  # noqa: BLE001
-        pass
+    gen = getattr(trainer, "vllm_generation", None)
+    if gen is None or not release_llm(gen):
+        return False
     gc.collect()
     log.info("released TRL's own vLLM engine (use_vllm=True, colocate): the mrl rollout stage replaces it")
     return True

@@ -128,9 +128,7 @@ class ShadowLookahead:
         running = self.current is not None and self.current.finished is None
         if not (due or running):
             return
-        if self.trainer._last_loaded_step != global_step:
-            self.gen.sync_weights()
-            self.trainer._last_loaded_step = global_step
+        self.gen.sync_weights_once()
         if due and self.usable():
             inputs, _ = self.scheduled
             self.scheduled = None

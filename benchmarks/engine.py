@@ -178,6 +178,7 @@ def _engine_main(name: str, opts: dict, conn: Any) -> None:
         import torch
 
         torch.set_num_threads(opts["threads"])
+        from benchmarks.engine_server import copy_weights
         from mrl_plugins.demo.models import build_model
         from mrl_plugins.rollout.engine import SamplingParams, TransformersEngine
 
@@ -214,8 +215,8 @@ def _engine_main(name: str, opts: dict, conn: Any) -> None:
                 t0 = time.perf_counter()
                 if name == "vllm":
                     engine.apply_weights(version=version)
-                else:
-                    engine.update_weights(model.state_dict().items(), version)
+                else:  # the in-process engine: one copy into its model's parameters
+                    copy_weights(engine.model, model.state_dict())
                 conn.send(("apply", {"ms": (time.perf_counter() - t0) * 1e3}))
             elif cmd == "idle":
                 c0, w0 = time.process_time(), time.perf_counter()

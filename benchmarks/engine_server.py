@@ -84,14 +84,12 @@ class MemoryReservation:
     """
 
     device: str
-    baseline_bytes: int
     peak_bytes: int
     headroom: float
     reserved_bytes: int
     total_bytes: int
     fraction: float
     enforced: bool
-    seconds: float
 
     def as_dict(self) -> dict[str, Any]:
         """Plain dict for reports and metrics."""
@@ -120,14 +118,12 @@ def reserve_memory(fn: Callable[[], Any], device: Any, headroom: float = 0.2) ->
     fraction = _reserve(device, prof.peak_bytes, headroom, total_bytes=prof.total_bytes)
     reservation = MemoryReservation(
         device=device.spec,
-        baseline_bytes=prof.baseline_bytes,
         peak_bytes=prof.peak_bytes,
         headroom=float(headroom),
         reserved_bytes=int(prof.peak_bytes * (1 + headroom)),
         total_bytes=prof.total_bytes,
         fraction=fraction,
         enforced=device.type != "cpu",
-        seconds=prof.seconds,
     )
     return result, reservation
 
@@ -189,6 +185,13 @@ class _ServerSpec:
     headroom: float
     profile_prompts: list[list[int]] | None
     profile_generations: int
+
+
+def copy_weights(model: Any, state: dict[str, Any]) -> int:
+    """Copy a full state dict into ``model`` (torch's ``load_state_dict``: a missing, unknown or misshapen tensor is
+    an error naming it); returns the bytes copied."""
+    model.load_state_dict(state)
+    return sum(t.numel() * t.element_size() for t in state.values())
 
 
 def _binding() -> dict[str, Any]:
@@ -253,9 +256,7 @@ def _serve(conn: Any, spec: _ServerSpec) -> None:
                     out = engine.generate(prompts, num_generations)
                 reply: Any = (out.prompt_ids, out.completion_ids, out.logprobs, out.seconds)
             elif op == "update_weights":
-                blob, version = payload
-                state = torch.load(io.BytesIO(blob), weights_only=True)
-                reply = engine.update_weights(state.items(), version=version)
+                reply = copy_weights(engine.model, torch.load(io.BytesIO(payload), weights_only=True))
             elif op == "binding":
                 reply = _binding()
             elif op == "sleep":  # test hook: occupy the server for ``payload`` seconds
@@ -368,13 +369,13 @@ class EngineServer:
         )
         return EngineOutput(prompt_ids, completion_ids, logprobs, seconds=seconds)
 
-    def update_weights(self, named_tensors: Iterable[tuple[str, Any]], version: int, timeout: float = 60.0) -> int:
+    def update_weights(self, named_tensors: Iterable[tuple[str, Any]], timeout: float = 60.0) -> int:
         """Copy weights into the server's model (serialised with ``torch.save``); returns the bytes copied."""
         import torch
 
         buf = io.BytesIO()
         torch.save({name: t.detach().cpu() for name, t in named_tensors}, buf)
-        return int(self._call("update_weights", (buf.getvalue(), int(version)), timeout))
+        return int(self._call("update_weights", buf.getvalue(), timeout))
 
     def binding(self, timeout: float = 10.0) -> dict[str, Any]:
         """``{pid, affinity, threads}`` as seen inside the server process right now."""

@@ -91,7 +91,7 @@ def test_controller_probes_then_checks_every_interval_and_reports(metrics_sink):
         assert c.check() == TURNS and len(c.decisions) == 1  # next check after `interval` samples
     c.observe(Sample(TURNS, 0.3, 0.2, 0.1))
     c.check()
-    assert len(c.decisions) == 2 and c.switches == 0
+    assert len(c.decisions) == 2 and metrics_sink.sums.get("rollout/placement_switches", 0) == 0
     c.report()
     assert metrics_sink.gauges["rollout/placement"] == 1
 
@@ -101,7 +101,7 @@ def test_controller_switches_measures_afresh_and_calibrates(metrics_sink):
     c.observe(None)  # warm-up interval: not a measurement
     for _ in range(4):  # generation-bound in turns: split projected at max(0.25, 0.53) x 1.05 = 0.56 s
         c.observe(Sample(TURNS, 0.65, 0.15, 0.5))
-    assert c.check() == SPLIT and c.switches == 1
+    assert c.check() == SPLIT
     assert metrics_sink.sums["rollout/placement_switches"] == 1 and metrics_sink.gauges["rollout/placement"] == 0
     projected = c.decisions[-1].raw_projection_s
     c.observe(Sample(TURNS, 0.3, 0.2, 0.1))  # a late sample of the old arrangement is ignored
@@ -112,13 +112,14 @@ def test_controller_switches_measures_afresh_and_calibrates(metrics_sink):
     assert c.calibration[SPLIT] == pytest.approx(1.2)
 
 
-def test_alternating_noise_near_a_tie_does_not_flap():
-    c = PlacementController(TWO, initial=SPLIT, interval=3, probe=3, margin=0.1, explore=False)
+def test_alternating_noise_near_a_tie_does_not_flap(metrics_sink):
+    c = PlacementController(TWO, initial=SPLIT, interval=3, probe=3, margin=0.1, explore=False, metrics=metrics_sink)
     tie = (0.3 / 1.7 + 0.1 / 1.06) * 1.03  # split about as fast as turns would be
     for i in range(60):
         c.observe(Sample(SPLIT, tie * (1.04 if i % 2 else 0.96), 0.3, 0.1))
         c.check()
-    assert c.switches == 0 and len(c.decisions) == (60 - 1) // 3  # the first interval is a transition
+    assert metrics_sink.sums.get("rollout/placement_switches", 0) == 0
+    assert len(c.decisions) == (60 - 1) // 3  # the first interval is a transition
 
 
 @pytest.mark.parametrize(("split_step", "kept"), [(0.4, SPLIT), (0.6, TURNS)])
@@ -154,14 +155,15 @@ def test_exploring_needs_a_run_long_enough_to_repay_it(left, chosen):
 
 
 @pytest.mark.parametrize(("left", "switches"), [(5, 1), (4, 0), (1, 0)])
-def test_no_switch_in_the_last_generations(left, switches):
+def test_no_switch_in_the_last_generations(left, switches, metrics_sink):
     """Projected faster by far (generation-bound in turns), the switch still needs more than probe + 1 generations
     left: its transition is never repaid in fewer."""
-    c = PlacementController(TWO, initial=TURNS, interval=3, probe=3, margin=0.1)
+    c = PlacementController(TWO, initial=TURNS, interval=3, probe=3, margin=0.1, metrics=metrics_sink)
     for _ in range(4):
         c.observe(Sample(TURNS, 0.65, 0.15, 0.5))
     c.check(generations_left=left)
-    assert c.switches == switches and c.current == (SPLIT if switches else TURNS)
+    assert metrics_sink.sums.get("rollout/placement_switches", 0) == switches
+    assert c.current == (SPLIT if switches else TURNS)
 
 
 def test_the_horizon_decision_says_why_it_keeps():
@@ -183,10 +185,10 @@ def test_a_hopeless_projection_is_not_explored():
     assert d.chosen == SPLIT and d.reason == "explore"
 
 
-def test_force_switches_at_the_next_check():
-    c = PlacementController(TWO, initial=TURNS)
+def test_force_switches_at_the_next_check(metrics_sink):
+    c = PlacementController(TWO, initial=TURNS, metrics=metrics_sink)
     c.force(SPLIT)
-    assert c.check() == SPLIT and c.switches == 1 and not c.decisions
+    assert c.check() == SPLIT and metrics_sink.sums["rollout/placement_switches"] == 1 and not c.decisions
     with pytest.raises(Exception, match="valid: 'split' or 'turns'"):
         c.force("both")
 

@@ -64,7 +64,7 @@ def test_guard_oom_maps_in_process():
     """In-process: an engine whose model raises torch.OutOfMemoryError (simulated) -> EngineOutOfMemoryError."""
     model, tok = oom_model_factory()
     eng = TransformersEngine(model, tok, params=PARAMS, seed=0)
-    res = MemoryReservation("cpu", 10, 100, 0.2, 120, 1000, 0.12, False, 0.01)
+    res = MemoryReservation("cpu", 100, 0.2, 120, 1000, 0.12, False)
     with pytest.raises(EngineOutOfMemoryError, match=r"reserved fraction 0\.1200") as info:
         with guard_oom(res):
             eng.generate([[3, 4, 5]], num_generations=4)
@@ -114,7 +114,7 @@ def test_server_binding_applied_and_generates():
         assert res is not None and res.peak_bytes > 0 and not res.enforced
         # weights pushed to the server change its outputs to those of the pushed model
         other, _ = build_model("tiny", seed=5)
-        assert srv.update_weights(other.state_dict().items(), version=2) > 0
+        assert srv.update_weights(other.state_dict().items()) > 0
         out2 = srv.request([[3, 4, 5]], 1)
         with torch.no_grad():
             ids = torch.tensor([out2.prompt_ids[0] + out2.completion_ids[0]])

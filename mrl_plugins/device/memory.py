@@ -9,7 +9,6 @@ recorded and reported, not enforced.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar
@@ -40,56 +39,31 @@ def reservation_fraction(peak_bytes: int, total_bytes: int, headroom: float = DE
 
 @dataclass(frozen=True)
 class MemoryProfile:
-    """Memory seen while a callable ran on ``device``.
-
-    ``baseline_bytes``: held just before; ``peak_bytes``: highest held while it ran (absolute, includes the
-    baseline); ``total_bytes``: the device's capacity; ``seconds``: wall time of the call.
-    """
+    """Memory seen while a callable ran on ``device``: ``peak_bytes``, the highest held while it ran (absolute:
+    what was held before included), and ``total_bytes``, the device's capacity."""
 
     device: str
-    baseline_bytes: int
     peak_bytes: int
     total_bytes: int
-    seconds: float
-    peak_was_reset: bool
-
-    @property
-    def increase_bytes(self) -> int:
-        """Peak above the baseline: what the call itself needed."""
-        return max(0, self.peak_bytes - self.baseline_bytes)
-
-    def reservation_fraction(self, headroom: float = DEFAULT_HEADROOM) -> float:
-        """:func:`reservation_fraction` of this profile's peak."""
-        return reservation_fraction(self.peak_bytes, self.total_bytes, headroom)
 
 
 def measure_peak(fn: Callable[[], T], device: Device | None = None) -> tuple[T, MemoryProfile]:
     """Run ``fn()`` once on ``device`` (default: the ``auto`` device) and return its result and a profile.
 
     The device is synchronised before and after, and its peak reset first. On CPU, when the kernel does not let
-    the peak be reset, ``peak_bytes`` is the process peak so far (``peak_was_reset`` False).
+    the peak be reset, ``peak_bytes`` is the process peak so far.
     """
     if device is None:
         from mrl_plugins.device.select import get_device
 
         device = get_device("auto")
     device.synchronize()
-    was_reset = device.reset_peak_memory()
-    before = device.memory_stats()
-    start = time.perf_counter()
+    device.reset_peak_memory()
     result = fn()
     device.synchronize()
-    seconds = time.perf_counter() - start
     after = device.memory_stats()
-    profile = MemoryProfile(
-        device=device.spec,
-        baseline_bytes=int(before["allocated_bytes"]),
-        peak_bytes=int(max(after["peak_bytes"], after["allocated_bytes"])),
-        total_bytes=int(after["total_bytes"]),
-        seconds=seconds,
-        peak_was_reset=was_reset,
-    )
-    return result, profile
+    peak = int(max(after["peak_bytes"], after["allocated_bytes"]))
+    return result, MemoryProfile(device=device.spec, peak_bytes=peak, total_bytes=int(after["total_bytes"]))
 
 
 def reserve_memory(

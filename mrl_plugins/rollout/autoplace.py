@@ -195,7 +195,6 @@ class PlacementController:
     on_decision: Callable[[Decision], None] | None = None
     current: str = field(init=False)
     decisions: list[Decision] = field(default_factory=list, init=False)
-    switches: int = field(default=0, init=False)
 
     def __post_init__(self) -> None:
         self.current = self.initial
@@ -288,7 +287,6 @@ class PlacementController:
 
     def _switch(self, target: str) -> None:
         self.current = target
-        self.switches += 1
         self._samples = []
         self._skip = 1
         if self.metrics is not None:

@@ -45,8 +45,10 @@ def open_runtime(ctx: StageContext, setup: RolloutSetup) -> Any:
     local_factory = pm.backend(ENGINES, "transformers").factory
 
     def local_engine() -> Any:  # the trainer's own model answers while the workers start
+        from .engine import build_engine
+
         was_training = model.training
-        engine = local_factory(model, None, params=sampling, device=str(device.torch_device), seed=seed)
+        engine = build_engine(local_factory, model, sampling, device=str(device.torch_device), seed=seed)
         model.train(was_training)  # engines may switch their model to eval mode when built
         return engine
 

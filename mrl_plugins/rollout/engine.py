@@ -253,6 +253,15 @@ def cut_after_eos(tokens: Sequence[int], eos: Iterable[int]) -> int:
     return len(tokens)
 
 
+def build_engine(
+    factory: Any, model: Any, params: SamplingParams, *, device: str, seed: int, options: dict | None = None
+) -> Any:
+    """An engine for ``model`` from its registration's ``factory`` (no tokenizer: ``params`` carries the EOS and pad
+    ids); ``options`` (``rollout.engine_options`` and what the weight transport needs) are passed only when there
+    are some: only engines registered with ``options=True`` take them."""
+    return factory(model, None, params=params, device=device, seed=seed, **({"options": options} if options else {}))
+
+
 def _check_prompts(prompts: Any, num_generations: int) -> None:
     if not isinstance(num_generations, int) or num_generations < 1:
         raise ConfigError(f"num_generations: must be an int >= 1, got {num_generations!r}")
@@ -295,39 +304,11 @@ class TransformersEngine:
         if seed is not None:
             self.generator = torch.Generator(device=self.device)
             self.generator.manual_seed(int(seed))
-        self.weight_version = 0
         # transformers >= 5.2x renamed ``past_key_values`` to ``cache`` (the old name warns)
         import inspect
 
         fwd = inspect.signature(self.model.forward).parameters
         self._cache_kw = "cache" if "cache" in fwd else "past_key_values"
-
-    # ------------------------------------------------------------------------------------------------ weights
-    def update_weights(self, named_tensors: Iterable[tuple[str, Any]], version: int | None = None) -> int:
-        """Copy ``(name, tensor)`` pairs into the model's parameters/buffers; returns the bytes copied.
-
-        Unknown names or shape mismatches raise ConfigError before anything is copied.
-        """
-        import torch
-
-        state = self.model.state_dict(keep_vars=True)  # includes tied aliases such as lm_head.weight
-        pairs = list(named_tensors)
-        for name, tensor in pairs:
-            if name not in state:
-                raise ConfigError(f"update_weights: unknown tensor {name!r} (model has {len(state)} tensors)")
-            if tuple(state[name].shape) != tuple(tensor.shape):
-                raise ConfigError(
-                    f"update_weights: {name!r} has shape {tuple(tensor.shape)}, "
-                    f"model expects {tuple(state[name].shape)}"
-                )
-        nbytes = 0
-        with torch.no_grad():
-            for name, tensor in pairs:
-                state[name].copy_(tensor)
-                nbytes += tensor.numel() * tensor.element_size()
-        if version is not None:
-            self.weight_version = int(version)
-        return nbytes
 
     # ------------------------------------------------------------------------------------------------ generate
     def generate(self, prompts: list[list[int]], num_generations: int = 1) -> EngineOutput:

@@ -5,7 +5,7 @@ What it does, in the order a worker meets it:
 * **Built from the policy, never from a hub.** Given a Hugging Face model, the engine writes the model's config
   (no weights) to a private temporary folder, builds ``vllm.LLM`` on it with ``load_format="dummy"`` and
   ``skip_tokenizer_init=True`` (prompts arrive as token ids, stop tokens are passed explicitly), then applies the
-  model's weights. A local checkpoint folder or a ready ``vllm.LLM`` are accepted as well.
+  model's weights.
 * **In-process engine core.** ``VLLM_ENABLE_V1_MULTIPROCESSING=0``: vLLM's scheduler and model runner run in the
   calling process (the rollout worker), so there is no EngineCore child to orphan, no busy-polling process beside
   the trainer, and the worker's compute budget (CPU affinity and threads, device, memory share) binds all of vLLM.
@@ -140,8 +140,7 @@ class VLLMEngine:
     """Generation through an in-process ``vllm.LLM``; weights applied with :meth:`apply_weights`.
 
     :param model: a Hugging Face causal LM (the engine builds vLLM from its config and loads its weights; it keeps a
-        reference and :meth:`apply_weights` without arguments re-applies the model's current weights), a local
-        checkpoint folder, or a ``vllm.LLM``.
+        reference and :meth:`apply_weights` without arguments re-applies the model's current weights).
     :param tokenizer: optional; fills ``params.eos_token_ids``/``pad_token_id`` when they are unset.
     :param device: ``cpu``, ``cuda[:N]`` or ``npu[:N]`` (the process's visible device; one device per engine).
     :param params: sampling settings.
@@ -164,50 +163,32 @@ class VLLMEngine:
         self.params = params
         self.seed = seed
         self.device = str(device)
-        self.model: Any = None  # the Hugging Face module whose weights this engine serves (None for a path)
-        self.weight_version = 0
+        self.model = model  # the Hugging Face module whose weights this engine serves
         self.last_apply_ms = 0.0
         self._calls = 0
         self._tmpdir: str | None = None
         kwargs = dict(llm_kwargs or {})
         check_vllm_installed()
-        if isinstance(model, str):
-            if not os.path.isfile(os.path.join(model, "config.json")):
-                raise ConfigError(f"rollout.engine 'vllm': {model!r} is not a local checkpoint folder (config.json)")
-            self.llm = self._build(model, kwargs)
-            return
-        if hasattr(model, "state_dict") and hasattr(model, "config"):
-            self.model = model
-            check_vllm_servable(model.config, self.device, type(model).__name__)
-            model_dtype = _dtype_name(next(model.parameters()).dtype)
-            asked = kwargs.pop("dtype", None)
-            if asked is not None and _dtype_name(asked) != model_dtype:
-                raise ConfigError(
-                    f"rollout.engine_options.dtype: {asked!r} differs from the trainer model's dtype {model_dtype!r}; "
-                    f"the engine must sample with the weights the trainer trains (remove dtype, or cast the model)"
-                )
-            self._tmpdir = tempfile.mkdtemp(prefix="mrl-vllm-")
-            try:
-                config = copy.deepcopy(model.config)
-                config.architectures = config.architectures or [type(model).__name__]  # one built in code has none
-                config.save_pretrained(self._tmpdir)
-                kwargs.update(load_format="dummy", skip_tokenizer_init=True, dtype=model_dtype)
-                self.llm = self._build(self._tmpdir, kwargs)
-                if "weight_transfer_config" not in kwargs:  # else the first version arrives by vLLM's weight transfer
-                    self.apply_weights(version=0)
-            except BaseException:  # a failed start leaves neither the folder nor vLLM's engine behind
-                self.close()
-                raise
-            return
-        import vllm
-
-        if isinstance(model, vllm.LLM):
-            self.llm = model
-            return
-        raise ConfigError(
-            f"rollout.engine 'vllm': model must be a Hugging Face model, a local checkpoint folder or a vllm.LLM, "
-            f"got {type(model).__name__}"
-        )
+        check_vllm_servable(model.config, self.device, type(model).__name__)
+        model_dtype = _dtype_name(next(model.parameters()).dtype)
+        asked = kwargs.pop("dtype", None)
+        if asked is not None and _dtype_name(asked) != model_dtype:
+            raise ConfigError(
+                f"rollout.engine_options.dtype: {asked!r} differs from the trainer model's dtype {model_dtype!r}; "
+                f"the engine must sample with the weights the trainer trains (remove dtype, or cast the model)"
+            )
+        self._tmpdir = tempfile.mkdtemp(prefix="mrl-vllm-")
+        try:
+            config = copy.deepcopy(model.config)
+            config.architectures = config.architectures or [type(model).__name__]  # one built in code has none
+            config.save_pretrained(self._tmpdir)
+            kwargs.update(load_format="dummy", skip_tokenizer_init=True, dtype=model_dtype)
+            self.llm = self._build(self._tmpdir, kwargs)
+            if "weight_transfer_config" not in kwargs:  # else the first version arrives by vLLM's weight transfer
+                self.apply_weights(version=0)
+        except BaseException:  # a failed start leaves neither the folder nor vLLM's engine behind
+            self.close()
+            raise
 
     # ------------------------------------------------------------------------------------------------ build
     def _build(self, path: str, kwargs: dict) -> Any:
@@ -252,11 +233,10 @@ class VLLMEngine:
     def apply_weights(self, named_tensors: Iterable[tuple[str, Any]] | None = None, version: int | None = None) -> int:
         """Load ``(name, tensor)`` pairs (checkpoint names) into vLLM; without pairs, the served model's current
         weights (every parameter and persistent buffer, tied aliases included). Returns the bytes applied.
+        ``version``: the version applied (the engine protocol's argument; vLLM needs nothing of it).
 
         Call it only when no request is in flight (the worker calls it between requests)."""
         if named_tensors is None:
-            if self.model is None:
-                raise ConfigError("VLLMEngine.apply_weights: no tensors given and no model to read them from")
             named_tensors = self.model.state_dict().items()  # tied lm_head.weight included
         pairs = [(name, t.detach()) for name, t in named_tensors]
         nbytes = sum(t.numel() * t.element_size() for _, t in pairs)
@@ -271,8 +251,6 @@ class VLLMEngine:
 
         self.llm.collective_rpc(reload, args=(pairs,))
         self.last_apply_ms = (time.perf_counter() - t0) * 1e3
-        if version is not None:
-            self.weight_version = int(version)
         return nbytes
 
     # ------------------------------------------------------------------------------------------------ generate
@@ -303,12 +281,6 @@ class VLLMEngine:
         docstring."""
         _check_prompts(prompts, num_generations)
         filters = self.params.filters()
-        if filters and self.model is None:
-            raise ConfigError(
-                f"rollout.engine 'vllm': sampling with {', '.join(filters)} needs the engine built from the Hugging "
-                f"Face model (to report the trainer's temperature-only logprobs), not from a path or a vllm.LLM; "
-                f"build it from the model or turn off {', '.join(filters)}"
-            )
         start = time.perf_counter()
         flat = [[int(t) for t in p] for p in prompts for _ in range(num_generations)]
         base = None if self.seed is None else int(self.seed) + self._calls * len(flat)
@@ -335,24 +307,34 @@ class VLLMEngine:
 
     def close(self) -> None:
         """Release vLLM's engine and the private config folder (idempotent)."""
-        llm = self.__dict__.pop("llm", None)
-        if llm is not None:
-            try:
-                llm.llm_engine.engine_core.shutdown()
-            except Exception:  # noqa: BLE001 - best effort: the process may be exiting
-                pass
-            del llm
-            try:
-                from vllm.distributed.parallel_state import destroy_distributed_environment, destroy_model_parallel
-
-                destroy_model_parallel()
-                if getattr(self, "_owns_process_group", False):
-                    destroy_distributed_environment()
-            except Exception:  # noqa: BLE001
-                pass
+        release_llm(self, process_group=getattr(self, "_owns_process_group", False))
         if self._tmpdir is not None:
             shutil.rmtree(self._tmpdir, ignore_errors=True)
             self._tmpdir = None
+
+
+def release_llm(owner: Any, *, process_group: bool = False) -> bool:
+    """Shut down ``owner.llm`` (a ``vllm.LLM``, then set to None), then vLLM's model-parallel groups and, with
+    ``process_group`` (one vLLM created), the default process group; best effort, the process may be exiting.
+    Returns whether there was an engine."""
+    llm = getattr(owner, "llm", None)
+    if llm is None:
+        return False
+    owner.llm = None
+    try:
+        llm.llm_engine.engine_core.shutdown()
+    except Exception:  # noqa: BLE001 - best effort: the engine is dropped either way
+        pass
+    del llm  # the last reference: vLLM's engine goes before its groups
+    try:
+        from vllm.distributed.parallel_state import destroy_distributed_environment, destroy_model_parallel
+
+        destroy_model_parallel()
+        if process_group:
+            destroy_distributed_environment()
+    except Exception:  # noqa: BLE001
+        pass
+    return True
 
 
 def vllm_factory(

@@ -26,6 +26,7 @@ from typing import Any
 from mrl_plugins.errors import MrlError, StageTimeoutError
 from mrl_plugins.hookspecs import StageContext
 
+from .engine import build_engine
 from .wire import (
     BUDGET,
     MEMORY,
@@ -135,7 +136,15 @@ def worker_main(spec: WorkerSpec, requests: Any, errors: Any, parent_pid: int | 
             model = _build_model(served)
             # the engine first: one that runs the model in place (transformers) moves it to the worker's device, and
             # the receiver then holds its double buffer where the parameters are (on a GPU, not in host memory)
-            engines[mid] = build_engine(spec, model, getattr(served.weight_handle, "engine_options", None))
+            # rollout.engine_options, with what the weight transport needs the engine built with
+            # (weight_sync.transport: vllm's weight_transfer_config)
+            options = dict(spec.config.rollout.engine_options or {}) | dict(
+                getattr(served.weight_handle, "engine_options", None) or {}
+            )
+            engines[mid] = build_engine(
+                spec.engine_factory, model, spec.sampling, device=spec.device, seed=spec.seed + spec.index,
+                options=options,
+            )  # fmt: skip
             receivers[mid] = pm.weight_sync_open_receiver(
                 ctx=ctx, model=model, handle=served.weight_handle, model_id=mid, rank=spec.index
             )
@@ -155,14 +164,13 @@ def worker_main(spec: WorkerSpec, requests: Any, errors: Any, parent_pid: int | 
 
         def pull(model_ids: Any = receivers) -> None:
             for mid in model_ids:
-                version = _pull_weights(receivers[mid], spec.config.weight_sync.timeout_s, timeout)
-                if version is not None:
-                    if not getattr(receivers[mid], "into_engine", False):
-                        if spec.own_weights:  # vLLM: its own copy gets the switched version, between requests
-                            engines[mid].apply_weights(version=version)
+                switched = switch_engine(
+                    receivers[mid], engines[mid], spec.own_weights, timeout, spec.config.weight_sync.timeout_s
+                )
+                if switched is not None:
                     if mid == "policy":
                         clock.arrived()
-                    events.put(WorkerEvent(SWITCHED, spec.index, version, mid))
+                    events.put(WorkerEvent(SWITCHED, spec.index, switched[0], mid))
 
         def await_version(mid: str, version: int, deadline: float, *, strict: bool = True) -> None:
             pull((mid,))
@@ -311,20 +319,17 @@ def budget_metrics(budgets: dict[int, dict]) -> dict[str, float]:
     return out
 
 
-def build_engine(spec: WorkerSpec, model: Any, transport_options: dict | None = None) -> Any:
-    """The worker's engine for ``model`` (``rollout.engine_options`` go to engines that take options, with what the
-    weight transport needs the engine built with: ``weight_sync.transport: vllm``'s ``weight_transfer_config``)."""
-    options = dict(getattr(spec.config.rollout, "engine_options", None) or {}) | dict(transport_options or {})
-    kwargs = {"options": options} if options else {}
-    return spec.engine_factory(
-        model, None, params=spec.sampling, device=spec.device, seed=spec.seed + spec.index, **kwargs
-    )
-
-
-def _pull_weights(receiver: Any, switch_timeout: float, timeout: float) -> int | None:
-    """Fetch and switch to a newer version of the receiver's model if one is published; returns it (or None)."""
-    staged = receiver.poll(timeout)
+def switch_engine(
+    receiver: Any, engine: Any, own_weights: bool, poll_timeout: float, switch_timeout: float
+) -> tuple[int, Any] | None:
+    """Fetch and switch to a newer version of the receiver's model if one is published, then apply it to an engine
+    that keeps its own copy of the weights (``own_weights``: vLLM; not when the receiver loads into the engine
+    itself, ``into_engine``). Call it between requests. Returns ``(version, SwitchReport or None)``, or None."""
+    staged = receiver.poll(poll_timeout)
     if staged is None:
         return None
     report = receiver.switch(switch_timeout)  # the receiver logs one line per switch
-    return int(report.to_version) if report is not None else int(staged)
+    version = int(report.to_version) if report is not None else int(staged)
+    if own_weights and not getattr(receiver, "into_engine", False):
+        engine.apply_weights(version=version)
+    return version, report
