@@ -14,7 +14,7 @@ this package reads, wraps or sets is listed in :mod:`mrl_plugins.adapters.trl_me
 from __future__ import annotations
 
 import atexit
-import dataclasses
+import copy
 import logging
 import os
 import sys
@@ -85,7 +85,8 @@ def enable(trainer: Any, config: Any = None) -> Any:
     pm = get_plugin_manager(cfg)  # refuses a stage combination that cannot run
     device = trainer_device(trainer)  # enable() follows the model (train.device is where mrl run puts it)
     if cfg.device != device.spec:  # the workers, Ray's bundles and doctor see the device the trainer is on
-        cfg = dataclasses.replace(cfg, device=device.spec)
+        cfg = copy.copy(cfg)  # the caller's config unchanged; its sections as loaded and checked by the manager
+        cfg.device = device.spec
     _check_rollout(trainer, cfg, pm, kind, device)
     plan = None if pm.is_upstream("rollout") else _plan(trainer, pm, cfg, device)
     if getattr(trainer, "_mrl_state", None) is not None:  # enabled before (a notebook cell run again): start over

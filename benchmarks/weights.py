@@ -29,6 +29,7 @@ process's CPU time (all its threads, gloo's I/O threads included) per second of 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import multiprocessing as mp
 import os
@@ -176,7 +177,7 @@ def _gloo_child(
     cfg = WeightSyncConfig(**{"transport": "broadcast", "timeout_s": 120, **(cfg_kw or {})})
     try:
         if role == "send":
-            nocrc = WeightSyncConfig(**{**cfg.__dict__, "verify_checksum": False})
+            nocrc = dataclasses.replace(cfg, verify_checksum=False)
             senders = {
                 "per_param": PerParamSender(cfg, model_id="bench"),
                 "bucketed": BroadcastSender(cfg, model_id="b"),

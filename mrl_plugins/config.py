@@ -7,6 +7,7 @@ applied. Stage sections come from the stage packages (``mrl_plugins.comm.config`
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import os
 import typing
@@ -41,17 +42,11 @@ TASKS = ("count", *tool_task.TASKS)
 
 
 def _set_in_code(obj: Any) -> dict[str, Any]:
-    """A section object built in code as the mapping it stands for: its settings, and the internal fields whose value
-    differs from what its settings give a standalone section (what the code set). An internal field left at that
-    value is derived like an unset key of a mapping, so a loaded section passed again (``dataclasses.replace``)
-    derives to the same values."""
-    settings = {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj) if not is_internal(f)}
-    alone = type(obj)(**settings)
-    return settings | {
-        f.name: getattr(obj, f.name)
-        for f in dataclasses.fields(obj)
-        if is_internal(f) and getattr(obj, f.name) != getattr(alone, f.name)
-    }
+    """A section object built in code as the mapping it stands for: every field but the derived ones it was not
+    given (``_derivable``: :func:`~mrl_plugins.config_fields.fill_derived`), which loading derives like the unset keys
+    of a mapping."""
+    derivable = getattr(obj, "_derivable", frozenset())
+    return {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj) if f.name not in derivable}
 
 
 @dataclass
@@ -225,9 +220,11 @@ class MrlConfig:
         derived = derive(self, parsed["rollout"], parsed["weight_sync"], parsed["comm"])
         for name, section in parsed.items():
             unset = {k: v for k, v in derived[name].items() if settings[name].get(k, "auto") == "auto"}
+            derivable = section._derivable | set(unset)  # what a config built again from it derives again
             if unset:
                 section = dataclasses.replace(section, **unset)
                 section.validate()
+            section._derivable = frozenset(derivable)
             setattr(self, name, section)
         self._check_across()
 
@@ -340,12 +337,10 @@ def apply_env_overrides(config: MrlConfig, env: typing.Mapping[str, str] | None 
     no_autoload = env.get("MRL_DISABLE_PLUGIN_AUTOLOAD", "").strip().lower() in ("1", "true", "yes")
     if not disabled and not no_autoload:
         return config
-    # a copy: the caller's config object is never modified
-    return dataclasses.replace(
-        config,
-        disable=[*config.disable, *(n for n in dict.fromkeys(disabled) if n not in config.disable)],
-        autoload=False if no_autoload else config.autoload,
-    )
+    out = copy.copy(config)  # the caller's config is never modified; its loaded sections are kept as they are
+    out.disable = [*config.disable, *(n for n in dict.fromkeys(disabled) if n not in config.disable)]
+    out.autoload = False if no_autoload else config.autoload
+    return out
 
 
 def parse_plugin_selection(value: str, what: str = "--plugins") -> dict[str, str]:

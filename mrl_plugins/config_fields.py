@@ -96,6 +96,17 @@ def _type_ok(value: Any, tp: Any) -> bool:
     return True
 
 
+def fill_derived(section: Any, standalone: dict[str, Any]) -> None:
+    """A section's ``__post_init__``: its derived fields that were not given (None) take their ``standalone`` value
+    (a value, or a function of the section), and the section remembers which (``_derivable``): loading a config
+    derives exactly those from the settings, so a value code set is kept even where it equals the standalone one."""
+    unset = [key for key in standalone if getattr(section, key) is None]
+    for key in unset:
+        value = standalone[key]
+        setattr(section, key, value(section) if callable(value) else value)
+    section._derivable = frozenset(unset)
+
+
 #: metadata bound -> (test, how the range is written: as a lower or an upper end)
 BOUNDS = {
     "ge": (operator.ge, ">=", "["),
@@ -250,6 +261,7 @@ def _nested(cls: type, value: Any, path: str) -> Any:
 __all__ = [
     "INTERNAL_ENV",
     "check_fields",
+    "fill_derived",
     "REMOVED_KEYS",
     "internal",
     "internal_allowed",

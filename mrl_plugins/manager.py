@@ -13,6 +13,7 @@ There is no module-level manager: call :func:`get_plugin_manager` for a fresh on
 
 from __future__ import annotations
 
+import functools
 import importlib
 import inspect
 from collections.abc import Callable, Iterable
@@ -89,7 +90,9 @@ class MrlPluginManager:
         self._registry: dict[str, tuple[dict[str, Any], dict[str, str]]] = {}
         self.config: Any = None
         #: how another process (a rollout worker) builds the same manager: ``factory(config)``
-        self.factory: Callable[[Any], MrlPluginManager] = get_plugin_manager
+        #: (names in ``disable`` are checked where the run starts, not again on a worker's host, whose installed
+        #: plugins may differ)
+        self.factory: Callable[[Any], MrlPluginManager] = functools.partial(get_plugin_manager, check_names=False)
 
     # ------------------------------------------------------------------ loading
     def block(self, names: Iterable[str]) -> None:
@@ -432,6 +435,7 @@ def get_plugin_manager(
     autoload: bool | None = None,
     plugins: Iterable[tuple[str, Any]] = (),
     select: bool = True,
+    check_names: bool = True,
 ) -> MrlPluginManager:
     """Build a fresh manager for ``config`` (an :class:`~mrl_plugins.config.MrlConfig`, path, dict or None).
 
@@ -446,10 +450,11 @@ def get_plugin_manager(
         disable = [n.strip() for n in disable.split(",") if n.strip()]
     loaded = load_config(config)
     cfg = apply_env_overrides(loaded)
-    manual = [name for name, _plugin in plugins]
-    check_disable(loaded.disable, "disable", manual)  # a misspelt name would block nothing
-    check_disable([n for n in cfg.disable if n not in loaded.disable], "MRL_DISABLED_PLUGINS", manual)
-    check_disable(disable, "--disable", manual)
+    if check_names:  # a misspelt name would block nothing (off for a worker: see MrlPluginManager.factory)
+        manual = [name for name, _plugin in plugins]
+        check_disable(loaded.disable, "disable", manual)
+        check_disable([n for n in cfg.disable if n not in loaded.disable], "MRL_DISABLED_PLUGINS", manual)
+        check_disable(disable, "--disable", manual)
     mgr = MrlPluginManager()
     mgr.block([*cfg.disable, *disable])
     mgr.load_builtins()

@@ -176,16 +176,16 @@ def _mib(n: int) -> str:
     return f"{n / (1 << 20):.1f} MiB"
 
 
-def _reserve(fd: int, path: str, start: int, size: int) -> None:
-    """Extend the file to ``size`` bytes with its pages from ``start`` on allocated now."""
-    if size <= start:
-        os.ftruncate(fd, size)
+def _allocate(fd: int, path: str, start: int, end: int) -> None:
+    """Allocate the file's pages in ``[start, end)`` now (a full filesystem is :class:`SharedMemoryFullError` here,
+    not SIGBUS at the first write); a platform or filesystem without ``posix_fallocate`` leaves them sparse."""
+    fallocate = getattr(os, "posix_fallocate", None)
+    if fallocate is None or end <= start:
         return
     try:
-        os.posix_fallocate(fd, start, size - start)
+        fallocate(fd, start, end - start)
     except OSError as exc:
         if exc.errno in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):  # a filesystem without it: sparse
-            os.ftruncate(fd, size)
             return
         if exc.errno != errno.ENOSPC:
             raise
@@ -197,8 +197,8 @@ def _reserve(fd: int, path: str, start: int, size: int) -> None:
             free = "free space unknown"
         raise SharedMemoryFullError(
             errno.ENOSPC,
-            f"no room in {folder} for shared-memory segment {os.path.basename(path)}: it needs {_mib(size - start)} "
-            f"more ({_mib(size)} in all), {free}. Give the container more shared memory (docker run --shm-size=..., "
+            f"no room in {folder} for shared-memory segment {os.path.basename(path)}: it needs {_mib(end - start)} "
+            f"more ({_mib(end)} in all), {free}. Give the container more shared memory (docker run --shm-size=..., "
             "a Kubernetes emptyDir with medium: Memory) or use smaller sizes (comm.slot_bytes / comm.ring_slots, "
             "fewer rollout workers)",
         ) from None
@@ -216,6 +216,7 @@ class Segment:
     def __init__(self, path: str, fd: int, owner: bool, populate: bool) -> None:
         self.path, self.fd, self.owner, self._populate = path, fd, owner, populate
         self._old: list[mmap.mmap] = []
+        self.allocated = 0  # bytes known allocated (a writer's: create, allocate)
         self.buf: memoryview | None = None
         self._tensor: Any = None
         self._map(os.fstat(fd).st_size)
@@ -227,8 +228,10 @@ class Segment:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         register(path)
         try:
-            _reserve(fd, path, 0, size)
+            os.ftruncate(fd, size)
+            _allocate(fd, path, 0, size)
             seg = cls(path, fd, owner=True, populate=prefault)
+            seg.allocated = size
         except BaseException:
             os.close(fd)
             unlink(path)
@@ -265,10 +268,16 @@ class Segment:
         return self._tensor
 
     def grow(self, size: int) -> None:
-        """Extend the file to ``size`` bytes (allocated: :class:`SharedMemoryFullError` when they do not fit) and map
-        it again."""
-        _reserve(self.fd, self.path, os.fstat(self.fd).st_size, size)
+        """Extend the file to ``size`` bytes (the new pages sparse until :meth:`allocate`) and map it again."""
+        os.ftruncate(self.fd, max(size, os.fstat(self.fd).st_size))
         self.refresh()
+
+    def allocate(self, end: int) -> None:
+        """Allocate the pages up to byte ``end`` before they are written (:class:`SharedMemoryFullError` when they
+        do not fit); a writer calls it for what it is about to write, so a grown segment holds only what is used."""
+        if end > self.allocated:
+            _allocate(self.fd, self.path, self.allocated, end)
+            self.allocated = end
 
     def refresh(self) -> None:
         """Map again if the file's size changed (another process extended it)."""

@@ -405,6 +405,7 @@ def _segment_child(path: str, size: int, grow: bool, q) -> None:
         if grow:  # a weight slot growing for a bigger model: then written
             seg = Segment.create(path, 64 << 10, prefault=False)
             seg.grow(size)
+            seg.allocate(size)  # what the weight writer does before it writes
             seg.tensor.fill_(2)
         else:  # a ring: created pre-faulted
             Segment.create(path, size)
@@ -438,3 +439,20 @@ def test_full_shared_memory_is_a_clear_error_not_sigbus(tmp_path):
             assert ("4.0 MiB in all" in msg) and msg.endswith(f"exists={grow}"), msg  # a failed create is removed
     finally:
         subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def test_a_grown_segment_holds_only_the_bytes_allocated_for_writing(tmp_path):
+    """A weight slot's capacity doubles as a model grows; only what the writer allocates takes memory."""
+    from mrl_plugins.shmem import Segment
+
+    path = str(tmp_path / f"mrl-comm-tgrow-p{os.getpid()}-00000001.ring")
+    seg = Segment.create(path, 64 << 10, prefault=False)
+    try:
+        seg.grow(16 << 20)
+        assert seg.size == 16 << 20 and os.stat(path).st_blocks * 512 < 1 << 20
+        seg.allocate(3 << 20)
+        held = os.stat(path).st_blocks * 512
+        assert 3 << 20 <= held < 4 << 20, held
+        seg.tensor[: 3 << 20].fill_(1)
+    finally:
+        seg.close(unlink_file=True)

@@ -542,3 +542,28 @@ def test_the_documented_presets_are_the_presets():
 
     help_text = next(f for f in dataclasses.fields(TrainConfig) if f.name == "model").metadata["help"]
     assert all(f"'{name}'" in help_text for name in PRESETS), help_text
+
+
+def test_a_config_built_again_keeps_what_was_set_and_derives_the_rest(monkeypatch):
+    """enable() and the env overrides copy a loaded config; building one again from its sections (dataclasses.replace)
+    keeps every value that was given, even one equal to its standalone default, and derives the rest again."""
+    import dataclasses
+
+    from mrl_plugins.comm.config import CommConfig
+    from mrl_plugins.rollout.config import RolloutConfig
+
+    monkeypatch.setenv("MRL_ALLOW_INTERNAL_KEYS", "1")
+    given = {"weight_sync": {"timeout_s": 120.0, "verify_checksum": True}, "comm": {"checksum": "xxh3"}}
+    cfg = load_config({"timeout_s": 300, "checksums": False, **given})
+    again = dataclasses.replace(cfg, mode="colocate")
+    monkeypatch.setenv("MRL_DISABLED_PLUGINS", "upstream")
+    for c in (cfg, again, apply_env_overrides(cfg)):
+        assert (c.weight_sync.timeout_s, c.weight_sync.verify_checksum, c.comm.checksum) == (120.0, True, "xxh3")
+        assert c.comm.send_timeout_s == c.rollout.timeout_s == 300.0  # derived from the top level
+    retimed = dataclasses.replace(cfg, timeout_s=50.0)
+    assert retimed.comm.send_timeout_s == retimed.rollout.timeout_s == 50.0 and retimed.weight_sync.timeout_s == 120
+    remote = {"remote_workers": 1, "rendezvous": "10.77.0.1:0"}
+    remote = load_config({"rollout": remote, "comm": {"host": "127.0.0.1"}})
+    assert dataclasses.replace(remote, mode="colocate").comm.host == "127.0.0.1"
+    fresh = MrlConfig(timeout_s=300, comm=CommConfig(send_timeout_s=120.0), rollout=RolloutConfig())
+    assert (fresh.comm.send_timeout_s, fresh.comm.receive_timeout_s, fresh.rollout.timeout_s) == (120.0, 300.0, 300.0)

@@ -855,3 +855,16 @@ def test_selection_refuses_another_comm_or_weight_sync_beside_trl_rollout(fresh_
     with pytest.raises(ConfigError, match=r"^plugins\.comm: 'mrl' needs a separate inference copy"):
         mgr.select({**UPSTREAM["plugins"], "comm": "mrl"})
     assert mgr.selected == {stage: "upstream" for stage in STAGES}  # nothing half-applied
+
+
+def test_a_workers_manager_does_not_check_disable_names_again():
+    """A misspelt disable name is refused where the run starts; a worker's host (remote, other plugins installed)
+    builds its manager through factory without that check."""
+    from mrl_plugins.errors import ConfigError
+    from mrl_plugins.manager import get_plugin_manager
+
+    with pytest.raises(ConfigError, match="acme_vendor"):
+        get_plugin_manager({"disable": ["acme_vendor"]})
+    pm = get_plugin_manager({})
+    worker = pm.factory({"disable": ["acme_vendor"]})
+    assert worker.selected["rollout"] == "mrl"

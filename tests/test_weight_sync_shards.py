@@ -467,10 +467,17 @@ def test_directory_sender_removes_its_run_at_close_and_sweeps_dead_writers(tmp_p
     (live / f".weight_v3.tmp-{host}-{dead}").mkdir()  # a dead writer's temp folder and manifest in it
     (live / f"manifest.json.tmp-{host}-{dead}").write_text("{")
     (live / f".weight_v4.tmp-otherhost-{dead}").mkdir()  # pids of other hosts cannot be judged here
+    other = tmp_path / "other" / "policy"  # a dead pid of another machine or container: not judged here
+    other.mkdir(parents=True)
+    (other / "manifest.json").write_text(json.dumps({"version": 1, "writer_pid": dead, "writer_host": "b00t.1"}))
+    (tmp_path / "an_empty_cache").mkdir()  # not a run: left alone
+    (tmp_path / "notes.txt").write_text("not a run")
 
     pol = DirectorySender(cfg, model_id="policy", run_id="r2")
     ref = DirectorySender(cfg, model_id="ref", run_id="r2")
     assert not (tmp_path / "old").exists()
+    assert (other / "manifest.json").exists() and (tmp_path / "an_empty_cache").is_dir()
+    assert (tmp_path / "notes.txt").read_text() == "not a run"
     assert sorted(p.name for p in live.iterdir()) == sorted(
         [f".weight_v2.tmp-{host}-{os.getpid()}", "manifest.json", f".weight_v4.tmp-otherhost-{dead}"]
     )

@@ -6,7 +6,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from mrl_plugins.config_fields import check_fields, internal, section_from_dict
+from mrl_plugins.config_fields import check_fields, fill_derived, internal, section_from_dict
 from mrl_plugins.errors import ConfigError, choices
 
 #: experience transports between processes of one host (a heartbeat older than 5 s there means a hung process)
@@ -72,11 +72,9 @@ class CommConfig:
     )
 
     def __post_init__(self) -> None:
-        """Standalone defaults of the derived fields (a loaded config derives them: mrl_plugins.config.derive)."""
-        for key, value in (("host", "127.0.0.1"), ("send_timeout_s", 120.0), ("receive_timeout_s", 120.0),
-                           ("heartbeat_timeout_s", 5.0), ("checksum", "xxh3")):  # fmt: skip
-            if getattr(self, key) is None:
-                setattr(self, key, value)
+        """Standalone values of the derived fields not given (a loaded config derives them: mrl_plugins.config)."""
+        fill_derived(self, {"host": "127.0.0.1", "send_timeout_s": 120.0, "receive_timeout_s": 120.0,
+                            "heartbeat_timeout_s": 5.0, "checksum": "xxh3"})  # fmt: skip
 
     def validate(self) -> CommConfig:
         """The fields' types, choices and bounds (their metadata), then the rules between fields."""

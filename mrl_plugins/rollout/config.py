@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from mrl_plugins.config_fields import check_fields
+from mrl_plugins.config_fields import check_fields, fill_derived
 from mrl_plugins.errors import ConfigError, choices
 from mrl_plugins.optional import is_ray_available
 
@@ -44,20 +44,19 @@ class RolloutConfig(SchedulingSection, DeploymentSection, EngineSection):
     SECTIONS = SECTIONS
 
     def __post_init__(self) -> None:
-        """Standalone defaults of the derived fields (a loaded config derives them from its settings:
+        """Standalone values of the derived fields not given (a loaded config derives them from its settings:
         :func:`mrl_plugins.config.derive`)."""
-        if self.timeout_s is None:
-            self.timeout_s = 120.0
-        if self.start_timeout_s is None:
-            self.start_timeout_s = 180.0
-        if self.trainer_threads is None:
-            self.trainer_threads = len(self.trainer_cores) if self.trainer_cores else 1
-        if self.lend_cores is None:
-            self.lend_cores = True
-        if self.pipeline is None:  # max_staleness 0: take turns; else one batch ahead
-            self.pipeline = "sync" if self.max_staleness == 0 else "async"
-        if self.stale_policy is None:  # max_staleness null: keep every sample, counted
-            self.stale_policy = "keep" if self.max_staleness is None else "drop"
+        fill_derived(
+            self,
+            {
+                "timeout_s": 120.0,
+                "start_timeout_s": 180.0,
+                "trainer_threads": lambda s: len(s.trainer_cores) if s.trainer_cores else 1,
+                "lend_cores": True,
+                "pipeline": lambda s: "sync" if s.max_staleness == 0 else "async",  # 0: take turns
+                "stale_policy": lambda s: "keep" if s.max_staleness is None else "drop",  # null: keep, counted
+            },
+        )
 
     @property
     def launch(self) -> str:

@@ -31,7 +31,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from mrl_plugins.config_fields import check_fields, internal, section_from_dict
+from mrl_plugins.config_fields import check_fields, fill_derived, internal, section_from_dict
 from mrl_plugins.errors import ConfigError, choices
 
 KNOWN_TRANSPORTS = ("shm", "directory", "broadcast", "per_param", "vllm")
@@ -94,11 +94,8 @@ class WeightSyncConfig:
     keep_versions: int = internal("the directory transport keeps the last 2 versions on disk", default=2, ge=1)
 
     def __post_init__(self) -> None:
-        """Standalone defaults of the derived fields (a loaded config derives them: mrl_plugins.config.derive)."""
-        if self.timeout_s is None:
-            self.timeout_s = 120.0
-        if self.verify_checksum is None:
-            self.verify_checksum = True
+        """Standalone values of the derived fields not given (a loaded config derives them: mrl_plugins.config)."""
+        fill_derived(self, {"timeout_s": 120.0, "verify_checksum": True})
 
     def validate(self) -> WeightSyncConfig:
         """The fields' types, choices and bounds (their metadata), then the rules between fields."""

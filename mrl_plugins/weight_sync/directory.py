@@ -25,7 +25,6 @@ import logging
 import os
 import re
 import shutil
-import socket
 import time
 import uuid as uuidlib
 from collections.abc import Iterable
@@ -98,33 +97,45 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def _host() -> str:
+def _host() -> str | None:
     """Where this process's pids mean something: the machine's boot and the pid namespace (containers on one
-    machine, even with one hostname, have their own), so a sweep never judges another namespace's pid."""
+    machine, even with one hostname, have their own), so a sweep never judges another namespace's pid; None where
+    that cannot be known (no ``/proc``): then nothing is swept."""
     try:
         with open("/proc/sys/kernel/random/boot_id") as f:
             boot = f.read().strip().replace("-", "")[:16]
-        ns = os.stat("/proc/self/ns/pid").st_ino
-    except OSError:  # no /proc: the hostname alone
-        return _safe(socket.gethostname()) or "host"
-    return f"{boot}.{ns}"
+        return f"{boot}.{os.stat('/proc/self/ns/pid').st_ino}"
+    except OSError:
+        return None
 
 
 def _sweep_dead(directory: str) -> None:
-    """Remove what dead writers of this host left in ``directory/<run>/<model>/``: temp entries, and the model
-    folders whose manifest names a dead writer (a killed trainer's run). Other hosts' entries are left alone."""
+    """Remove what dead writers of this machine and pid namespace left in ``directory/<run>/<model>/``: temp
+    entries, and the model folders whose manifest names a dead writer (a killed trainer's run), then such a run's
+    folder once empty. Anything else, other writers' entries and unrelated folders, is left alone; a folder that
+    vanishes or cannot be read meanwhile (another sender sweeping, another user's) is skipped."""
     host = _host()
-    for run in os.listdir(directory):
+    if host is None:
+        return
+    try:
+        runs = os.listdir(directory)
+    except OSError:
+        return
+    for run in runs:
         run_dir = os.path.join(directory, run)
-        if not os.path.isdir(run_dir) or run.startswith("."):
+        try:
+            models = [] if run.startswith(".") else os.listdir(run_dir)
+        except OSError:  # not a folder, gone, or not ours to read
             continue
-        for model in os.listdir(run_dir):
+        removed = False
+        for model in models:
             root = os.path.join(run_dir, model)
             try:
                 with open(os.path.join(root, MANIFEST), "rb") as f:
                     m = json.loads(f.read())
                 if m.get("writer_host") == host and not pid_alive(int(m.get("writer_pid", 0))):
                     shutil.rmtree(root, ignore_errors=True)
+                    removed = True
                     continue
             except (OSError, ValueError, TypeError, AttributeError):
                 pass  # no manifest yet, or not one of ours
@@ -137,10 +148,11 @@ def _sweep_dead(directory: str) -> None:
                 if t and t["host"] == host and not pid_alive(int(t["pid"])):
                     path = os.path.join(root, n)
                     shutil.rmtree(path, ignore_errors=True) if os.path.isdir(path) else _unlink(path)
-        try:
-            os.rmdir(run_dir)  # empty now
-        except OSError:
-            pass
+        if removed:
+            try:
+                os.rmdir(run_dir)  # the dead writer's run, empty now
+            except OSError:
+                pass
 
 
 def _unlink(path: str) -> None:
@@ -162,7 +174,7 @@ class DirectorySender:
         if os.path.isdir(config.directory):
             _sweep_dead(config.directory)
         os.makedirs(self.root, exist_ok=True)
-        self._tmp = f"tmp-{_host()}-{os.getpid()}"
+        self._tmp = f"tmp-{_host() or 'unknown'}-{os.getpid()}"
         self._closed = False
         self.chunk_bytes = config.chunk_for("directory")
         self._latest: int | None = None

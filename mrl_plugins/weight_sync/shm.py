@@ -95,8 +95,9 @@ class _SlotSink:
         self._announced: set[int] = set()
 
     def ensure(self, end: int) -> None:
-        if end > self.seg.size:
+        if end > self.seg.size:  # capacity doubles; only the bytes written are allocated
             self.seg.grow(max(self.seg.size * 2, align(end + _MIN_SLOT, 4096)))
+        self.seg.allocate(end)
 
     def reserve(self, n: int) -> tuple[tuple[int, int], torch.Tensor]:
         if self.done >= TABLE_CAP:
@@ -270,7 +271,7 @@ class ShmReceiver:
                         f"model_id={self.h.model_id}: the latest version not announced within {timeout:.1f}s "
                         "(control counter odd)"
                     )
-            time.sleep(0)
+            time.sleep(0 if spins < 64 else 0.001)  # a sender held up between two writes: stop burning a core
 
     def latest_version(self) -> int | None:
         """Newest complete version (a few struct reads; no lock; StageTimeoutError when its sender died mid-update)."""
