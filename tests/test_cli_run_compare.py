@@ -256,8 +256,8 @@ def test_a_run_that_unlearned_its_task_counts_as_collapsed():
 @pytest.mark.parametrize(
     ("flag", "value", "says"),
     [
-        ("--steps", "0", "argument --steps: must be >= 1, got 0"),
-        ("--model", "", "argument --model: must name a preset or a checkpoint folder"),
+        ("--steps", "0", "argument --steps: must be an integer >= 1, got '0'"),
+        ("--model", "", "argument --model: must be a preset or a checkpoint folder, got ''"),
         ("--timeout", "nan", "argument --timeout: must be a finite number of seconds > 0, got 'nan'"),
         ("--timeout", "0", "argument --timeout: must be a finite number of seconds > 0"),
         ("--timeout", "-1", "argument --timeout: must be a finite number of seconds > 0"),

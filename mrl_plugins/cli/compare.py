@@ -509,44 +509,25 @@ def seed_table(report: dict[str, Any], names: list[str]) -> list[str]:
     return lines
 
 
-def _positive_int(text: str) -> int:
-    """argparse type: an integer >= 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
+def _checked(cast: Any, ok: Any, need: str) -> Any:
+    """An argparse type: ``cast(text)`` that ``ok`` accepts, else one error saying what is needed."""
+
+    def parse(text: str) -> Any:
+        try:
+            value = cast(text)
+        except ValueError:
+            value = None
+        if value is None or not ok(value):  # nan fails every comparison
+            raise argparse.ArgumentTypeError(f"must be {need}, got {text!r}")
+        return value
+
+    return parse
 
 
-def _non_empty(text: str) -> str:
-    """argparse type: a non-empty name."""
-    if not text.strip():
-        raise argparse.ArgumentTypeError("must name a preset or a checkpoint folder, got ''")
-    return text
-
-
-def _positive_seconds(text: str) -> float:
-    """argparse type: a finite number of seconds > 0."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
-    if not math.isfinite(value) or value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a finite number of seconds > 0, got {text!r}")
-    return value
-
-
-def _share(text: str) -> float:
-    """argparse type: a fraction in [0, 1]."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a fraction in [0, 1], got {text!r}") from None
-    if not 0 <= value <= 1:  # nan fails too
-        raise argparse.ArgumentTypeError(f"must be a fraction in [0, 1], got {text!r}")
-    return value
+_positive_int = _checked(int, lambda v: v >= 1, "an integer >= 1")
+_non_empty = _checked(str, lambda v: bool(v.strip()), "a preset or a checkpoint folder")
+_positive_seconds = _checked(float, lambda v: math.isfinite(v) and v > 0, "a finite number of seconds > 0")
+_share = _checked(float, lambda v: 0 <= v <= 1, "a fraction in [0, 1]")
 
 
 def cli(argv: list[str]) -> int:
