@@ -172,13 +172,13 @@ class MrlConfig:
 
     Loading it (:meth:`from_dict`, or building it in code) derives the internal fields of every section from the
     settings (:func:`derive`), whether a section comes as a mapping or as an object (what its code set is kept).
-    ``device`` is the device the trainer is on, set by ``enable()`` for the processes it starts (None before)."""
+    ``device`` is the device the trainer is on, set by ``enable()`` for the processes it starts ('auto' before)."""
 
     plugins: PluginsConfig = field(default_factory=PluginsConfig, metadata={"help": "plugin per stage"})
     disable: list[str] = field(default_factory=list, metadata={"help": "plugin names blocked before loading"})
     autoload: bool = internal(AUTOLOAD_WHY, default=True)
     mode: str = field(default="colocate", metadata={"help": "deployment", "choices": MODES})
-    device: str | None = internal(DEVICE_WHY, default=None)
+    device: str | None = internal(DEVICE_WHY, default="auto")
     timeout_s: float = field(
         default=120.0,
         metadata={

@@ -370,7 +370,7 @@ def test_one_timeout_and_the_transports_follow_from_the_deployment(user_config):
     assert cfg.comm.heartbeat_timeout_s == 5  # a peer on this host: dead after min(T, 5 s)
     assert (cfg.weight_sync.transport, cfg.comm.transport, cfg.comm.host) == ("shm", "shm", "127.0.0.1")
     assert cfg.rollout.lend_cores is True and cfg.rollout.trainer_threads == 1
-    assert cfg.device is None  # the trainer's device, set by enable(); train.device is where mrl run puts the model
+    assert cfg.device == "auto"  # the trainer's device, set by enable(); train.device is where mrl run puts the model
     assert cfg.rollout.start_timeout_s == 60 and load_config({}).rollout.start_timeout_s == 180
     from mrl_plugins.manager import get_plugin_manager
 
@@ -385,7 +385,7 @@ def test_one_timeout_and_the_transports_follow_from_the_deployment(user_config):
     assert (explicit.weight_sync.transport, explicit.comm.transport) == ("per_param", "queue")
     off = load_config({"checksums": False, "rollout": {"trainer_cores": [0, 1]}, "train": {"device": "cpu"}})
     assert off.weight_sync.verify_checksum is False and off.comm.checksum == "none"
-    assert off.rollout.trainer_threads == 2 and off.device is None and off.train.device == "cpu"
+    assert off.rollout.trainer_threads == 2 and off.device == "auto" and off.train.device == "cpu"
 
 
 def test_max_staleness_is_the_pipeline(user_config):

@@ -87,7 +87,9 @@ def test_killed_worker_is_a_clear_error_within_the_timeout():
         pool.close()
 
 
-def test_dead_worker_is_restarted_when_configured():
+def test_dead_worker_is_restarted_when_configured_until_the_budget_is_spent():
+    from mrl_plugins.rollout.pool import WorkerDiedError
+
     pool, model, *_ = make_pool({"rollout": {"restart_workers": 1, "timeout_s": 60}})
     try:
         pool.publish(0, list(model.named_parameters()))
@@ -97,6 +99,9 @@ def test_dead_worker_is_restarted_when_configured():
         res = pool.collect(pool.submit(PROMPTS, 1))  # resubmitted to the restarted worker
         assert len(res.completion_ids) == len(PROMPTS)
         assert pool.pids[0] != first
+        os.kill(pool.pids[0], signal.SIGKILL)  # the budget's one restart is used
+        with pytest.raises(WorkerDiedError, match=r"restart budget is spent \(1 of rollout.restart_workers 1 used\)"):
+            pool.collect(pool.submit(PROMPTS, 1))
     finally:
         pool.close()
 
@@ -194,22 +199,6 @@ def test_wait_ready_when_the_last_worker_gets_ready_during_its_checks(monkeypatc
         assert not pool.ready  # spawned: still importing
         monkeypatch.setattr(pool, "_drain_events", drain_until_ready)
         assert pool.wait_ready() > 0 and pool.ready
-    finally:
-        pool.close()
-
-
-def test_a_dead_worker_past_its_restart_budget_says_the_budget_is_spent():
-    from mrl_plugins.rollout.pool import WorkerDiedError
-
-    pool, model, *_ = make_pool({"rollout": {"restart_workers": 1, "timeout_s": 60}})
-    try:
-        pool.publish(0, list(model.named_parameters()))
-        pool.collect(pool.submit(PROMPTS, 1), timeout=120)
-        os.kill(pool.pids[0], signal.SIGKILL)
-        pool.collect(pool.submit(PROMPTS, 1), timeout=120)  # restarted: the budget's one restart
-        os.kill(pool.pids[0], signal.SIGKILL)
-        with pytest.raises(WorkerDiedError, match=r"restart budget is spent \(1 of rollout.restart_workers 1 used\)"):
-            pool.collect(pool.submit(PROMPTS, 1))
     finally:
         pool.close()
 

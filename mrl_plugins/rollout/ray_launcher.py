@@ -275,8 +275,7 @@ class RayLauncher:
         self.cfg, self.indices = cfg, list(indices)
         self.rejoinable = rejoinable
         self.max_restarts = rc.restart_workers if rejoinable else 0
-        # cfg.device: the trainer's device, set by enable() (None: a pool built without it picks like 'auto')
-        self.device_type = get_device(cfg.device or "auto").type
+        self.device_type = get_device(cfg.device).type  # the trainer's device, set by enable() ('auto' before)
         self.bundles = [bundle(rc.engine_threads, self.device_type, rc.ray_resources) for _ in self.indices]
         self.actors: dict[int, Any] = {}
         self.nodes: dict[int, str] = {}  # worker -> the address of its bundle's node
