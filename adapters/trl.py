@@ -14,7 +14,6 @@ this package reads, wraps or sets is listed in :mod:`mrl_plugins.adapters.trl_me
 from __future__ import annotations
 
 import atexit
-import copy
 import logging
 import os
 import sys
@@ -71,7 +70,6 @@ def trainer_kind(trainer: Any) -> str:
 
 def enable(trainer: Any, config: Any = None) -> Any:
     """Switch the plugins on for ``trainer`` (see :func:`mrl_plugins.enable`)."""
-    from mrl_plugins.config import load_config
     from mrl_plugins.hookspecs import StageContext
     from mrl_plugins.manager import get_plugin_manager
     from mrl_plugins.metrics import StageMetrics
@@ -81,12 +79,10 @@ def enable(trainer: Any, config: Any = None) -> Any:
     check_members(trainer, kind, trl_version)
     if config is None and os.environ.get("MRL_PLUGINS"):
         config = config_from_env(os.environ["MRL_PLUGINS"])
-    cfg = load_config(config)
-    pm = get_plugin_manager(cfg)  # refuses a stage combination that cannot run
+    pm = get_plugin_manager(config)  # refuses a stage combination that cannot run
+    cfg = pm.config  # this run's own copy, as the manager resolved it (the caller's config is never changed)
     device = trainer_device(trainer)  # enable() follows the model (train.device is where mrl run puts it)
-    if cfg.device != device.spec:  # the workers, Ray's bundles and doctor see the device the trainer is on
-        cfg = copy.copy(cfg)  # the caller's config unchanged; its sections as loaded and checked by the manager
-        cfg.device = device.spec
+    cfg.device = device.spec
     _check_rollout(trainer, cfg, pm, kind, device)
     plan = None if pm.is_upstream("rollout") else _plan(trainer, pm, cfg, device)
     if getattr(trainer, "_mrl_state", None) is not None:  # enabled before (a notebook cell run again): start over

@@ -41,7 +41,8 @@ which is no user setting.
 
 Besides the file: `MRL_PLUGINS` (a path, a bundled name, `rollout=mrl,comm=upstream` or `1` for the defaults),
 `MRL_DISABLED_PLUGINS=a,b` (added to `disable`), `MRL_DISABLE_PLUGIN_AUTOLOAD=1` (no third-party plugins from
-entry points); on the CLI `--plugins rollout=mrl,comm=upstream`, `--disable NAME`, `--no-autoload`. How the
+entry points); on the command line `--plugins rollout=mrl,comm=upstream` (`mrl run`, `mrl plugins`), and
+`--disable NAME`, `--no-autoload` (`mrl plugins`). How the
 options work together (the async pipeline, old/ref logprobs, transports, double buffering):
 [architecture.md](architecture.md).
 """

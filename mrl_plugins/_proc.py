@@ -29,6 +29,15 @@ def pid_alive(pid: int) -> bool:
         return True
 
 
+def pid_namespace() -> int | None:
+    """The inode of this process's pid namespace: a pid means something only inside it (containers sharing one
+    ``/dev/shm`` or one folder each have their own); None where it cannot be known (no ``/proc``)."""
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return None
+
+
 def wait_until(
     ready: Callable[[], T | None],
     deadline: float,

@@ -160,7 +160,7 @@ def _stage_classes() -> dict[str, type]:
 
 
 AUTOLOAD_WHY = (
-    "third-party plugins load from the 'mrl_plugins' entry points unless MRL_DISABLE_PLUGIN_AUTOLOAD=1 (CLI: "
+    "third-party plugins load from the 'mrl_plugins' entry points unless MRL_DISABLE_PLUGIN_AUTOLOAD=1 (mrl plugins: "
     "--no-autoload); block one plugin with disable"
 )
 DEVICE_WHY = "enable() uses the device the trainer is on; mrl run / mrl compare: train.device"
@@ -193,7 +193,9 @@ class MrlConfig:
         default=True,
         metadata={
             "help": "checksum weights (crc32c on shared memory and disk, xxh3 on broadcast; a mismatch means no "
-            "switch) and experience frames (xxh3; a corrupt frame is dropped and counted)"
+            "switch) and experience frames (xxh3; a corrupt frame is dropped and counted). Off, the shared-memory "
+            "ring still checks its frames on CPUs that may reorder stores (Arm): there the checksum is what keeps "
+            "a frame read too early from being taken whole"
         },
     )
     rollout: Any = field(default=None, metadata={"help": "rollout stage section"})
@@ -317,10 +319,13 @@ def resolve_config_path(path: str | os.PathLike[str]) -> Path:
 
 
 def load_config(source: Any = None) -> MrlConfig:
-    """Load and validate a config from a path, a dict, an :class:`MrlConfig` or ``None`` (defaults)."""
+    """Load and validate a config from a path, a dict, an :class:`MrlConfig` or ``None`` (defaults).
+
+    An :class:`MrlConfig` is validated and copied: what a run resolves into its config (the plugin manager reads
+    the engine's registration into ``rollout``, ``enable()`` the trainer's device) never changes the caller's."""
     if isinstance(source, MrlConfig):
         source.validate_all()
-        return source
+        return copy.deepcopy(source)
     if source is None:
         return MrlConfig.from_dict({})
     if isinstance(source, str | os.PathLike):

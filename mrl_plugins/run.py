@@ -107,9 +107,9 @@ def preflight(cfg: MrlConfig | Any, *, enable_plugins: bool = True) -> MrlConfig
     The config itself, the TRL version, ``train.model`` (a preset or a checkpoint folder), ``train.device``
     (:class:`~mrl_plugins.errors.DeviceError` when absent), and with the plugins on the plugin and backend
     names (the manager :func:`mrl_plugins.enable` builds; names in ``disable`` / ``MRL_DISABLED_PLUGINS`` must
-    name a plugin), the stage combination and the rollout worker count
-    against the cores / devices (:meth:`RolloutConfig.check_placement`). Each raises one
-    :class:`~mrl_plugins.errors.MrlError` naming the problem and the valid choices.
+    name a plugin), the stage combination, the rollout worker count against the cores / devices
+    (:meth:`RolloutConfig.check_placement`) and ``train.threads``, which the placement sets with CPU workers.
+    Each raises one :class:`~mrl_plugins.errors.MrlError` naming the problem and the valid choices.
     """
     from mrl_plugins.adapters.trl import check_trl_version
     from mrl_plugins.demo.models import check_model
@@ -127,6 +127,12 @@ def preflight(cfg: MrlConfig | Any, *, enable_plugins: bool = True) -> MrlConfig
     pm = get_plugin_manager(cfg)  # plugin, backend and disable names, the stage combination
     if not pm.is_upstream("rollout"):
         cfg.rollout.check_placement_on(cfg.mode, device)
+        if cfg.train.threads and cfg.rollout.workers and device.type == "cpu":
+            raise ConfigError(
+                f"train.threads: {cfg.train.threads} would be overridden: with rollout workers on this CPU the "
+                f"placement sets the trainer's torch threads (one per core of rollout.trainer_cores in the split, "
+                f"every core when taking turns); set train.threads: 0, and rollout.trainer_cores to choose its cores"
+            )
         from mrl_plugins.rollout.config import configured_engine
 
         engine = configured_engine(pm, cfg)

@@ -4,9 +4,11 @@ Segments are plain files in ``/dev/shm`` (the temp dir where there is none) mapp
 files ourselves (instead of ``multiprocessing.shared_memory``) keeps Python's ``resource_tracker`` out of the
 picture: no leak warnings, and no tracker unlinking a segment behind a live reader.
 
-* **Names**: ``mrl-<stage>-<run_id>-p<owner pid>-<8 hex>[.<role>...]`` (:func:`new_path`), e.g.
-  ``mrl-comm-run1-p4242-0a1b2c3d.ring`` or ``mrl-weights-run1-p4242-9f8e7d6c.policy.s0``.
-* **Stale sweep**: :func:`remove_stale` unlinks the segments of crashed runs, whose owner pid no longer exists.
+* **Names**: ``mrl-<stage>-<run_id>-p<owner pid>n<its pid namespace>-<8 hex>[.<role>...]`` (:func:`new_path`),
+  e.g. ``mrl-comm-run1-p4242n4026531836-0a1b2c3d.ring``; without ``/proc`` the ``n<...>`` part is left out.
+* **Stale sweep**: :func:`remove_stale` unlinks the segments of crashed runs: those whose owner pid, in this
+  process's pid namespace, no longer exists. A segment of another namespace (a container sharing ``/dev/shm``)
+  is never judged: its pid means nothing here.
 * **Cleanup**: a process's own segments (:func:`register`) are removed on normal interpreter exit (``atexit``) and
   on SIGTERM/SIGINT. The handlers are installed once per process, from the main thread, and chain to the
   handlers that were there before (a previous Python handler is called; the default action is re-raised after the
@@ -30,11 +32,13 @@ import tempfile
 import threading
 from typing import Any
 
-from mrl_plugins._proc import pid_alive
+from mrl_plugins._proc import pid_alive, pid_namespace
 from mrl_plugins.errors import ConfigError, MrlError
 
 PREFIX = "mrl-"
-_NAME_RE = re.compile(r"^mrl-(?P<stage>[a-z]+)-(?P<run>.+)-p(?P<pid>\d+)-[0-9a-f]{8}(\.[A-Za-z0-9_]+)*$")
+_NAME_RE = re.compile(
+    r"^mrl-(?P<stage>[a-z]+)-(?P<run>.+)-p(?P<pid>\d+)(n(?P<ns>\d+))?-[0-9a-f]{8}(\.[A-Za-z0-9_]+)*$"
+)
 _RUN_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 _STAGE_RE = re.compile(r"^[a-z]{1,16}$")
 _ROLE_RE = re.compile(r"^[A-Za-z0-9_]+(\.[A-Za-z0-9_]+)*$")
@@ -68,18 +72,25 @@ def new_path(stage: str, run_id: str, role: str = "", tag: str | None = None) ->
     if not re.fullmatch(r"[0-9a-f]{8}", tag):
         raise ValueError(f"segment tag must be 8 lowercase hex digits, got {tag!r}")
     suffix = f".{role}" if role else ""
-    name = f"{PREFIX}{stage}-{check_run_id(run_id)}-p{os.getpid()}-{tag}{suffix}"
+    ns = pid_namespace()
+    owner = f"p{os.getpid()}" if ns is None else f"p{os.getpid()}n{ns}"
+    name = f"{PREFIX}{stage}-{check_run_id(run_id)}-{owner}-{tag}{suffix}"
     return os.path.join(shm_dir(), name)
 
 
 def owner_pid(name: str) -> int | None:
-    """The owner pid in a segment's file name, or None when the name is not one of ours."""
+    """The owner pid in a segment's file name when the owner ran in this process's pid namespace, else None (not
+    one of ours, another namespace's, or a name that does not say its namespace)."""
     m = _NAME_RE.match(os.path.basename(name))
-    return int(m.group("pid")) if m else None
+    ns = pid_namespace()
+    if m is None or ns is None or m.group("ns") is None or int(m.group("ns")) != ns:
+        return None
+    return int(m.group("pid"))
 
 
 def remove_stale(directory: str | None = None) -> list[str]:
-    """Unlink segments (of any stage) whose owner pid is gone (crashed runs); returns the removed paths."""
+    """Unlink segments (of any stage) whose owner pid in this pid namespace is gone (crashed runs); returns the
+    removed paths."""
     directory = directory or shm_dir()
     removed: list[str] = []
     try:

@@ -39,8 +39,8 @@ def make_pool(
     from mrl_plugins.rollout.engine import SamplingParams
     from mrl_plugins.rollout.pool import WorkerPool
 
-    cfg = load_config(config or {})
-    pm = get_plugin_manager(cfg)
+    pm = get_plugin_manager(load_config(config or {}))
+    cfg = pm.config  # as the manager resolved it (the engine's registration read into rollout)
     ctx = StageContext(config=cfg, metrics=StageMetrics())
     model, tok = build_model("tiny")
     sampling = SamplingParams(max_new_tokens=6, eos_token_ids=[tok.eos_token_id], pad_token_id=tok.pad_token_id)

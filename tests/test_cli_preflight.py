@@ -67,6 +67,7 @@ BAD = {
     "combination": ("plugins: {rollout: upstream, weight_sync: mrl, comm: upstream}\n", ["plugins.weight_sync"]),
     "model": ("train: {model: nope}\n", ["train.model: 'nope' is neither a preset", "'tiny'"]),
     "disable": ("disable: [mrl.bogus]\n", ["disable: unknown plugin 'mrl.bogus'", "'mrl.comm'", "'upstream'"]),
+    "threads": ("train: {threads: 1}\n", ["train.threads: 1 would be overridden", "set train.threads: 0"]),
     "workers": (
         f"rollout: {{workers: {FREE + 1}}}\n",
         [f"{FREE + 1} rollout worker(s) but only {FREE} CPU core(s)", f"may use {len(CORES)} core", "lower rollout"],

@@ -141,6 +141,34 @@ def test_corrupted_frame_is_dropped_counted_and_ring_stays_usable(where):
         cons.close()
 
 
+@pytest.mark.parametrize("ordered", [True, False])
+def test_checksums_off_keeps_the_ring_checksum_only_where_stores_may_be_reordered(monkeypatch, ordered):
+    """checksums: false drops the frames' checksum on x86; on a CPU that may reorder stores (Arm: simulated here by
+    the module's flag, this host is x86) the ring keeps it, so a frame seen before its last bytes is refused, not
+    taken whole."""
+    import mrl_plugins.comm.shm_ring as ring
+
+    monkeypatch.setattr(ring, "ORDERED_STORES", ordered)
+    cons = shm_factory(_cfg(checksum="none"), n_producers=1, run_id=RUN)
+    prod = cons.producer_handle(0).attach()
+    try:
+        prod.send(_batch(0, 0), {"seq": 0})
+        slot0 = cons._data + 64
+        flags = struct.unpack_from("<H", cons.seg.buf, slot0 + 6)[0]
+        assert bool(flags & 1) is not ordered  # bit 0: a payload checksum is present
+        length = struct.unpack_from("<Q", cons.seg.buf, cons._data)[0]
+        cons.seg.buf[slot0 + length - 1] ^= 0xFF  # the last payload byte as a reader may see it too early
+        if ordered:
+            with cons.receive(timeout=5) as r:  # nothing checks it: the caller asked for no checksums
+                assert r.meta["seq"] == 0
+        else:
+            with pytest.raises(FrameError, match="frame #0 dropped.*checksum"):
+                cons.receive(timeout=5)
+    finally:
+        prod.close()
+        cons.close()
+
+
 def test_backpressure_blocks_then_times_out_and_drop_policy_counts():
     cons = shm_factory(_cfg(ring_slots=2), n_producers=1, run_id=RUN)
     prod = cons.producer_handle(0).attach()
@@ -173,10 +201,11 @@ def test_stale_segment_of_dead_owner_is_removed_at_start():
     p = CTX.Process(target=time.sleep, args=(0,))
     p.start()
     p.join(timeout=30)
-    stale = os.path.join(shm_dir(), f"mrl-comm-{RUN}-p{p.pid}-0badf00d")
+    ns = os.stat("/proc/self/ns/pid").st_ino
+    stale = os.path.join(shm_dir(), f"mrl-comm-{RUN}-p{p.pid}n{ns}-0badf00d")
     with open(stale, "wb") as f:
         f.write(b"\0" * 4096)
-    live = os.path.join(shm_dir(), f"mrl-comm-{RUN}-p{os.getpid()}-0000beef")
+    live = os.path.join(shm_dir(), f"mrl-comm-{RUN}-p{os.getpid()}n{ns}-0000beef")
     with open(live, "wb") as f:
         f.write(b"\0" * 16)
     try:

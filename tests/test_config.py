@@ -88,7 +88,8 @@ def test_input_kinds(tmp_path):
     assert load_config(path).comm.codec == "raw"
     assert load_config(str(path)).mode == "disaggregated"
     obj = MrlConfig(mode="hybrid")
-    assert load_config(obj) is obj
+    loaded = load_config(obj)  # validated and copied: what a run resolves into it stays out of the caller's
+    assert loaded == obj and loaded is not obj and loaded.rollout is not obj.rollout
     with pytest.raises(ConfigError, match="expected a YAML path, a dict or an MrlConfig, got int"):
         load_config(3)
 

@@ -159,8 +159,8 @@ def _cuda_pool(config: dict, model, sampling, factory):
     from mrl_plugins.metrics import StageMetrics
     from mrl_plugins.rollout.pool import WorkerPool
 
-    cfg = load_config(config)
-    pm = get_plugin_manager(cfg)
+    pm = get_plugin_manager(load_config(config))
+    cfg = pm.config  # as the manager resolved it (the engine's registration read into rollout)
     ctx = StageContext(config=cfg, metrics=StageMetrics())
     places, _, _ = worker_placements(cfg, CudaDevice(index=0))
     engine = dataclasses.replace(pm.backend("mrl_rollout_register_engines", "transformers"), factory=factory)

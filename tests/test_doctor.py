@@ -175,9 +175,7 @@ def test_torch_default_threads_used_when_nothing_set(capsys):
 def test_config_file(tmp_path, capsys):
     port = _free_port()
     cfg = tmp_path / "run.yaml"
-    cfg.write_text(
-        "mode: disaggregated\nrollout:\n  workers: 1\n  engine_threads: 1\ntrain:\n  threads: 1\n  device: cpu\n"
-    )
+    cfg.write_text("mode: disaggregated\nrollout:\n  workers: 1\n  engine_threads: 1\ntrain:\n  device: cpu\n")
     rc = cli(["--config", str(cfg), "--ports", f"master={port},weights={port}"], env={})
     out = capsys.readouterr().out
     assert rc == 1  # the port collision

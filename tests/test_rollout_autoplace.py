@@ -521,8 +521,8 @@ def test_lending_follows_the_weight_transports_declared_capabilities(tmp_path, t
 
     ws = {"transport": transport, **({"directory": str(tmp_path)} if transport == "directory" else {})}
     for plugins in ({}, {"plugins": {"weight_sync": "upstream"}}):
-        cfg = load_config({"weight_sync": ws, **plugins})
-        ctx = StageContext(config=cfg, plugins=get_plugin_manager(cfg), metrics=StageMetrics())
+        pm = get_plugin_manager(load_config({"weight_sync": ws, **plugins}))
+        ctx = StageContext(config=pm.config, plugins=pm, metrics=StageMetrics())
         kwargs = placement_kwargs(ctx, [{"cores": [1], "threads": 1}], [0], "cpu", True)
         assert kwargs["lend"] is (lends and not plugins) and kwargs["budgets"]["turns"] == ([0, 1], 2)
         assert placement_kwargs(ctx, [{"cores": [1], "threads": 1}], [0], "cpu", False) == {

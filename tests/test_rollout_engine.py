@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from mrl_plugins.adapters.trl_generation import sampling_params
+from mrl_plugins.config import load_config
 from mrl_plugins.demo.models import build_model
 from mrl_plugins.errors import ConfigError
 from mrl_plugins.rollout.engine import (
@@ -368,6 +369,9 @@ def test_what_an_engine_can_do_is_declared_on_its_registration_not_read_from_its
         get_plugin_manager({"rollout": {"engine": "plain", "ref_logps": "engine"}}, plugins=[("mine", Plugin())])
     set_by_user = get_plugin_manager({"rollout": {"local_warmup": False}}).config.rollout
     assert set_by_user.local_warmup is False  # 'auto' only is resolved from the engine
+    mine = load_config({"rollout": {"engine": "mine"}})  # what a run resolves stays in its copy
+    assert get_plugin_manager(mine, plugins=[("mine", Plugin())]).config.rollout.start_timeout_s == 900
+    assert (mine.rollout.start_timeout_s, mine.rollout.local_warmup) == (180, "auto")
     plain = RolloutEngine(name="plain", factory=dict)
     method, why = start_method("auto", device="cpu", threads=1, engine=plain)
     assert method == "spawn" and "'plain' is not registered as safe in a forked worker" in why

@@ -327,7 +327,7 @@ def test_the_bundled_compare_tools_config_trains_with_the_plugin(tmp_path):
     from mrl_plugins.run import run_training
 
     data = load_yaml("compare_tools")
-    data["train"].update(steps=20, threads=1, output_dir=str(tmp_path), num_prompts=128)
+    data["train"].update(steps=20, output_dir=str(tmp_path), num_prompts=128)
     result = run_training(data, enable_plugins=True)
     assert result.steps == 20 and len(result.rewards) == 20 and result.final_reward > 0.3
     assert result.plugins == {"rollout": "mrl", "weight_sync": "mrl", "comm": "mrl"}

@@ -265,7 +265,7 @@ def test_sender_killed_mid_transfer_gives_timeout(kind):
         q.close()
         q.join_thread()
     if kind == "shm":  # the killed writer could not unlink; the next sender removes its segments
-        mine = f"-p{child.pid}-"
+        mine = f"-p{child.pid}n{os.stat('/proc/self/ns/pid').st_ino}-"
         left = [n for n in os.listdir("/dev/shm") if n.startswith("mrl-weights-") and mine in n]
         assert left
         s = ShmSender(WeightSyncConfig(), model_id="policy", run_id="after")

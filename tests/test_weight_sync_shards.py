@@ -236,20 +236,33 @@ def test_shm_close_unlinks_and_stale_segments_are_removed(shm_sender):
     assert all(os.path.exists(p) for p in paths)
     s.close()
     assert not any(os.path.exists(p) for p in paths)
-    assert all(os.path.basename(p).startswith("mrl-weights-t-p") for p in paths)  # the one naming scheme
-    # segments left behind by a dead pid (pid 2**22+1 does not exist on Linux defaults), of either stage,
-    # go in one sweep; a live pid's stay
-    stale = [os.path.join(shm_dir(), f"mrl-{stage}-old-p4194305-0badf00d.policy.ctl") for stage in ("weights", "comm")]
-    live = os.path.join(shm_dir(), f"mrl-weights-old-p{os.getpid()}-0000beef.policy.ctl")
-    for path in [*stale, live]:
+    ns = os.stat("/proc/self/ns/pid").st_ino
+    owner = f"p{os.getpid()}n{ns}-"
+    assert all(os.path.basename(p).startswith(f"mrl-weights-t-{owner}") for p in paths)  # the one naming scheme
+    # segments left behind by a dead pid of this pid namespace (pid 2**22+1 does not exist on Linux defaults), of
+    # either stage, go in one sweep; a live pid's stay, and so do another namespace's and a name without one (a
+    # container sharing /dev/shm: its pids mean nothing here)
+    stale = [
+        os.path.join(shm_dir(), f"mrl-{stage}-old-p4194305n{ns}-0badf00d.policy.ctl") for stage in ("weights", "comm")
+    ]
+    kept = [
+        os.path.join(shm_dir(), name)
+        for name in (
+            f"mrl-weights-old-p{os.getpid()}n{ns}-0000beef.policy.ctl",
+            f"mrl-weights-old-p4194305n{ns + 1}-0000beef.policy.ctl",
+            "mrl-weights-old-p4194305-0000beef.policy.ctl",
+        )
+    ]
+    for path in [*stale, *kept]:
         with open(path, "wb") as f:
             f.write(b"x")
     try:
         removed = remove_stale()
-        assert set(stale) <= set(removed) and live not in removed
-        assert not any(os.path.exists(p) for p in stale) and os.path.exists(live)
+        assert set(stale) <= set(removed) and not set(kept) & set(removed)
+        assert not any(os.path.exists(p) for p in stale) and all(os.path.exists(p) for p in kept)
     finally:
-        os.unlink(live)
+        for path in kept:
+            os.unlink(path)
 
 
 def test_several_model_ids_do_not_mix():

@@ -1,6 +1,6 @@
 """Shared-memory ring transport: N producer processes -> one consumer on the same host.
 
-One segment (``mrl-comm-<run_id>-p<pid>-<8 hex>``, see :mod:`mrl_plugins.shmem`), allocated and pre-faulted
+One segment (``mrl-comm-<run_id>-<owner>-<8 hex>``, see :mod:`mrl_plugins.shmem`), allocated and pre-faulted
 once by the consumer, is reused for every frame. Each
 producer owns a single-producer/single-consumer ring of ``ring_slots`` slots of ``slot_bytes``
 bytes, so producers never contend and a killed producer cannot leave a lock held. Frames are
@@ -29,13 +29,18 @@ heartbeat. A frame that fails its checksum is dropped, counted (``corrupt``) and
 :class:`FrameError`; the ring stays usable.
 
 Ordering: a producer writes the frame, then its length, then bumps ``head``; the consumer bumps
-``tail`` only after release. x86 keeps these stores in order; on weakly ordered CPUs (Arm hosts)
-a frame read too early fails its crc32c, is re-read once after 1 ms, and is never returned torn.
+``tail`` only after release. x86 keeps these stores in order. A CPU that may reorder them (Arm, e.g. the Kunpeng
+hosts of Ascend NPUs; :data:`ORDERED_STORES` False) can show ``head`` before the frame's bytes, and Python has no
+memory barrier to prevent it: there every frame carries its payload checksum, even with the top-level
+``checksums: false`` (said once in the log), so a frame read too early fails it, is re-read once after 1 ms, and
+is never returned torn.
 """
 
 from __future__ import annotations
 
+import logging
 import os
+import platform
 import secrets
 import select
 import struct
@@ -51,6 +56,11 @@ from .base import ChannelClosedError, Heartbeat, PeerDeadError, Received, deadli
 from .codec import make_codec
 from .config import CommConfig
 from .frame import FrameError, FramePlan, decode_frame
+
+log = logging.getLogger("mrl_plugins.comm")
+
+#: this CPU keeps a process's stores in program order for other processes (x86's total store order)
+ORDERED_STORES = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686", "x86")
 
 _MAGIC = b"MRLR"
 _LAYOUT = 2
@@ -349,6 +359,15 @@ class ShmProducer:
         self.index = index
         self.slots, self.slot_bytes, self.consumer_pid = slots, slot_bytes, cpid
         self.codec = codec if codec is not None else make_codec(config)
+        self._checksum = config.checksum
+        if not ORDERED_STORES and config.checksum == "none":  # see the module docstring: "Ordering"
+            self._checksum = "xxh3"
+            log.info(
+                "shm ring producer %d: frames keep their xxh3 checksum on this %s CPU despite checksums: false (it "
+                "may reorder stores, and the checksum is how a frame read too early is told from a whole one)",
+                index,
+                platform.machine(),
+            )
         data, _ = _layout(n, slots, slot_bytes)
         self._slot0 = data + index * slots * slot_bytes
         self._cb = _CB_BASE + _CB_SIZE * index
@@ -397,7 +416,7 @@ class ShmProducer:
             raise MrlError("send on a closed shm producer")
         if _U32.unpack_from(buf, _CLOSED_OFF)[0]:
             raise PeerDeadError(f"shm producer {self.index}: the consumer closed the ring")
-        plan = FramePlan(batch, meta, self.codec, self.config.checksum)
+        plan = FramePlan(batch, meta, self.codec, self._checksum)
         if plan.nbytes > self.slot_bytes - _SLOT_HDR:
             raise FrameError(
                 f"frame of {plan.nbytes} bytes does not fit a ring slot of {self.slot_bytes - _SLOT_HDR} bytes: "

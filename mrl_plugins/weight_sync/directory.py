@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from mrl_plugins._proc import pid_alive, wait_until
+from mrl_plugins._proc import pid_alive, pid_namespace, wait_until
 from mrl_plugins.hookspecs import PublishReport
 
 from .config import WeightSyncConfig
@@ -104,9 +104,10 @@ def _host() -> str | None:
     try:
         with open("/proc/sys/kernel/random/boot_id") as f:
             boot = f.read().strip().replace("-", "")[:16]
-        return f"{boot}.{os.stat('/proc/self/ns/pid').st_ino}"
     except OSError:
         return None
+    ns = pid_namespace()
+    return None if ns is None else f"{boot}.{ns}"
 
 
 def _sweep_dead(directory: str) -> None:

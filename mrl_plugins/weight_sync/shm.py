@@ -1,6 +1,6 @@
 """Shared-memory weight transport: written once by the trainer, mapped by N readers on one host.
 
-Segments (files under ``/dev/shm``, named ``mrl-weights-<run_id>-p<pid>-<8 hex>.<model_id>.<kind>``, see
+Segments (files under ``/dev/shm``, named ``mrl-weights-<run_id>-<owner>-<8 hex>.<model_id>.<kind>``, see
 :mod:`mrl_plugins.shmem` for the naming, the stale sweep and the cleanup shared with the comm stage):
 
 * ``ctl`` (4 KiB): magic, a seqlock counter, ``latest version + 1`` (0 = none), the slot holding it
