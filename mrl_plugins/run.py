@@ -201,14 +201,12 @@ def build_trainer(cfg: MrlConfig, *, enable_plugins: bool = True, output_dir: st
     args = _trl_args(cfg, output_dir or cfg.train.output_dir)
     import trl
 
+    from mrl_plugins._autoenable import suppressed
+
     name = {"grpo": "GRPO", "rloo": "RLOO"}[cfg.train.trainer]
     config_cls, trainer_cls = getattr(trl, f"{name}Config"), getattr(trl, f"{name}Trainer")
-    trainer = trainer_cls(
-        model=model,
-        processing_class=tokenizer,
-        args=config_cls(**args),
-        **task_inputs,
-    )
+    with suppressed():  # this run's config decides, not $MRL_PLUGINS (the switch for a user's own scripts)
+        trainer = trainer_cls(model=model, processing_class=tokenizer, args=config_cls(**args), **task_inputs)
     if enable_plugins:
         import mrl_plugins
 

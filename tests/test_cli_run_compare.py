@@ -15,9 +15,10 @@ from tests.marks import require_trl, require_vllm
 pytestmark = [require_trl, pytest.mark.slow]
 
 
-def _mrl(*args: str, cwd, timeout: float = 600) -> subprocess.CompletedProcess:
+def _mrl(*args: str, cwd, timeout: float = 600, **env_extra: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, TRL_EXPERIMENTAL_SILENCE="1", HF_HUB_OFFLINE="1")
     env.pop("MRL_PLUGINS", None)
+    env.update(env_extra)
     return subprocess.run(
         [sys.executable, "-m", "mrl_plugins.cli.main", *args],
         cwd=cwd,
@@ -51,6 +52,19 @@ def test_mrl_run_trains_and_writes_json(tmp_path):
     assert result["steps"] == 3 and len(result["rewards"]) == 3
     assert result["plugins"]["rollout"] == "mrl"
     assert result["mrl_metrics"]["mrl/weights/bytes"] > 0
+
+
+def test_mrl_run_is_not_switched_on_by_the_startup_variable(tmp_path):
+    """MRL_PLUGINS (the switch for a user's own scripts) set in the shell: `mrl run --vanilla` stays plain TRL, and a
+    plugin run is enabled once, with its own config."""
+    vanilla = _mrl("run", "--vanilla", "--model", "tiny", "--steps", "1", cwd=tmp_path, MRL_PLUGINS="colocate")
+    assert vanilla.returncode == 0, vanilla.stderr[-3000:]
+    out = vanilla.stdout + vanilla.stderr
+    assert "mrl-plugins: " not in out and "plugins {'rollout': 'vanilla'}" in out, out[-2000:]
+    config = _no_warmup_config(tmp_path, "colocate")
+    run = _mrl("run", config, "--model", "tiny", "--steps", "1", cwd=tmp_path, MRL_PLUGINS="upstream")
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stderr.count("mrl-plugins: ") == 1 and "mrl-plugins: rollout=mrl (1 worker" in run.stderr
 
 
 def test_mrl_run_bad_config_is_one_clear_error(tmp_path):

@@ -327,8 +327,14 @@ SCRIPT = textwrap.dedent(
     m, t = build_model("tiny")
     args = GRPOConfig(output_dir=sys.argv[1], max_steps=1, per_device_train_batch_size=4, num_generations=4,
                       max_completion_length=4, report_to=[], use_cpu=True, save_strategy="no")
-    tr = GRPOTrainer(model=m, processing_class=t, reward_funcs=count_reward, args=args,
-                     train_dataset=build_dataset(16))
+    cls = GRPOTrainer
+    if sys.argv[2:] == ["subclass"]:  # a script's own trainer class: enabled once its __init__ has run
+        class MyTrainer(GRPOTrainer):
+            def __init__(self, *a, **k):
+                super().__init__(*a, **k)
+                self.mine = True
+        cls = MyTrainer
+    tr = cls(model=m, processing_class=t, reward_funcs=count_reward, args=args, train_dataset=build_dataset(16))
     state = getattr(tr, "_mrl_state", None)
     print("ENABLED", None if state is None else state.pm.selected)
     """
@@ -346,7 +352,7 @@ def test_env_variable_switches_plugins_on_at_startup(tmp_path):
     assert "ENABLED None" in off.stdout, off.stderr[-2000:]
     env["MRL_PLUGINS"] = "upstream"
     on = subprocess.run(
-        [sys.executable, str(script), str(tmp_path)], env=env, capture_output=True, text=True, timeout=300
+        [sys.executable, str(script), str(tmp_path), "subclass"], env=env, capture_output=True, text=True, timeout=300
     )
     assert "ENABLED {'rollout': 'upstream', 'weight_sync': 'upstream', 'comm': 'upstream'}" in on.stdout, on.stderr[
         -2000:
