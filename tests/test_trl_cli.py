@@ -84,3 +84,22 @@ def test_mrl_trl_wrapper(tmp_path):
     proc = _run([mrl, "trl", "grpo", "--config", str(ws / "grpo.yaml")], ws, probe)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert json.loads(probe.read_text())["rollout"] == "mrl"
+
+
+def test_mrl_trl_checks_the_value_of_the_env_block(tmp_path):
+    """The env: block's MRL_PLUGINS is what TRL's processes get (TRL sets it over the environment): `mrl trl` checks
+    that value, in seconds, before TRL loads anything; a correct one is the one that runs."""
+    ws = _workspace(tmp_path, "colocat")
+    probe = ws / "probe.json"
+    mrl = shutil.which("mrl", path=os.path.dirname(sys.executable)) or "mrl"
+    proc = _run([mrl, "trl", "grpo", "--config", str(ws / "grpo.yaml")], ws, probe)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    errors = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(errors) == 1 and errors[0].startswith("mrl trl: error: MRL_PLUGINS=colocat (the env: block of "), errors
+    assert "'colocat' not found" in errors[0] and not probe.exists()
+    (tmp_path / "ok").mkdir()
+    ws = _workspace(tmp_path / "ok", "upstream")
+    probe = ws / "probe.json"
+    proc = _run([mrl, "trl", "grpo", "--config", str(ws / "grpo.yaml")], ws, probe)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads(probe.read_text())["rollout"] == "upstream"

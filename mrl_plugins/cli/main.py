@@ -69,16 +69,37 @@ def cmd_trl(argv: list[str]) -> int:
         from mrl_plugins.adapters.trl import config_from_env
         from mrl_plugins.run import preflight
 
+        value, where = _trl_env_value(argv)
         try:  # before TRL loads the model: a typo fails in seconds
-            preflight(config_from_env(os.environ["MRL_PLUGINS"]))
+            preflight(config_from_env(value))
         except MrlError as exc:
-            raise type(exc)(f"MRL_PLUGINS={os.environ['MRL_PLUGINS']}: {exc}") from None
+            raise type(exc)(f"MRL_PLUGINS={value} ({where}): {exc}") from None
     from mrl_plugins._autoenable import install
 
     install()  # this process too (TRL may run the script in-process)
+    import subprocess
+
     from trl.cli.main import main as trl_main
 
-    return int(trl_main(argv) or 0)
+    try:
+        return int(trl_main(argv) or 0)
+    except subprocess.CalledProcessError as exc:  # a launched training process failed and printed why
+        print(f"mrl trl: a training process exited with {exc.returncode} (its error is above)", file=sys.stderr)
+        return exc.returncode or 1
+
+
+def _trl_env_value(argv: list[str]) -> tuple[str, str]:
+    """The ``MRL_PLUGINS`` TRL's processes will see, and where it comes from: the ``env:`` block of the TRL config
+    file (TRL sets it over the environment), else the environment (``mrl trl`` defaults it to ``colocate``)."""
+    from mrl_plugins.config import load_yaml
+
+    path = next((a.split("=", 1)[1] for a in argv if a.startswith("--config=")), None)
+    if path is None and "--config" in argv[:-1]:
+        path = argv[argv.index("--config") + 1]
+    env = (load_yaml(path).get("env") or {}) if path and os.path.isfile(path) else {}  # TRL reports a missing one
+    if isinstance(env, dict) and env.get("MRL_PLUGINS") is not None:
+        return str(env["MRL_PLUGINS"]), f"the env: block of {path}"
+    return os.environ["MRL_PLUGINS"], "the environment"
 
 
 #: the commands that parse their own arguments -> "module:function(argv)" (imported when run)
