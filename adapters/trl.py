@@ -259,14 +259,18 @@ def _add_step_end_callback(trainer: Any, state: State, fn: Any) -> None:
     state.on_shutdown.append(lambda: trainer.remove_callback(callback))
 
 
-def _check_engine_logps(trainer: Any, kind: str) -> None:
-    """``rollout.old_logps: engine`` is sound only where the engine's logprobs are the trainer's definition."""
-
+def check_old_logps_trainer(kind: str) -> None:
+    """``rollout.old_logps: engine`` with a ``kind`` (``grpo``, ``rloo``) of trainer: GRPO only."""
     if kind != "grpo":
         raise ConfigError(
             f"rollout.old_logps: 'engine' is supported for GRPO only ({kind} computes its old logprobs itself); "
             f"valid here: 'trainer'"
         )
+
+
+def _check_engine_logps(trainer: Any, kind: str) -> None:
+    """``rollout.old_logps: engine`` is sound only where the engine's logprobs are the trainer's definition."""
+    check_old_logps_trainer(kind)
     from mrl_plugins.adapters.trl_generation import sampling_params
 
     sp = sampling_params(trainer)

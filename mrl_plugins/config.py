@@ -100,16 +100,35 @@ class TrainConfig:
     )
     output_dir: str = field(default="mrl-out", metadata={"help": "TRL output_dir"})
     logging_steps: int = field(default=1, metadata={"help": "TRL logging_steps", "ge": 1})
-    trl_args: dict = field(default_factory=dict, metadata={"help": "extra GRPOConfig/RLOOConfig keyword arguments"})
+    trl_args: dict = field(
+        default_factory=dict,
+        metadata={
+            "help": "extra GRPOConfig/RLOOConfig keyword arguments (checked against the installed TRL's before a run; "
+            "not those train.* sets: max_steps, learning_rate, seed, output_dir, logging_steps)"
+        },
+    )
+
+    #: GRPOConfig/RLOOConfig arguments a train.* key sets
+    OWNED_TRL_ARGS = {
+        "max_steps": "steps",
+        "learning_rate": "learning_rate",
+        "seed": "seed",
+        "output_dir": "output_dir",
+        "logging_steps": "logging_steps",
+    }
 
     def validate(self) -> None:
-        """The fields' rules, the task's trainer, and ``device`` in the one spelling the code compares."""
+        """The fields' rules, the task's trainer, ``trl_args`` not setting what a ``train`` key sets, and ``device``
+        in the one spelling the code compares."""
         check_fields(self, "train")
         if self.task != "count" and self.trainer != "grpo":
             raise ConfigError(
                 f"train.task: {self.task!r} needs train.trainer 'grpo' (TRL's RLOOTrainer takes no tools), "
                 f"got {self.trainer!r}"
             )
+        for arg, key in self.OWNED_TRL_ARGS.items():
+            if arg in self.trl_args:
+                raise ConfigError(f"train.trl_args: {arg!r} is set by train.{key}; set that instead")
         self.device = canonical_device_spec(self.device, "train.device")
 
 

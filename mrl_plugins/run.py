@@ -111,7 +111,7 @@ def preflight(cfg: MrlConfig | Any, *, enable_plugins: bool = True) -> MrlConfig
     (:meth:`RolloutConfig.check_placement`) and ``train.threads``, which the placement sets with CPU workers.
     Each raises one :class:`~mrl_plugins.errors.MrlError` naming the problem and the valid choices.
     """
-    from mrl_plugins.adapters.trl import check_trl_version
+    from mrl_plugins.adapters.trl import check_old_logps_trainer, check_trl_version
     from mrl_plugins.demo.models import check_model
     from mrl_plugins.device import get_device
 
@@ -121,6 +121,7 @@ def preflight(cfg: MrlConfig | Any, *, enable_plugins: bool = True) -> MrlConfig
     _check_task_model(cfg.train.task, cfg.train.model)
     device = get_device(cfg.train.device)  # where build_trainer puts the model
     if not enable_plugins:
+        _check_trl_args(cfg.train)
         return cfg
     from mrl_plugins.manager import get_plugin_manager
 
@@ -138,7 +139,30 @@ def preflight(cfg: MrlConfig | Any, *, enable_plugins: bool = True) -> MrlConfig
         engine = configured_engine(pm, cfg)
         if engine.requires is not None:  # e.g. vLLM installed (found, not imported)
             engine.requires()
+        if cfg.rollout.old_logps == "engine":
+            check_old_logps_trainer(cfg.train.trainer)
+    _check_trl_args(cfg.train)
     return cfg
+
+
+def _check_trl_args(train: Any) -> None:
+    """``train.trl_args``: keyword arguments of the installed TRL's GRPOConfig / RLOOConfig (imports TRL: the last
+    check, after those that refuse without importing it)."""
+    import difflib
+
+    if not train.trl_args:
+        return
+    import trl
+
+    cls = getattr(trl, f"{train.trainer.upper()}Config")
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(train.trl_args) - names)
+    if unknown:
+        close = difflib.get_close_matches(unknown[0], names, n=3)
+        hint = f"; did you mean {choices(close)}?" if close else f"; see {cls.__module__}.{cls.__name__}"
+        raise ConfigError(
+            f"train.trl_args: {unknown[0]!r} is not a {cls.__name__} argument (TRL {trl.__version__}){hint}"
+        )
 
 
 def _check_task_model(task: str, model: str) -> None:

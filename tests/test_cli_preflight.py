@@ -68,6 +68,11 @@ BAD = {
     "model": ("train: {model: nope}\n", ["train.model: 'nope' is neither a preset", "'tiny'"]),
     "disable": ("disable: [mrl.bogus]\n", ["disable: unknown plugin 'mrl.bogus'", "'mrl.comm'", "'upstream'"]),
     "threads": ("train: {threads: 1}\n", ["train.threads: 1 would be overridden", "set train.threads: 0"]),
+    "trl_args_owned": ("train: {trl_args: {max_steps: 4}}\n", ["train.trl_args: 'max_steps' is set by train.steps"]),
+    "old_logps_rloo": (
+        "rollout: {old_logps: engine}\ntrain: {trainer: rloo}\n",
+        ["rollout.old_logps: 'engine' is supported for GRPO only", "valid here: 'trainer'"],
+    ),
     "workers": (
         f"rollout: {{workers: {FREE + 1}}}\n",
         [f"{FREE + 1} rollout worker(s) but only {FREE} CPU core(s)", f"may use {len(CORES)} core", "lower rollout"],
@@ -81,6 +86,20 @@ def test_mrl_run_refuses_before_building_the_model(tmp_path, case):
     (tmp_path / "bad.yaml").write_text(text)
     model = [] if case == "model" else ["--model", "tiny"]  # --model would override train.model
     _assert_refused_early(*_mrl("run", "--config", "bad.yaml", *model, cwd=tmp_path), "mrl run:", *expected)
+
+
+@pytest.mark.parametrize("vanilla", [False, True])
+def test_mrl_run_refuses_an_unknown_trl_argument_before_building_the_model(tmp_path, vanilla):
+    """train.trl_args is checked against the installed TRL's GRPOConfig (which imports TRL, so the last check), with
+    the close names, before the preset is built and saved into the output folder."""
+    (tmp_path / "bad.yaml").write_text(
+        f"train: {{trl_args: {{num_generationz: 4}}, output_dir: {tmp_path / 'out'}}}\n"
+    )
+    args = ["run", "--config", "bad.yaml", "--model", "tiny", *(["--vanilla"] if vanilla else [])]
+    proc, _imported, errors = _mrl(*args, cwd=tmp_path)
+    assert proc.returncode == 2 and len(errors) == 1, errors[-30:]
+    assert "train.trl_args: 'num_generationz' is not a GRPOConfig argument (TRL " in errors[0]
+    assert "did you mean 'num_generations'" in errors[0] and not (tmp_path / "out").exists()
 
 
 @pytest.mark.parametrize("device", ["npu", "npu:1", "cuda:3"])
