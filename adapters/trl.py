@@ -24,7 +24,7 @@ from typing import Any
 from mrl_plugins.adapters.trl_lifetime import State, at_exit, wrap_train
 from mrl_plugins.adapters.trl_members import check_members
 from mrl_plugins.device.placement import worker_placements as _placements
-from mrl_plugins.errors import ConfigError, PluginError, UnsupportedVersionError, choices
+from mrl_plugins.errors import ConfigError, MrlError, PluginError, UnsupportedVersionError, choices
 from mrl_plugins.rollout.config import configured_engine
 
 log = logging.getLogger("mrl_plugins.adapters.trl")
@@ -141,6 +141,11 @@ def config_from_env(value: str) -> Any:
     value = value.strip()
     if value.lower() in ("1", "true", "yes", "on"):
         return None
+    if value.lower() in ("", "0", "false", "no", "off"):
+        raise ConfigError(
+            f"MRL_PLUGINS={value}: the plugins are off when MRL_PLUGINS is unset (unset it); valid values: a bundled "
+            f"config name, a YAML path, STAGE=PLUGIN[,STAGE=PLUGIN...], or 1 / true / yes / on for the defaults"
+        )
     if "=" in value and not value.endswith((".yaml", ".yml")):
         from mrl_plugins.config import parse_plugin_selection
 
@@ -149,8 +154,14 @@ def config_from_env(value: str) -> Any:
 
 
 def enable_from_env(trainer: Any) -> Any:
-    """Called by the start-up hook for trainers built while ``MRL_PLUGINS`` is set."""
-    return enable(trainer, config_from_env(os.environ["MRL_PLUGINS"]))
+    """Called by the start-up hook for trainers built while ``MRL_PLUGINS`` is set; an error names the variable."""
+    value = os.environ["MRL_PLUGINS"]
+    try:
+        return enable(trainer, config_from_env(value))
+    except MrlError as exc:
+        if str(exc).startswith("MRL_PLUGINS="):
+            raise
+        raise type(exc)(f"MRL_PLUGINS={value}: {exc}") from None
 
 
 def _install_rollout(trainer: Any, state: State, device: Any, plan: tuple | None) -> None:

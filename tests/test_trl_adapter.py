@@ -423,3 +423,19 @@ def test_upstream_rollout_runtime_is_trls_own_generation(tmp_path):
     assert all(len(c) >= 1 for c in res.completion_ids) and res.weight_version == 0
     assert runtime.publish(1, []) is None  # it generates with the training model: nothing to sync
     mrl_plugins.disable(trainer)
+
+
+def test_startup_variable_errors_name_the_variable_and_its_valid_values(tmp_path, monkeypatch):
+    """A trainer built while MRL_PLUGINS is set and wrong: the error says it came from MRL_PLUGINS, and a value
+    that reads as "off" says how the plugins are switched off and what the variable takes."""
+    from mrl_plugins.adapters.trl import enable_from_env
+    from mrl_plugins.errors import ConfigError
+
+    trainer = _trainer(tmp_path, steps=1)
+    monkeypatch.setenv("MRL_PLUGINS", str(tmp_path / "nosuch.yaml"))
+    with pytest.raises(ConfigError, match=rf"^MRL_PLUGINS={tmp_path / 'nosuch.yaml'}: config file .* not found"):
+        enable_from_env(trainer)
+    monkeypatch.setenv("MRL_PLUGINS", "off")
+    with pytest.raises(ConfigError, match=r"^MRL_PLUGINS=off: the plugins are off when MRL_PLUGINS is unset.*1 / tr"):
+        enable_from_env(trainer)
+    assert getattr(trainer, "_mrl_state", None) is None
