@@ -54,8 +54,12 @@ def test_npu_worker_with_a_priority_stream_limits_that_stream(monkeypatch, no_cu
 def test_engine_budget_keys_are_checked_with_the_config():
     with pytest.raises(ConfigError, match="unknown rollout.engine_budget key 'npu_cubes'"):
         load_config({"rollout": {"engine_budget": {"npu_cubes": 8}}})
-    with pytest.raises(ConfigError, match="cores and threads come from"):
+    with pytest.raises(
+        ConfigError, match=r"cores are those outside rollout\.trainer_cores, their threads rollout\.eng"
+    ):
         load_config({"rollout": {"engine_budget": {"cores": [0]}}})
+    for named in ("rollout.trainer_cores", "rollout.engine_threads"):  # settable keys, not internal ones
+        load_config({"rollout": {named.split(".")[1]: 1 if named.endswith("threads") else [0]}})
     with pytest.raises(ConfigError, match="stream_priority: 'urgent' invalid; valid: 'high', 'low' or 'normal'"):
         load_config({"rollout": {"engine_budget": {"stream_priority": "urgent"}}})
 

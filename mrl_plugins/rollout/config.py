@@ -108,8 +108,8 @@ class RolloutConfig(SchedulingSection, DeploymentSection, EngineSection):
             )
         if {"cores", "threads"} & set(self.engine_budget):
             raise ConfigError(
-                "rollout.engine_budget: a mapping of npu_cube_cores, npu_vector_cores, stream_priority (cores and "
-                "threads come from rollout.engine_cores / engine_threads)"
+                "rollout.engine_budget: a mapping of npu_cube_cores, npu_vector_cores, stream_priority (the workers' "
+                "cores are those outside rollout.trainer_cores, their threads rollout.engine_threads)"
             )
         from mrl_plugins.device.budget import ComputeBudget
 

@@ -224,7 +224,7 @@ class PoolRuntime:
                 ready = pool.ready_s
                 log.warning(
                     "mrl-plugins: the rollout workers delivered no batch in this run (%s); all %d generation%s "
-                    "came from the trainer's own model (rollout.local_warmup). Worker start-up (spawn, imports, "
+                    "came from the trainer's own model while they started. Worker start-up (spawn, imports, "
                     "model build) takes seconds: longer runs overlap generation with training.",
                     f"ready after {ready:.1f} s, too late to serve" if ready is not None else
                     f"not ready {time.monotonic() - pool.started_at:.1f} s after the start",
