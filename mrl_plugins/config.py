@@ -251,11 +251,22 @@ class MrlConfig:
 
     def _check_across(self) -> None:
         """What a section cannot check alone (it needs the deployment mode)."""
-        rc = self.rollout
+        rc, ws = self.rollout, self.weight_sync
         if rc.rebalance and (self.mode != "hybrid" or rc.workers < 2):
             raise ConfigError(
                 f"rollout.rebalance: moves workers between the pools of mode: hybrid with rollout.workers >= 2; "
                 f"got mode: {self.mode}, workers: {rc.workers}"
+            )
+        if rc.colocated_workers and self.mode != "hybrid":
+            raise ConfigError(
+                f"rollout.colocated_workers: read in mode 'hybrid' only (mode is {self.mode!r}); remove it or set "
+                f"mode: hybrid"
+            )
+        if ws.directory is not None and ws.transport in ("shm", "broadcast", "per_param", "vllm"):
+            raise ConfigError(
+                f"weight_sync.directory: read by weight_sync.transport 'directory' only (this run's is "
+                f"{ws.transport!r}; 'auto' picks 'directory' with rollout.remote_workers); remove it or set "
+                f"weight_sync.transport: directory"
             )
 
     def _typed_sections(self) -> None:

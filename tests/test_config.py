@@ -493,6 +493,14 @@ def test_core_lists_are_checked_against_the_process_cores():
             r"^rollout\.rebalance: .*got mode: hybrid, workers: 1",
         ),
         ({"rollout": {"ref_logps": "engine", "workers": 0}}, r"^rollout\.ref_logps: 'engine' needs rollout workers"),
+        (  # a key nothing would read is refused, not ignored
+            {"mode": "colocate", "rollout": {"workers": 2, "colocated_workers": 1}},
+            r"^rollout\.colocated_workers: read in mode 'hybrid' only \(mode is 'colocate'\)",
+        ),
+        (
+            {"weight_sync": {"directory": "/tmp/w"}},
+            r"^weight_sync\.directory: read by weight_sync\.transport 'directory' only \(this run's is 'shm'; 'auto'",
+        ),
     ],
 )
 def test_refusals_that_need_only_the_config_come_with_the_config(data, says):
@@ -500,6 +508,9 @@ def test_refusals_that_need_only_the_config_come_with_the_config(data, says):
         load_config(data)
     load_config({"mode": "hybrid", "rollout": {"rebalance": True, "workers": 2, "colocated_workers": 1}})
     load_config({"rollout": {"ref_logps": "engine", "workers": 0, "remote_workers": 1}})
+    remote = load_config({"weight_sync": {"directory": "/tmp/w"}, "rollout": {"workers": 0, "remote_workers": 1}})
+    assert remote.weight_sync.transport == "directory"
+    load_config({"weight_sync": {"directory": "/tmp/w", "transport": "directory"}})
 
 
 # --------------------------------------------------------------------------- declared rules (one format)
