@@ -482,6 +482,11 @@ def test_core_lists_are_checked_against_the_process_cores():
     RolloutConfig(trainer_cores=[0, 1], oversubscribe=True).check_placement("colocate", "cpu", [0, 1])
     RolloutConfig(trainer_cores=[0, 1], workers=0).check_placement("colocate", "cpu", [0, 1])  # no workers
     RolloutConfig(trainer_cores=[1]).check_placement("colocate", "cpu", [0, 1])
+    with pytest.raises(ConfigError, match=r"^rollout\.engine_threads: 4 torch threads per worker, but each of the 1 .*"
+                       r"gets 1 CPU core\(s\).*lower rollout\.engine_threads to 1"):  # fmt: skip
+        RolloutConfig(engine_threads=4).check_placement("colocate", "cpu", [0, 1])
+    RolloutConfig(engine_threads=2).check_placement("colocate", "cpu", [0, 1, 2])  # 2 cores for its 1 worker
+    RolloutConfig(engine_threads=4, oversubscribe=True).check_placement("colocate", "cpu", [0, 1])
 
 
 @pytest.mark.parametrize(

@@ -278,6 +278,13 @@ class RolloutConfig(SchedulingSection, DeploymentSection, EngineSection):
                     f"rollout.workers: {dedicated} rollout worker(s) but only {free} CPU core(s) free for them "
                     f"({where}); lower rollout.workers to {free} (workers sharing cores slow every step down)"
                 )
+            each = max(1, free // dedicated)
+            if self.engine_threads > each:
+                raise ConfigError(
+                    f"rollout.engine_threads: {self.engine_threads} torch threads per worker, but each of the "
+                    f"{dedicated} rollout worker(s) gets {each} CPU core(s) ({where}); lower rollout.engine_threads "
+                    f"to {each} (threads beyond a worker's cores slow it down)"
+                )
             return
         if mode == "colocate" or dedicated <= 0:
             return
