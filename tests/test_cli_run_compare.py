@@ -158,6 +158,23 @@ def test_mrl_compare_fails_when_reward_drops(tmp_path):
     assert report["reward_ok"] is (not below) and report["reward_enforced"] is True
 
 
+def test_mrl_compare_exits_1_when_real_runs_fail(tmp_path):
+    """Real runs that fail (each killed at --timeout, long before it can train): the command says upstream failed and
+    nothing could be compared, not "upstream did not run" and "yes", and exits 1."""
+    proc, report = _compare(tmp_path, "--quick", "--repeats", "2", "--runs", "upstream,all", "--timeout", "0.5")
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "upstream: FAILED: timed out after 0.5 s (--timeout)" in proc.stdout
+    assert "- no speed verdict: upstream failed, so no kind could be compared with it" in proc.stdout
+    assert "(medians): NO: upstream FAILED before any run finished" in proc.stdout
+    assert "(medians): yes" not in proc.stdout
+    fail = "FAIL: run(s) failed: upstream (round 1 of 2, not run again), all (round 1 of 2, not run again)"
+    assert fail in proc.stderr
+    assert report["order"] == [[1, "upstream"], [1, "all"], [2, "all"], [2, "upstream"]]  # round 2 not run
+    assert [x["kind"] for x in report["load"]] == ["upstream", "all"]
+    assert set(report["failed"]) == {"upstream", "all"} and report["no_result"] == ["upstream", "all"]
+    assert report["reward_ok"] is False and report["exit_code"] == 1
+
+
 def test_mrl_compare_vllm_kind_skipped_when_vllm_is_missing(tmp_path):
     """vllm blocked in the compare process: its rows say why they were skipped, and upstream still runs."""
     code = (
@@ -179,11 +196,12 @@ def test_mrl_compare_vllm_kind_skipped_when_vllm_is_missing(tmp_path):
 @require_vllm
 def test_mrl_compare_vllm_kinds(tmp_path):
     """The plugin on vLLM runs; TRL's own use_vllm colocate fails on CPU at its first weight sync into vLLM: the row
-    says so with the error, it is not repeated, and the comparison goes on."""
+    says so with the error, it is not repeated, the comparison goes on, and the command exits 1 naming it."""
     proc, report = _compare(
         tmp_path, "--quick", "--repeats", "1", "--runs", "upstream,trl_vllm,vllm", "--tolerance", "0.99", timeout=1200
     )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "FAIL: run(s) failed: trl_vllm (round 1 of 1)" in proc.stderr and report["no_result"] == ["trl_vllm"]
     vllm = report["repeats"]["vllm"][0]
     assert vllm["steps"] == 8 and vllm["mrl_metrics"]["mrl/comm/bytes"] > 0
     err = report["failed"]["trl_vllm"]
@@ -295,3 +313,99 @@ def test_mrl_compare_model_help_names_every_preset(capsys):
         cli(["--help"])
     text = " ".join(capsys.readouterr().out.split())
     assert all(f"'{name}'" in text for name in PRESETS) and "'qwen2-tiny'" in text
+
+
+def _fake_runs(monkeypatch, failing: set[tuple[str, int]]):
+    """``run_one`` replaced: each (kind, round) in ``failing`` exits 1 with a ConfigError, the others finish with the
+    same numbers (no process is started; the plots are not drawn)."""
+    from mrl_plugins.cli import compare, compare_plots
+
+    def run_one(config_path, name, kind, base, *, timeout, max_steps, on_poll):
+        load = {
+            "before": {"load1": 0.0, "others_cpu_share": 0.0},
+            "during": {"samples": 1, "load1_max": 0.0, "others_cpu_share_mean": 0.0, "others_cpu_share_max": 0.0},
+            "wall_s": 1.0,
+        }
+        if (name, int(base.name.rsplit("-", 1)[1])) in failing:
+            return None, "exit 1: mrl_plugins.errors.ConfigError: boom", load
+        result = {"steps": 2, "steps_per_s": 1.0, "wall_s": 3.0, "train_s": 2.0, "tokens_per_s": 50.0,
+                  "final_reward": 0.5, "rewards": [0.5, 0.5], "time_split": {"generate": 1.0, "train": 1.0},
+                  "peak_rss_bytes": 2**20}  # fmt: skip
+        return result, None, load
+
+    monkeypatch.setattr(compare, "run_one", run_one)
+    monkeypatch.setattr(compare_plots, "plots", lambda report, names, out: [])
+
+
+@pytest.mark.parametrize(
+    ("runs", "repeats", "failing", "no_result", "says", "fail_line"),
+    [
+        (
+            "upstream,all", 1, {("all", 1)}, ["all"],
+            ["- all: not compared (FAILED before any run finished)",
+             "(medians): NO: all FAILED before any run finished: nothing to compare"],
+            "FAIL: run(s) failed: all (round 1 of 1);",
+        ),
+        (
+            "upstream,all", 2, {("upstream", 1), ("all", 1)}, ["upstream", "all"],
+            ["- no speed verdict: upstream failed, so no kind could be compared with it",
+             "(medians): NO: upstream FAILED before any run finished, so no kind could be compared with it; "
+             "all FAILED"],
+            "FAIL: run(s) failed: upstream (round 1 of 2, not run again), all (round 1 of 2, not run again);",
+        ),
+        (  # the second round's run fails: the first one's numbers are compared, and the command still fails
+            "upstream,all", 2, {("all", 2)}, [],
+            ["| all | 1 | FAILED: exit 1", "- all: 1.00x upstream, not judged",
+             "(then a run of it FAILED: see its row)", "(medians): yes"],
+            "FAIL: run(s) failed: all (round 2 of 2);",
+        ),
+        ("upstream,all", 1, set(), [], ["- all: 1.00x upstream, not judged", "(medians): yes"], None),
+        ("upstream", 1, set(), [], ["- no speed verdict: only upstream ran (--runs named no other kind)"], None),
+    ],
+)  # fmt: skip
+def test_mrl_compare_exits_1_and_says_so_when_a_run_fails(
+    tmp_path, capsys, monkeypatch, runs, repeats, failing, no_result, says, fail_line
+):
+    """Any failed run makes the command exit 1 with a FAIL line naming it; the speed and reward lines give the true
+    reason a kind was not compared; report.json records it (``failed``, ``no_result``, ``exit_code``)."""
+    from mrl_plugins.cli.compare import cli
+
+    _fake_runs(monkeypatch, failing)
+    config = tmp_path / "c.yaml"
+    config.write_text("train: {model: tiny, steps: 2}\n")
+    rc = cli(["--config", str(config), "--runs", runs, "--repeats", str(repeats), "--out", str(tmp_path / "out")])
+    out, err = capsys.readouterr()
+    assert rc == (1 if failing else 0), out + err
+    if fail_line:
+        assert fail_line in err and "FAIL: final reward" not in err
+    else:
+        assert "FAIL" not in err
+    md = (tmp_path / "out" / "report.md").read_text()
+    for text in says:
+        assert text in out and text in md, (text, out)
+    assert "upstream did not run" not in out
+    report = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert sorted(report["failed"]) == sorted({k for k, _ in failing}) and report["no_result"] == no_result
+    assert report["reward_ok"] is (not no_result) and report["exit_code"] == rc
+
+
+def test_mrl_compare_default_runs_leave_out_what_cannot_run_on_cpu(tmp_path, capsys, monkeypatch):
+    """vLLM installed, a CPU job, no --runs: TRL's own use_vllm kind (it fails on CPU at its first weight sync) is
+    skipped with the reason, not run into a failure that would fail the command; named in --runs it runs."""
+    from mrl_plugins.cli import compare
+
+    _fake_runs(monkeypatch, set())
+    monkeypatch.setattr(compare, "installed", lambda module: True)
+    monkeypatch.setattr(compare, "preflight_runs", lambda *a, **k: None)  # it would find vllm absent
+    config = tmp_path / "c.yaml"
+    config.write_text("train: {model: tiny, steps: 2}\n")
+    assert compare.cli(["--config", str(config), "--repeats", "1", "--out", str(tmp_path / "out")]) == 0
+    report = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert report["skipped"] == {"trl_vllm": f"skipped: {compare.RUNS['trl_vllm'].cpu_fails}"}
+    assert "vllm" in report["repeats"] and "trl_vllm" not in report["repeats"]
+    named = ["--config", str(config), "--repeats", "1", "--runs", "trl_vllm", "--out", str(tmp_path / "named")]
+    assert (
+        compare.cli(named) == 0
+        and "trl_vllm" in json.loads((tmp_path / "named" / "report.json").read_text())["repeats"]
+    )
+    capsys.readouterr()

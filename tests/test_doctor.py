@@ -497,6 +497,92 @@ def test_report_bad_input_exits_2(tmp_path, capsys):
     assert cli(["--report", str(tmp_path / "missing.json")]) == 2
 
 
+def _report(tmp_path) -> str:
+    path = tmp_path / "report.json"
+    path.write_text(json.dumps({"runs": {"all": _run(5.0, 4.0, 10.0)}}))  # utilisation 90% on 1 lane
+    return str(path)
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (["--lanes", "0"], "argument --lanes: must be an integer >= 1, got '0'"),  # was a ZeroDivisionError
+        (["--lanes", "-1"], "argument --lanes: must be an integer >= 1, got '-1'"),  # was "utilisation -90%"
+        (["--high-util", "5"], "argument --high-util: must be a fraction in [0.5, 1]"),
+        (["--high-util", "nan"], "argument --high-util: must be a fraction in [0.5, 1]"),
+        (["--high-util", "0.3"], "argument --high-util: must be a fraction in [0.5, 1]"),
+        (["--target-steps-per-s", "-1"], "argument --target-steps-per-s: must be a finite number > 0, got '-1'"),
+        (["--target-tokens-per-s", "nan"], "argument --target-tokens-per-s: must be a finite number > 0"),
+    ],
+)
+def test_triage_flags_are_checked_before_the_report_is_read(tmp_path, capsys, argv, says):
+    assert cli(["--report", _report(tmp_path), *argv]) == 2
+    out, err = capsys.readouterr()
+    assert says in err and out == ""
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (["--peak", "trainer=8GiB", "--device-memory", "64GiB", "--headroom", "nan"], "argument --headroom: must be a"
+         " number in [0, 4]"),  # was "memory fraction trainer=nan is outside (0, 1]"
+        (["--peak", "trainer=8GiB", "--device-memory", "64GiB", "--headroom", "-0.1"], "argument --headroom"),
+        (["--reserve-root", "nan"], "argument --reserve-root: must be a fraction of device memory in (0, 1]"),
+        (["--processes", "0"], "argument --processes: must be an integer >= 1, got '0'"),
+        (["--ports", "x"], "--ports: 'x' is not name=value (expected e.g. 'master=29500,weights=29501')"),
+        (["--ports", ""], "--ports: '' is not name=value"),  # was an empty table
+        (["--reserve", "x"], "--reserve: 'x' is not name=value (expected e.g. 'trainer=0.5,rollout=0.3')"),
+        (["--peak", "x", "--device-memory", "64GiB"], "--peak: 'x' is not name=value (expected e.g. 'trainer=8GiB')"),
+        (["--lanes", "2"], "--lanes: post-run triage flag(s), used only with --report PATH"),
+        (["--high-util", "0.9"], "--high-util: post-run triage flag(s), used only with --report PATH"),
+        (["--headroom", "0.5"], "--headroom: size(s) the reservations of --peak, which was not given"),
+        (["--device-memory", "64GiB"], "--device-memory: size(s) the reservations of --peak"),
+    ],
+)  # fmt: skip
+def test_pre_run_flags_are_checked_with_the_flag_and_its_example_named(capsys, argv, says):
+    assert cli([*argv, "--threads", "1"], env={}) == 2
+    out, err = capsys.readouterr()
+    assert says in err and out == "", err
+    assert "'trainer=0.5,rollout=0.3'" not in err or argv[0] == "--reserve"
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [["--config", "colocate"], ["--device", "cpu"], ["--config", "colocate", "--device", "cpu", "--ports", "a=1"]],
+)
+def test_report_refuses_the_pre_run_flags_it_would_ignore(tmp_path, capsys, argv):
+    assert cli(["--report", _report(tmp_path), *argv]) == 2
+    out, err = capsys.readouterr()
+    flags = ", ".join(a for a in argv if a.startswith("--"))
+    assert f"error: {flags}: pre-run check flag(s), not used by --report" in err and out == "", err
+
+
+def test_triage_and_peak_flags_in_range_are_used(tmp_path, capsys):
+    report = _report(tmp_path)
+    assert cli(["--report", report, "--lanes", "2"]) == 0
+    assert "utilisation 45% [(generate 5 s + train 4 s) / (wall_s 10 s x 2 lane(s))]" in capsys.readouterr().out
+    assert cli(["--report", report, "--high-util", "0.95"]) == 0  # 90% is no longer high
+    assert "ok    triage all: no clear bottleneck" in capsys.readouterr().out
+    assert cli(["--report", report, "--high-util", "0.9"]) == 0
+    assert "ok    triage all: compute-bound" in capsys.readouterr().out
+    peak = ["--peak", "trainer=8GiB", "--device-memory", "64GiB", "--threads", "1"]
+    assert cli([*peak, "--headroom", "0.5"], env={}) == 0 and "trainer 0.188" in capsys.readouterr().out  # 8x1.5/64
+    assert cli(peak, env={}) == 0 and "trainer 0.15" in capsys.readouterr().out  # the default headroom, 0.2
+
+
+def test_triage_refuses_lanes_that_are_not_whole_and_a_high_util_out_of_range():
+    run = _run(5.0, 4.0, 10.0)
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ConfigError, match=r"^lanes: must be an integer >= 1"):
+            triage("all", run, lanes=bad)
+    with pytest.raises(ConfigError, match=r"report run 'all' lanes: must be a whole number >= 1, got 0\.5"):
+        triage("all", run | {"lanes": 0.5})  # was int(0.5) = 0 lanes: ZeroDivisionError
+    assert triage("all", run | {"lanes": 2.0}).utilisation == pytest.approx(0.45)
+    for bad in (5.0, 0.3, float("nan")):
+        with pytest.raises(ConfigError, match=r"^high_util: must be a fraction in \[0\.5, 1\]"):
+            triage("all", run, high_util=bad)
+
+
 def test_check_rejects_unknown_status():
     with pytest.raises(ValueError, match="'fail', 'ok' or 'warn'"):
         Check("maybe", "x", "y")

@@ -1,8 +1,11 @@
-"""One line of ``mrl doctor``'s output, shared by the checks and the report triage."""
+"""One line of ``mrl doctor``'s output, shared by the checks and the report triage; the checked argparse type the
+``mrl`` commands share."""
 
 from __future__ import annotations
 
+import argparse
 from dataclasses import dataclass
+from typing import Any
 
 from mrl_plugins.errors import choices
 
@@ -26,4 +29,19 @@ class Check:
         return f"{self.status:<5} {self.name}: {self.detail}"
 
 
-__all__ = ["STATUSES", "Check"]
+def checked_type(cast: Any, ok: Any, need: str) -> Any:
+    """An argparse type: ``cast(text)`` that ``ok`` accepts, else one error saying what is needed."""
+
+    def parse(text: str) -> Any:
+        try:
+            value = cast(text)
+        except ValueError:
+            value = None
+        if value is None or not ok(value):  # nan fails every comparison
+            raise argparse.ArgumentTypeError(f"must be {need}, got {text!r}")
+        return value
+
+    return parse
+
+
+__all__ = ["STATUSES", "Check", "checked_type"]

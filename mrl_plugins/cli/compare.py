@@ -18,8 +18,13 @@ Only when named in ``--runs`` (the GPU check names them, ``benchmarks/gpu``):
 Kinds run ``--repeats`` times, interleaved (round 1: A B C, round 2: B C A, ...: a change in the host's load hits every
 kind alike); each round trains with its own seed (``train.seed`` + round - 1, the same for that round's runs: model
 initialisation, data order, sampling), so a comparison does not rest on one trajectory, and the report gives each
-seed's final rewards, the runs that collapsed (:func:`collapsed`) and each round's speed ratio. Exits 1 when a plugin
-run's median final reward (mean of the last 10 logged steps) is below upstream's by more than ``--tolerance``.
+seed's final rewards, the runs that collapsed (:func:`collapsed`) and each round's speed ratio.
+
+Exit status: 2 on bad input (before any run); 1 when any run failed (a kind whose run fails is not run again, so its
+later rounds are lost too: ``report.json``'s ``failed`` gives each such kind's error and log, ``no_result`` the
+kinds with no finished run, which nothing could be compared for), or when a plugin run's median final reward (mean
+of the last 10 logged steps) is below upstream's by more than ``--tolerance``; else 0 (a kind skipped because vllm
+is not installed does not fail the command).
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from mrl_plugins.cli.checks import checked_type
 from mrl_plugins.demo.models import PRESETS
 from mrl_plugins.errors import ConfigError, choices
 from mrl_plugins.optional import installed
@@ -53,6 +59,7 @@ class RunKind:
     requires: str | None = None  # a Python module the kind needs
     all_cores: bool = False  # torch gets every core (TRL's best setting for a single process)
     on_request: bool = False  # run only when named in --runs
+    cpu_fails: str | None = None  # why it cannot run on CPU: skipped there unless named in --runs
 
 
 _UP = {"rollout": "upstream", "weight_sync": "upstream", "comm": "upstream"}
@@ -71,6 +78,7 @@ RUNS: dict[str, RunKind] = {
         vanilla=True,
         requires="vllm",
         all_cores=True,
+        cpu_fails="TRL's use_vllm colocate fails on CPU at its first weight sync (--runs trl_vllm runs it)",
     ),
     "trl_continuous_batching": RunKind(
         _UP,
@@ -114,6 +122,14 @@ def kind_config(
     out = _merge(out, kind.overrides)
     out["plugins"] = {**(data.get("plugins") or {}), **kind.plugins}
     return out
+
+
+def _on_cpu(data: dict[str, Any]) -> bool:
+    """Whether the job's runs train on the CPU (its train.device, 'auto' resolved on this host)."""
+    from mrl_plugins.config import load_config
+    from mrl_plugins.device import get_device
+
+    return get_device(load_config({"train": data.get("train") or {}}).train.device).type == "cpu"
 
 
 def skip_reason(kind: RunKind) -> str | None:
@@ -277,7 +293,7 @@ def run_one(
         load = load_of()
         if not isinstance(exc, subprocess.TimeoutExpired):
             raise
-        return None, f"timed out after {timeout:.0f} s (--timeout)", load
+        return None, f"timed out after {timeout:g} s (--timeout)", load
     load = load_of()
     if proc.returncode != 0:
         text = log_path.read_text(encoding="utf-8", errors="replace")
@@ -372,7 +388,9 @@ def summarize(
     if base:
         floor = base["final_reward"]["median"] * (1 - tolerance)
         failed_reward = [n for n, m in medians.items() if n != "upstream" and m["final_reward"]["median"] < floor]
-    summary["reward_ok"] = not failed_reward
+    # a kind with no finished run has no reward to check: it fails the check (upstream: nothing can be compared)
+    summary["no_result"] = [n for n in summary["failed"] if not repeats.get(n)]
+    summary["reward_ok"] = not failed_reward and not summary["no_result"]
     summary["reward_below_tolerance"] = failed_reward
     summary.update(per_seed(repeats))
     return summary
@@ -420,7 +438,7 @@ def table(report: dict[str, Any], names: list[str]) -> str:
     for name in names:
         if name in report["skipped"] or name in report["failed"]:
             why = report["skipped"].get(name) or "FAILED: " + report["failed"][name]
-            lines.append(f"| {name} | 0 | {why} |" + " |" * 13)
+            lines.append(f"| {name} | {len(report['repeats'].get(name) or [])} | {why} |" + " |" * 13)
             continue
         if name not in report["medians"]:
             continue
@@ -509,29 +527,58 @@ def seed_table(report: dict[str, Any], names: list[str]) -> list[str]:
     return lines
 
 
-def _checked(cast: Any, ok: Any, need: str) -> Any:
-    """An argparse type: ``cast(text)`` that ``ok`` accepts, else one error saying what is needed."""
+def speed_lines(report: dict[str, Any], names: list[str]) -> list[str]:
+    """Each requested kind's speed verdict against upstream, or why it has none (it failed or was skipped, upstream
+    failed, only upstream ran)."""
+    others = [n for n in names if n != "upstream"]
+    if "upstream" not in report["medians"]:
+        return ["no speed verdict: upstream failed, so no kind could be compared with it"]
+    if not others:
+        return ["no speed verdict: only upstream ran (--runs named no other kind)"]
+    lines = []
+    for n in others:
+        if n in report["verdict"]:  # from its finished runs; a later one may have failed
+            later = " (then a run of it FAILED: see its row)" if n in report["failed"] else ""
+            lines.append(f"{n}: {report['verdict'][n]}{later}")
+        elif n in report["failed"]:
+            lines.append(f"{n}: not compared (FAILED before any run finished)")
+        else:
+            lines.append(f"{n}: not compared ({report['skipped'].get(n, 'no verdict')})")
+    return lines
 
-    def parse(text: str) -> Any:
-        try:
-            value = cast(text)
-        except ValueError:
-            value = None
-        if value is None or not ok(value):  # nan fails every comparison
-            raise argparse.ArgumentTypeError(f"must be {need}, got {text!r}")
-        return value
 
-    return parse
+def reward_line(summary: dict[str, Any], tolerance: float, enforced: bool) -> str:
+    """The final-reward check in one line: ``yes``, or ``NO:`` with the kinds below tolerance and those that failed
+    before any run finished (nothing to compare)."""
+    text = f"final reward within {tolerance:.0%} of upstream (medians): "
+    if summary["reward_ok"]:
+        text += "yes"
+    else:
+        below, gone = summary["reward_below_tolerance"], [n for n in summary["no_result"] if n != "upstream"]
+        parts = [f"{', '.join(below)} more than {tolerance:.0%} below upstream"] if below else []
+        if "upstream" in summary["no_result"]:
+            parts.append("upstream FAILED before any run finished, so no kind could be compared with it")
+        if gone:
+            parts.append(f"{', '.join(gone)} FAILED before any run finished: nothing to compare")
+        text += "NO: " + "; ".join(parts)
+    if not enforced:
+        text += " (a lower reward is not enforced under --quick: too few steps to judge learning; pass --tolerance)"
+    return text
 
 
-_positive_int = _checked(int, lambda v: v >= 1, "an integer >= 1")
-_non_empty = _checked(str, lambda v: bool(v.strip()), "a preset or a checkpoint folder")
-_positive_seconds = _checked(float, lambda v: math.isfinite(v) and v > 0, "a finite number of seconds > 0")
-_share = _checked(float, lambda v: 0 <= v <= 1, "a fraction in [0, 1]")
+_positive_int = checked_type(int, lambda v: v >= 1, "an integer >= 1")
+_non_empty = checked_type(str, lambda v: bool(v.strip()), "a preset or a checkpoint folder")
+_positive_seconds = checked_type(float, lambda v: math.isfinite(v) and v > 0, "a finite number of seconds > 0")
+_share = checked_type(float, lambda v: 0 <= v <= 1, "a fraction in [0, 1]")
 
 
 def cli(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="mrl compare", description=__doc__.split("\n\n")[0].replace("``", ""))
+    paragraphs = __doc__.split("\n\n")
+    p = argparse.ArgumentParser(
+        prog="mrl compare",
+        description=paragraphs[0].replace("``", ""),
+        epilog=next(t for t in paragraphs if t.startswith("Exit status")).replace("``", ""),
+    )
     p.add_argument("config_pos", nargs="?", metavar="CONFIG", help="same as --config")
     p.add_argument("--config", help="mrl YAML (path or bundled name; default compare_small)")
     p.add_argument("--out", default="mrl-compare", help="output folder for report.md/json, plots and run logs")
@@ -600,6 +647,8 @@ def cli(argv: list[str]) -> int:
     out = Path(ns.out)
     (out / "runs").mkdir(parents=True, exist_ok=True)
     skipped = {n: why for n in names if (why := skip_reason(RUNS[n]))}
+    if not ns.runs and _on_cpu(data):  # a default run list leaves out the kinds that cannot run here, saying why
+        skipped.update({n: f"skipped: {RUNS[n].cpu_fails}" for n in names if RUNS[n].cpu_fails and n not in skipped})
     active = [n for n in names if n not in skipped]
     configs, steps_of = {}, {}
     first_seed = load_config({"train": data.get("train") or {}}).train.seed
@@ -660,6 +709,12 @@ def cli(argv: list[str]) -> int:
     host = host_summary(loads, ns.busy_threshold)
     report = {"config": config, "repeats_per_kind": ns.repeats, "order": order, "load": loads, "host": host, **summary}
     report["reward_enforced"] = enforce_reward
+    lost = []  # a failed kind is not run again: it failed in the round after its last finished one
+    for n in failed:
+        rnd = len(repeats[n]) + 1
+        lost.append(f"{n} (round {rnd} of {ns.repeats}{', not run again' if rnd < ns.repeats else ''})")
+    reward_fail = enforce_reward and bool(summary["reward_below_tolerance"])
+    report["exit_code"] = 1 if failed or reward_fail else 0
     from mrl_plugins.cli.compare_plots import plots
 
     pngs = plots(report, names, out)
@@ -669,12 +724,8 @@ def cli(argv: list[str]) -> int:
         Path(ns.json).write_text(json.dumps(report, indent=1), encoding="utf-8")
     tab = table(report, names)
     speed = ["## speed vs upstream (steps/s, median [min..max] over the repeats)", ""]
-    speed += [f"- {n}: {v}" for n, v in report["verdict"].items()]
-    reward = f"final reward within {ns.tolerance:.0%} of upstream (medians): " + (
-        "yes" if summary["reward_ok"] else "NO: " + ", ".join(summary["reward_below_tolerance"])
-    )
-    if not enforce_reward:
-        reward += " (not enforced under --quick: too few steps to judge learning; pass --tolerance to enforce)"
+    speed += [f"- {line}" for line in speed_lines(report, names)]
+    reward = reward_line(summary, ns.tolerance, enforce_reward)
     md = [
         f"# mrl compare ({config})",
         "",
@@ -700,7 +751,7 @@ def cli(argv: list[str]) -> int:
     print()
     print(tab)
     print()
-    print("\n".join(speed[2:]) or "no speed verdict (upstream did not run)")
+    print("\n".join(speed[2:]))
     print(reward)
     gone = {n: s for n, s in summary["collapsed_at_seeds"].items() if s}
     if gone:
@@ -708,14 +759,15 @@ def cli(argv: list[str]) -> int:
     if host["warning"]:
         print(host["warning"])
     print(f"report: {out / 'report.md'}")
-    if not summary["reward_ok"] and enforce_reward:
+    if lost:
+        print(f"FAIL: run(s) failed: {', '.join(lost)}; the FAILED rows give each error and log", file=sys.stderr)
+    if reward_fail:
         print(
             f"FAIL: final reward of {', '.join(summary['reward_below_tolerance'])} is more than "
             f"{ns.tolerance:.0%} below upstream's",
             file=sys.stderr,
         )
-        return 1
-    return 0
+    return report["exit_code"]
 
 
 if __name__ == "__main__":

@@ -7,14 +7,18 @@ devices, ports, memory, core limits, threads) and, with ``rollout.ray_address``,
 Processes: ``--processes``, else the number of ``--visible-devices`` lists, else from ``--config`` 1 trainer +
 ``rollout.workers`` (see :func:`inputs_from_config`), else 1.
 
-Post-run (``mrl doctor --report PATH``) reads a JSON report and prints a verdict per run, see :func:`triage`
-and :func:`load_report` for the schema and the definitions of utilisation and communication wait.
+Post-run (``mrl doctor --report PATH [--lanes N] [--high-util F] [--target-*-per-s X]``) reads a JSON report and
+prints a verdict per run, see :func:`triage` and :func:`load_report` for the schema and the definitions of
+utilisation and communication wait. It reads the report's numbers alone: a pre-run flag (``--config``, ``--device``,
+...) with ``--report``, a triage flag without it, or ``--device-memory`` / ``--headroom`` without ``--peak``, is a
+usage error (exit 2), not ignored.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 from collections.abc import Mapping, Sequence
@@ -22,7 +26,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from mrl_plugins.cli.checks import Check  # noqa: F401 - re-exported (tests)
+from mrl_plugins.cli.checks import Check, checked_type  # noqa: F401 - Check re-exported (tests)
 from mrl_plugins.cli.doctor_checks import (  # noqa: F401 - re-exported (tests): the checks' public names
     DoctorInputs,
     _device,
@@ -88,6 +92,24 @@ def inputs_from_config(data: Mapping[str, Any]) -> dict[str, Any]:
 # CLI
 # ---------------------------------------------------------------------------------------------------------------------
 
+HIGH_UTIL = 0.7  # --high-util's default
+#: what each name=value flag looks like (its error shows it)
+EXAMPLES = {"--ports": "master=29500,weights=29501", "--reserve": "trainer=0.5,rollout=0.3", "--peak": "trainer=8GiB"}
+#: the flags (argparse dests) of each mode, refused in the other one, which would ignore them
+PRE_RUN_FLAGS = (
+    *("config", "device", "mode", "processes", "visible_devices", "ports", "reserve", "peak", "device_memory"),
+    *("headroom", "reserve_root", "threads"),
+)
+TRIAGE_FLAGS = ("lanes", "high_util", "target_steps_per_s", "target_tokens_per_s")
+
+_at_least_one = checked_type(int, lambda v: v >= 1, "an integer >= 1")
+_per_s = checked_type(float, lambda v: math.isfinite(v) and v > 0, "a finite number > 0")
+_high_util = checked_type(
+    float, lambda v: 0.5 <= v <= 1, "a fraction in [0.5, 1] (under 0.5 the verdict is scheduling)"
+)
+_headroom = checked_type(float, lambda v: 0 <= v <= 4, "a number in [0, 4] (as rollout.memory_headroom)")
+_root_share = checked_type(float, lambda v: 0 < v <= 1, "a fraction of device memory in (0, 1]")
+
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
@@ -104,24 +126,54 @@ def _parser() -> argparse.ArgumentParser:
         "--device", help="device spec: auto, cpu, cuda[:N], npu[:N] (default: config's train.device, else auto)"
     )
     p.add_argument("--mode", choices=MODES, help="deployment mode (default: config's; overrides it everywhere)")
-    p.add_argument("--processes", type=int, help="processes that will use devices (default: from config, else 1)")
+    p.add_argument(
+        "--processes", type=_at_least_one, help="processes that will use devices (>= 1; default: from config, else 1)"
+    )
     p.add_argument("--visible-devices", help="per-process card lists, ';' between processes: '0;1' or '0,1;2,3'")
-    p.add_argument("--ports", help="port table name=port,...")
-    p.add_argument("--reserve", help="memory fractions of one card: name=fraction,... e.g. trainer=0.5,rollout=0.3")
-    p.add_argument("--peak", help="measured peaks name=SIZE,... (e.g. trainer=8GiB); needs --device-memory")
+    p.add_argument("--ports", help=f"port table name=port,... e.g. {EXAMPLES['--ports']}")
+    p.add_argument("--reserve", help=f"memory fractions of one card: name=fraction,... e.g. {EXAMPLES['--reserve']}")
+    p.add_argument("--peak", help=f"measured peaks name=SIZE,... (e.g. {EXAMPLES['--peak']}); needs --device-memory")
     p.add_argument("--device-memory", help="device memory size for --peak, e.g. 64GiB")
-    headroom = "reservation = peak x (1 + headroom) (default %(default)s)"
-    p.add_argument("--headroom", type=float, default=DEFAULT_HEADROOM, help=headroom)
-    p.add_argument("--reserve-root", type=float, help="root/system reserve as a fraction of device memory")
+    headroom = f"for --peak: reservation = peak x (1 + headroom), in [0, 4] (default {DEFAULT_HEADROOM:g})"
+    p.add_argument("--headroom", type=_headroom, help=headroom)
+    p.add_argument("--reserve-root", type=_root_share, help="root/system reserve as a fraction of device memory")
     p.add_argument("--threads", help="torch threads per process: one number for all, or one per process 'a,b,...'")
     p.add_argument("--json", metavar="PATH", help="also write the checks (or triage) as JSON")
-    t = p.add_argument_group("post-run triage")
+    t = p.add_argument_group(
+        "post-run triage", "--report reads only the report: the flags above are refused with it, these need it"
+    )
     t.add_argument("--report", help="mrl compare's report.json or mrl run --json's result")
-    t.add_argument("--lanes", type=int, help="parallel compute lanes for CPU utilisation (default: inferred)")
-    t.add_argument("--high-util", type=float, default=0.7, help="utilisation counted as high (default 0.7)")
-    t.add_argument("--target-steps-per-s", type=float, help="expected steps/s: below it at high utilisation = kernels")
-    t.add_argument("--target-tokens-per-s", type=float, help="expected tokens/s: as --target-steps-per-s")
+    t.add_argument(
+        "--lanes", type=_at_least_one, help="parallel compute lanes for CPU utilisation (>= 1; default: inferred)"
+    )
+    t.add_argument(
+        "--high-util", type=_high_util, help=f"utilisation counted as high, in [0.5, 1] (default {HIGH_UTIL})"
+    )
+    t.add_argument(
+        "--target-steps-per-s", type=_per_s, help="expected steps/s (> 0): below it at high utilisation = kernels"
+    )
+    t.add_argument("--target-tokens-per-s", type=_per_s, help="expected tokens/s (> 0): as --target-steps-per-s")
     return p
+
+
+def _flag_problem(args: argparse.Namespace) -> str | None:
+    """A flag the command would ignore: --report triages a finished run from the report's own numbers (no config,
+    device or setup enters it), the triage flags need --report, --device-memory and --headroom need --peak."""
+
+    def given(dests: Sequence[str]) -> str:
+        return ", ".join(f"--{d.replace('_', '-')}" for d in dests if getattr(args, d) is not None)
+
+    if args.report is not None:
+        if extra := given(PRE_RUN_FLAGS):
+            return (
+                f"{extra}: pre-run check flag(s), not used by --report, which triages the finished run from the "
+                "report's own numbers; run `mrl doctor` without --report to check a setup"
+            )
+    elif extra := given(TRIAGE_FLAGS):
+        return f"{extra}: post-run triage flag(s), used only with --report PATH"
+    elif args.peak is None and (extra := given(("device_memory", "headroom"))):
+        return f"{extra}: size(s) the reservations of --peak, which was not given"
+    return None
 
 
 def _inputs_from_args(args: argparse.Namespace, env: Mapping[str, str], data: Mapping | None) -> DoctorInputs:
@@ -144,20 +196,25 @@ def _inputs_from_args(args: argparse.Namespace, env: Mapping[str, str], data: Ma
     inputs.visible = visible
     inputs.ports = {}
     inputs.network = list(cfg.get("network", []))
-    if args.ports:
-        inputs.ports |= {k: check_port_number(k, v) for k, v in parse_assignments(args.ports, "--ports").items()}
-    if args.reserve:
-        inputs.reserve = {k: _fraction(k, v) for k, v in parse_assignments(args.reserve, "--reserve").items()}
-    if args.peak:
+    if args.ports is not None:
+        ports = parse_assignments(args.ports, "--ports", EXAMPLES["--ports"])
+        inputs.ports |= {k: check_port_number(k, v) for k, v in ports.items()}
+    if args.reserve is not None:
+        reserve = parse_assignments(args.reserve, "--reserve", EXAMPLES["--reserve"])
+        inputs.reserve = {k: _fraction(k, v) for k, v in reserve.items()}
+    if args.peak is not None:
         if not args.device_memory:
             raise ConfigError("--peak needs --device-memory (e.g. 64GiB)")
-        peaks = reserve_from_peaks(parse_assignments(args.peak, "--peak"), args.device_memory, args.headroom)
+        headroom = DEFAULT_HEADROOM if args.headroom is None else args.headroom
+        peaks = reserve_from_peaks(
+            parse_assignments(args.peak, "--peak", EXAMPLES["--peak"]), args.device_memory, headroom
+        )
         clash = set(peaks) & set(inputs.reserve)
         if clash:
             raise ConfigError(f"{sorted(clash)} given in both --reserve and --peak")
         inputs.reserve |= peaks
     inputs.reserve_root = args.reserve_root
-    if args.threads:
+    if args.threads is not None:
         values = [s.strip() for s in args.threads.split(",")]
         if any(not v.isdigit() or int(v) < 1 for v in values):
             raise ConfigError(f"--threads {args.threads!r}: positive integers, one for all or one per process")
@@ -211,6 +268,8 @@ def cli(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None)
     parser = _parser()
     try:
         args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
+        if problem := _flag_problem(args):
+            parser.error(problem)
     except SystemExit as exc:  # argparse already printed usage and the error
         return int(exc.code or 0)
     env = dict(os.environ) if env is None else env
@@ -221,7 +280,7 @@ def cli(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None)
                     name,
                     run,
                     lanes=args.lanes,
-                    high_util=args.high_util,
+                    high_util=HIGH_UTIL if args.high_util is None else args.high_util,
                     target_steps_per_s=args.target_steps_per_s,
                     target_tokens_per_s=args.target_tokens_per_s,
                 )

@@ -261,14 +261,15 @@ def check_visible_devices(
 # ---------------------------------------------------------------------------------------------------------------------
 
 
-def parse_assignments(text: str, what: str) -> dict[str, str]:
-    """``'a=1,b=2'`` -> ``{'a': '1', 'b': '2'}``; ConfigError naming the expected form otherwise."""
+def parse_assignments(text: str, what: str, example: str) -> dict[str, str]:
+    """``'a=1,b=2'`` -> ``{'a': '1', 'b': '2'}``; ConfigError naming the expected form, with ``example`` (what a
+    valid ``what`` looks like), otherwise."""
     out: dict[str, str] = {}
     for item in text.split(","):
         key, sep, value = item.partition("=")
         key, value = key.strip(), value.strip()
         if not sep or not key or not value:
-            raise ConfigError(f"{what}: {item.strip()!r} is not name=value (expected e.g. 'trainer=0.5,rollout=0.3')")
+            raise ConfigError(f"{what}: {item.strip()!r} is not name=value (expected e.g. {example!r})")
         if key in out:
             raise ConfigError(f"{what}: {key!r} is given twice")
         out[key] = value

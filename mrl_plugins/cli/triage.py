@@ -123,7 +123,8 @@ def triage(
       ``(generate + train) / (window x lanes)``; ``lanes`` (parallel compute lanes whose busy time is in the split:
       1 when rollout and training take turns, 2 when both times are recorded and overlap) is the argument, else
       the run's ``lanes``, else the smallest whole number consistent with the times, ``ceil(busy / window)``, and
-      at least 2 when the split's flag ``generate_overlapped`` is set (rollout workers generate while it trains).
+      at least 2 when the split's flag ``generate_overlapped`` is set (rollout workers generate while it trains);
+      ``lanes`` must be an integer >= 1 (the run's a whole number >= 1) and ``high_util`` in [0.5, 1] (ConfigError).
     * communication wait share: ``comm_wait_s`` (else ``weight_sync + transfer``) / window; ``wait`` (idle,
       waiting for experience) is reported as the idle share and counts against utilisation, not communication.
     * verdicts, in order: comm wait > 30% -> communication (compress first, then overlap); utilisation < 50% ->
@@ -131,6 +132,10 @@ def triage(
       (argument or the run's ``target_*``) -> kernels; >= ``high_util`` otherwise -> compute-bound; else no clear
       bottleneck.
     """
+    if lanes is not None and (isinstance(lanes, bool) or not isinstance(lanes, int) or lanes < 1):
+        raise ConfigError(f"lanes: must be an integer >= 1, got {lanes!r}")
+    if not 0.5 <= high_util <= 1:  # under 0.5 the verdict is scheduling whatever the threshold (nan: refused too)
+        raise ConfigError(f"high_util: must be a fraction in [0.5, 1], got {high_util!r}")
     where = f"report run {name!r}"
     split = run.get("time_split")
     if not isinstance(split, Mapping):
@@ -164,8 +169,11 @@ def triage(
             raise ConfigError(f"{where}: utilization must be in 0..1, got {util}")
         util_from = "measured"
     else:
-        if lanes is None:
-            lanes = int(_num(run["lanes"], f"{where} lanes", positive=True)) if "lanes" in run else None
+        if lanes is None and "lanes" in run:
+            lanes_ = _num(run["lanes"], f"{where} lanes", positive=True)
+            if lanes_ != int(lanes_):
+                raise ConfigError(f"{where} lanes: must be a whole number >= 1, got {run['lanes']!r}")
+            lanes = int(lanes_)
         least = 2 if flags.get("generate_overlapped") else 1  # rollout workers generate while the trainer trains
         n = lanes if lanes is not None else max(least, math.ceil(busy / wall - 1e-9))
         util = busy / (wall * n)
