@@ -597,7 +597,8 @@ def cli(argv: list[str]) -> int:
         "--quick",
         action="store_true",
         help=f"fast smoke comparison: model {QUICK['model']} (a tool task keeps its own), {QUICK['steps']} steps, "
-        "runs upstream,all, rollout.local_warmup off and placement fixed so the workers serve even this short run "
+        "runs upstream,all, placement fixed and no warm-up by the trainer's own model, so the workers serve even "
+        "this short run "
         "(--model/--steps/--runs still win)",
     )
     p.add_argument(
