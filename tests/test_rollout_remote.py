@@ -20,13 +20,14 @@ pytestmark = [require_trl, pytest.mark.slow]
 PROMPTS = [[3, 4, 5], [6, 7], [8, 9, 10, 11]]
 
 
-def _remote_pool(tmp_path, timeout_s=60.0, restarts=0):
+def _remote_pool(tmp_path, timeout_s=60.0, restarts=0, **rollout):
     cfg = {
         "rollout": {
             "remote_workers": 1,
             "rendezvous": "127.0.0.1:0",
             "timeout_s": timeout_s,
             "restart_workers": restarts,
+            **rollout,
         },  # fmt: skip
         "comm": {"transport": "torch_distributed", "codec": "raw"},
         "weight_sync": {"transport": "directory", "directory": str(tmp_path / "weights")},
@@ -206,3 +207,95 @@ def test_grpo_trains_with_a_remote_worker(tmp_path):
     hist = [h for h in trainer.state.log_history if "loss" in h]
     assert len(hist) == 4 and max(h["mrl/rollout/staleness"] for h in hist) <= 1
     assert sum(h.get("mrl/rollout/lookahead_hits", 0) for h in hist) >= 2
+
+
+def _worker_command(address: str, index: int, *options: str) -> list[str]:
+    worker = [sys.executable, "-m", "mrl_plugins.cli.main", "worker"]
+    return [*worker, "--connect", address, "--index", str(index), *options]
+
+
+def test_an_index_the_trainer_lacks_fails_at_once_naming_the_valid_ones(tmp_path):
+    """The trainer lists its remote workers' indices as its store opens: `mrl worker --index 5` for a trainer with one
+    remote worker (index 0) fails as soon as it connects, naming the valid index, instead of waiting its --timeout."""
+    pool, *_ = _remote_pool(tmp_path)
+    address = pool.workers.remote.address
+    try:
+        t0 = time.monotonic()
+        out = subprocess.run(
+            _worker_command(address, 5, "--timeout", "300"), capture_output=True, text=True, timeout=120,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+        )  # fmt: skip
+        took = time.monotonic() - t0
+        assert pool.workers.remote.joined(0) == 0  # it took no worker's place
+    finally:
+        pool.close(timeout=2)
+    assert out.returncode == 2, out.stderr[-3000:]
+    assert out.stderr.strip().splitlines() == [
+        f"mrl worker: error: --index 5: the trainer at {address} has remote workers 0 only"
+    ]
+    assert took < 60  # not the --timeout of 300 s
+
+
+def test_a_failing_worker_says_why_and_the_trainer_reports_it(tmp_path):
+    """The worker loop fails after the worker joined (the trainer's rollout.engine_threads exceeds this host's
+    cores: the compute budget refuses it): `mrl worker` prints the reason as its last line and exits 3, and the
+    trainer's wait for the workers raises the same reason (before: exit 3 and nothing said on the worker's side)."""
+    from mrl_plugins.rollout.pool import WorkerDiedError
+
+    n = len(os.sched_getaffinity(0))
+    pool, *_ = _remote_pool(tmp_path, engine_threads=n + 1)
+    cmd = _worker_command(pool.workers.remote.address, 0, "--timeout", "60")
+    proc = subprocess.Popen(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, stderr=subprocess.PIPE, text=True)
+    why = f"ConfigError: budget.threads={n + 1} exceeds the {n} cores it may run on; use at most {n}"
+    try:
+        with pytest.raises(WorkerDiedError, match=f"rollout worker 0 failed: {why}"):
+            pool.wait_ready()
+        _, err = proc.communicate(timeout=60)
+    finally:
+        pool.close(timeout=2)
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate(timeout=10)
+    assert proc.returncode == 3, err[-3000:]
+    assert err.strip().splitlines()[-1] == f"mrl worker: error: worker 0 failed: {why}"  # the traceback before it
+
+
+TRAINER_WITHOUT_ITS_WORKER = """
+import sys
+
+from mrl_plugins.errors import StageTimeoutError
+from tests.pool_helpers import make_pool
+
+cfg = {
+    "rollout": {"remote_workers": 1, "rendezvous": "127.0.0.1:0", "timeout_s": 2.0, "start_timeout_s": 3.0},
+    "comm": {"transport": "torch_distributed", "codec": "raw"},
+    "weight_sync": {"transport": "directory", "directory": sys.argv[1]},
+}
+pool = make_pool(cfg, placements=[])[0]
+print(pool.workers.remote.address, flush=True)
+try:
+    pool.wait_ready()
+except StageTimeoutError as exc:
+    print(exc, flush=True)
+finally:
+    pool.close(timeout=1)
+"""
+
+
+def test_the_trainer_names_the_worker_command_and_its_timeout_does_too(tmp_path):
+    """A trainer process with no logging set up (as a user of enable() runs it): stderr names the `mrl worker`
+    command for the remote worker it waits for; once the start bound passed without that worker connecting, the error
+    names the command again."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run(
+        [sys.executable, "-c", TRAINER_WITHOUT_ITS_WORKER, str(tmp_path / "weights")], capture_output=True,
+        text=True, timeout=240, cwd=root, env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    address, error = out.stdout.strip().splitlines()[-2:]
+    command = f"mrl worker --connect {address} --index 0"
+    assert f"rollout worker 0: waiting for `{command}` on its host" in out.stderr, out.stderr[-3000:]
+    assert (
+        error
+        == f"rollout: remote worker(s) [0] never connected within 3 s (the start bound): run `{command}` on its host"
+    )

@@ -107,7 +107,7 @@ COMMANDS = {
     "run": "mrl_plugins.run:main",
     "compare": "mrl_plugins.cli.compare:cli",
     "doctor": "mrl_plugins.cli.doctor:cli",
-    "worker": "mrl_plugins.rollout.remote:cli",
+    "worker": "mrl_plugins.cli.worker:cli",
 }
 
 

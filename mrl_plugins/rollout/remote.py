@@ -7,7 +7,10 @@ the experience and weight paths). On the other host::
 
     mrl worker --connect HOST:PORT --index i [--device auto] [--cores 0,1] [--threads 4]
 
-fetches its spec and runs the same worker loop as a local worker. Requests travel through the store
+(:mod:`mrl_plugins.cli.worker`: its options checked before it connects) fetches its spec and runs the same worker
+loop as a local worker. The trainer lists its remote workers' indices as its store opens, so an index it does not
+have fails at once, naming them; a failure of the worker loop goes to the trainer and is raised here too
+(:class:`WorkerFailed`). Requests travel through the store
 (:class:`StoreQueue`: small pickled prompt lists); experience and weights through the cross-host transports
 (``docs/multi-host.md``). The remote worker stamps a heartbeat in the store every second; a worker whose
 heartbeat stops for ``rollout.timeout_s`` (killed, or its link cut) is reported as dead with
@@ -25,22 +28,23 @@ exits.
 
 from __future__ import annotations
 
-import os
+import json
 import pickle
 import queue
-import sys
+import socket
 import threading
 import time
-from typing import Any, NoReturn
+from typing import Any
 
 from mrl_plugins._net import td
-from mrl_plugins.errors import MrlError, StageTimeoutError
+from mrl_plugins.errors import ConfigError, MrlError, StageTimeoutError, choices
 
 from .config import parse_address
 
 PREFIX = "mrl/pool"
 HEARTBEAT_S = 1.0  # a remote worker stamps its heartbeat this often
 SILENT_S = 2.5  # at close: a worker whose heartbeat stood still this long is not waited for
+INDICES = f"{PREFIX}/indices"  # the remote workers' indices (JSON), set as the trainer's store opens
 
 
 class StoreQueue:
@@ -110,6 +114,7 @@ class RemoteSlots:
         self.store = dist.TCPStore(host, port, None, True, timeout=td(timeout), wait_for_workers=False)
         self.host, self.port = host, int(self.store.port)
         self.indices = list(range(first_index, first_index + count))
+        self.store.set(INDICES, json.dumps(self.indices))  # `mrl worker --index` must name one of them
         self.timeout = timeout
         self._beats: dict[int, tuple[int, float]] = {}
         self.incarnation = dict.fromkeys(self.indices, 1)
@@ -179,20 +184,55 @@ class RemoteSlots:
         return None
 
 
+class WorkerFailed(MrlError):
+    """The worker loop failed after joining the pool; the trainer got the same report (``mrl worker``: exit 3).
+    ``details``: the report's lines after its first (the traceback)."""
+
+    def __init__(self, message: str, details: str = "") -> None:
+        super().__init__(message)
+        self.details = details
+
+
+class _Reported:
+    """The worker's error queue to the trainer, keeping the last report (the worker says it too)."""
+
+    def __init__(self, inner: StoreQueue) -> None:
+        self.inner, self.text = inner, None
+
+    def put(self, item: Any, timeout: float | None = None) -> None:
+        self.text = getattr(item, "text", str(item))
+        self.inner.put(item, timeout)
+
+
 def serve(address: str, index: int, *, device: str | None = None, cores: list[int] | None = None,
           threads: int | None = None, timeout: float = 600.0) -> None:  # fmt: skip
-    """Run remote worker ``index`` of the pool at ``address`` until the trainer stops it (``mrl worker``)."""
+    """Run remote worker ``index`` of the pool at ``address`` until the trainer stops it (``mrl worker``, Ray's
+    actors). Each wait for the trainer (to listen, to publish this worker's spec) ends within ``timeout`` s in one
+    error saying what is missing; a failure of the worker loop raises :class:`WorkerFailed` with its report."""
     import torch.distributed as dist
 
     from .worker import worker_main
 
     host, port = parse_address(address, "mrl worker --connect")
+    key, deadline = f"{PREFIX}/spec/{index}", time.monotonic() + timeout
+    while True:  # a plain connect first: the store client's own failure is pages of C++ frames on stderr
+        try:
+            socket.create_connection((host, port), timeout=min(5.0, timeout)).close()
+            break
+        except OSError as exc:
+            if time.monotonic() > deadline or isinstance(exc, socket.gaierror):
+                raise StageTimeoutError(
+                    f"no trainer answering at {address} within {timeout:g} s ({exc.strerror or exc}); start the "
+                    f"trainer (is its rollout.rendezvous {address}?) or raise --timeout"
+                ) from None
+            time.sleep(0.5)
     store = dist.TCPStore(host, port, None, False, timeout=td(timeout), wait_for_workers=False)
-    key = f"{PREFIX}/spec/{index}"
-    try:
-        store.wait([key], td(timeout))
-    except Exception as exc:
-        raise StageTimeoutError(f"mrl worker: no spec for worker {index} at {address} within {timeout:.0f} s") from exc
+    while not store.check([key]):
+        if store.check([INDICES]) and index not in (have := json.loads(store.get(INDICES))):
+            raise ConfigError(f"--index {index}: the trainer at {address} has remote workers {choices(have)} only")
+        if time.monotonic() > deadline:
+            raise StageTimeoutError(f"mrl worker: no spec for worker {index} at {address} within {timeout:g} s")
+        time.sleep(0.1)
     spec = pickle.loads(store.get(key))
     incarnation = int(store.add(f"{PREFIX}/joins/{index}", 1))  # a restarted process: the next one
     requests, ready = _channels(store, index, incarnation)
@@ -213,44 +253,15 @@ def serve(address: str, index: int, *, device: str | None = None, cores: list[in
     store.add(f"{PREFIX}/hb/{index}", 1)
     hb = threading.Thread(target=beat, name="mrl-remote-heartbeat", daemon=True)
     hb.start()
+    errors = _Reported(StoreQueue(store, f"err/{index}"))
     try:
-        worker_main(spec, requests, StoreQueue(store, f"err/{index}"), None, ready, StoreQueue(store, f"ev/{index}"))
+        worker_main(spec, requests, errors, None, ready, StoreQueue(store, f"ev/{index}"))
         StoreFlag(store, f"stopped/{index}").set()
+    except SystemExit:  # worker_main reported its error to the trainer and exits non-zero
+        if errors.text is None:
+            raise
+        first, _, rest = errors.text.strip().partition("\n")
+        raise WorkerFailed(f"worker {index} failed: {first}", rest) from None
     finally:
         stop.set()
         hb.join(2)
-
-
-def cli(argv: list[str]) -> NoReturn:
-    import argparse
-
-    p = argparse.ArgumentParser(prog="mrl worker", description="run a rollout worker for a trainer on another host")
-    p.add_argument("--connect", required=True, help="the trainer's rollout.rendezvous address HOST:PORT")
-    p.add_argument("--index", type=int, required=True, help="this worker's index (as the trainer's log names it)")
-    p.add_argument("--device", default=None, help="torch device here, e.g. npu:0, cuda:0, cpu (default: trainer's)")
-    p.add_argument("--cores", default=None, help="CPU cores to bind, e.g. 0,1 (default: no binding)")
-    p.add_argument("--threads", type=int, default=None, help="torch threads (default: rollout.engine_threads)")
-    p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for the trainer")
-    ns = p.parse_args(argv)
-    cores = [int(c) for c in ns.cores.split(",")] if ns.cores else None
-    rc = 1
-    try:
-        serve(ns.connect, ns.index, device=ns.device, cores=cores, threads=ns.threads, timeout=ns.timeout)
-        rc = 0
-    except MrlError as exc:
-        print(f"mrl worker: error: {exc}", file=sys.stderr)
-        rc = 2
-    except SystemExit as exc:  # the worker loop reported its error to the trainer and exits non-zero
-        rc = exc.code if isinstance(exc.code, int) else 1
-    except BaseException:  # noqa: BLE001 - anything else: its traceback, then the same exit
-        import traceback
-
-        traceback.print_exc()
-    finally:
-        # Leave as a multiprocessing worker does (os._exit, after everything above was flushed and closed), on
-        # every path: a normal interpreter exit runs C++ static destructors while gloo's and the TCPStore
-        # client's threads still run, which aborts now and then ("terminate called without an active
-        # exception", seen in CI).
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(rc)

@@ -68,6 +68,7 @@ class WorkerSupervisor:
         self._clock: ReadyClock | None = None
         self._lifetime: dict[str, Any] = {}  # the remote slots, the launcher, the ready clock: for the finalizer
         self._finalizer: Any = None
+        self._all_joined = False  # every remote worker started by hand connected at least once
 
     def abort(self) -> None:
         """The pool failed before :meth:`launch`: release what the constructor reserved."""
@@ -102,9 +103,8 @@ class WorkerSupervisor:
                     self._error_qs.append(errors)
                     self.event_qs.append(events)
                     self.ready_events.append(ready)
-                    if self.launcher is None:
-                        where = self.remote.address
-                        log.info("rollout worker %d: waiting for `mrl worker --connect %s --index %d`", i, where, i)
+                    if self.launcher is None:  # started by hand: say how, visible under any logging setup
+                        log.warning("rollout worker %d: waiting for `%s` on its host", i, self.worker_command(i))
                     continue
                 self.requests.append(self._mp.Queue())
                 self._start(i)
@@ -134,6 +134,10 @@ class WorkerSupervisor:
     def active(self) -> list[int]:
         """The workers that take new requests (all but the moving ones)."""
         return [w for w in range(self.n) if w not in self.draining]
+
+    def worker_command(self, i: int) -> str:
+        """The command that starts remote worker ``i`` by hand on its host."""
+        return f"mrl worker --connect {self.remote.address} --index {i}"
 
     # ------------------------------------------------------------------ processes
     def _start(self, i: int) -> None:
@@ -174,6 +178,7 @@ class WorkerSupervisor:
             except queue.Empty:
                 continue
             raise WorkerDiedError(f"rollout worker {err.worker} failed: {err.text}")
+        self._check_joined()
         fresh = [i for i in (self.remote.indices if self.remote is not None else ()) if self._check_remote(i)]
         for i, proc in enumerate(self.procs):
             if proc is None or proc.is_alive():
@@ -206,6 +211,23 @@ class WorkerSupervisor:
     def _count_restart(self) -> None:
         self.restarts += 1
         self.ctx.metrics.add("rollout/worker_restarts", 1)
+
+    def _check_joined(self) -> None:
+        """Remote workers started by hand that never connected within ``rollout.start_timeout_s`` of the start: one
+        StageTimeoutError naming the command for each (Ray's launcher reports its own actors)."""
+        bound = self.cfg.rollout.start_timeout_s
+        if self.remote is None or self.launcher is not None or self._all_joined:
+            return
+        if time.monotonic() - self.started_at < bound:
+            return
+        missing = [i for i in self.remote.indices if self.remote.joined(i) == 0]
+        self._all_joined = not missing
+        if missing:
+            run = "; ".join(f"`{self.worker_command(i)}`" for i in missing)
+            raise StageTimeoutError(
+                f"rollout: remote worker(s) {missing} never connected within {bound:g} s (the start bound): run {run} "
+                "on its host"
+            )
 
     def _check_remote(self, i: int) -> bool:
         """Remote worker ``i``: a restarted process that joined takes over its work (True); a dead one is an error
