@@ -299,3 +299,28 @@ def test_the_trainer_names_the_worker_command_and_its_timeout_does_too(tmp_path)
         error
         == f"rollout: remote worker(s) [0] never connected within 3 s (the start bound): run `{command}` on its host"
     )
+
+
+def test_a_broadcast_publish_that_times_out_names_the_worker_that_never_connected(tmp_path):
+    """Weights over broadcast: the trainer's publish waits for the weights' group, which forms only once the remote
+    worker joins. Nobody started it: the publish's timeout says which command to run, not only that a peer did not
+    answer the group."""
+    from mrl_plugins.errors import StageTimeoutError
+
+    pool, model, *_ = make_pool(
+        {
+            "timeout_s": 3.0,  # the publish's wait for the weights' group
+            "rollout": {"remote_workers": 1, "rendezvous": "127.0.0.1:0"},
+            "comm": {"transport": "torch_distributed", "codec": "raw"},
+            "weight_sync": {"transport": "broadcast"},
+        },
+        placements=[],
+    )
+    command = f"mrl worker --connect {pool.workers.remote.address} --index 0"
+    try:
+        with pytest.raises(
+            StageTimeoutError, match=rf"^rollout: remote worker\(s\) \[0\] never connected within .*`{command}`"
+        ):
+            pool.publish(1, list(model.state_dict().items()))
+    finally:
+        pool.close(timeout=2)

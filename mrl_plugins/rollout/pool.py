@@ -265,7 +265,14 @@ class WorkerPool:
         collective = self.senders[model_id].capabilities.collective
         if collective:
             self._notify(model_id, version)
-        report = self.senders[model_id].publish(version, named_tensors)
+        t0 = time.monotonic()
+        try:
+            report = self.senders[model_id].publish(version, named_tensors)
+        except StageTimeoutError:
+            if collective:  # the workers it waited for: one that failed (it said why) or never connected, if so
+                self.workers.check()
+                self.workers.check_joined(waited=time.monotonic() - t0)
+            raise
         record_publish(self.ctx.metrics, report)
         if not collective:
             self._notify(model_id, version)

@@ -178,7 +178,7 @@ class WorkerSupervisor:
             except queue.Empty:
                 continue
             raise WorkerDiedError(f"rollout worker {err.worker} failed: {err.text}")
-        self._check_joined()
+        self.check_joined()
         fresh = [i for i in (self.remote.indices if self.remote is not None else ()) if self._check_remote(i)]
         for i, proc in enumerate(self.procs):
             if proc is None or proc.is_alive():
@@ -212,21 +212,22 @@ class WorkerSupervisor:
         self.restarts += 1
         self.ctx.metrics.add("rollout/worker_restarts", 1)
 
-    def _check_joined(self) -> None:
-        """Remote workers started by hand that never connected within ``rollout.start_timeout_s`` of the start: one
+    def check_joined(self, waited: float | None = None) -> None:
+        """Remote workers started by hand that never connected within ``rollout.start_timeout_s`` of the start (or
+        during a wait of ``waited`` s on them that timed out, e.g. a collective weight publish): one
         StageTimeoutError naming the command for each (Ray's launcher reports its own actors)."""
-        bound = self.cfg.rollout.start_timeout_s
+        bound = self.cfg.rollout.start_timeout_s if waited is None else waited
         if self.remote is None or self.launcher is not None or self._all_joined:
             return
-        if time.monotonic() - self.started_at < bound:
+        if waited is None and time.monotonic() - self.started_at < bound:
             return
         missing = [i for i in self.remote.indices if self.remote.joined(i) == 0]
         self._all_joined = not missing
         if missing:
             run = "; ".join(f"`{self.worker_command(i)}`" for i in missing)
             raise StageTimeoutError(
-                f"rollout: remote worker(s) {missing} never connected within {bound:g} s (the start bound): run {run} "
-                "on its host"
+                f"rollout: remote worker(s) {missing} never connected within {bound:.0f} s"
+                f"{' (the start bound)' if waited is None else ''}: run {run} on its host"
             )
 
     def _check_remote(self, i: int) -> bool:
