@@ -89,7 +89,12 @@ class TrainConfig:
     learning_rate: float = field(default=3e-3, metadata={"help": "learning rate"})
     num_prompts: int = field(default=512, metadata={"help": "size of the generated prompt dataset", "ge": 1})
     threads: int = field(
-        default=0, metadata={"help": "torch threads of the trainer process; 0 = all cores of the budget", "ge": 0}
+        default=0,
+        metadata={
+            "help": "torch threads of the trainer process; 0 = all cores of the budget (with rollout workers on a CPU "
+            "the placement sets them: only 0 is accepted there)",
+            "ge": 0,
+        },
     )
     device: str = field(
         default="auto",
@@ -354,8 +359,9 @@ def load_config(source: Any = None) -> MrlConfig:
     An :class:`MrlConfig` is validated and copied: what a run resolves into its config (the plugin manager reads
     the engine's registration into ``rollout``, ``enable()`` the trainer's device) never changes the caller's."""
     if isinstance(source, MrlConfig):
-        source.validate_all()
-        return copy.deepcopy(source)
+        loaded = copy.deepcopy(source)
+        loaded.validate_all()  # sections given as mappings parsed, device specs canonical: in the copy
+        return loaded
     if source is None:
         return MrlConfig.from_dict({})
     if isinstance(source, str | os.PathLike):

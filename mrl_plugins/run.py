@@ -128,7 +128,7 @@ def preflight(cfg: MrlConfig | Any, *, enable_plugins: bool = True) -> MrlConfig
     pm = get_plugin_manager(cfg)  # plugin, backend and disable names, the stage combination
     if not pm.is_upstream("rollout"):
         cfg.rollout.check_placement_on(cfg.mode, device)
-        if cfg.train.threads and cfg.rollout.workers and device.type == "cpu":
+        if cfg.train.threads and device.type == "cpu" and _trainer_budget(cfg):
             raise ConfigError(
                 f"train.threads: {cfg.train.threads} would be overridden: with rollout workers on this CPU the "
                 f"placement sets the trainer's torch threads (one per core of rollout.trainer_cores in the split, "
@@ -143,6 +143,15 @@ def preflight(cfg: MrlConfig | Any, *, enable_plugins: bool = True) -> MrlConfig
             check_old_logps_trainer(cfg.train.trainer)
     _check_trl_args(cfg.train)
     return cfg
+
+
+def _trainer_budget(cfg: MrlConfig) -> bool:
+    """Whether the placement sets the trainer's cores and torch threads on this CPU (rollout workers, local or remote,
+    and cores to split: :func:`~mrl_plugins.device.placement.cpu_split`)."""
+    from mrl_plugins.device.placement import cpu_split
+
+    rc = cfg.rollout
+    return bool(rc.workers or rc.remote_workers) and cpu_split(rc, sorted(os.sched_getaffinity(0)))[0] is not None
 
 
 def _check_trl_args(train: Any) -> None:

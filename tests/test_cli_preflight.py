@@ -67,7 +67,7 @@ BAD = {
     "combination": ("plugins: {rollout: upstream, weight_sync: mrl, comm: upstream}\n", ["plugins.weight_sync"]),
     "model": ("train: {model: nope}\n", ["train.model: 'nope' is neither a preset", "'tiny'"]),
     "disable": ("disable: [mrl.bogus]\n", ["disable: unknown plugin 'mrl.bogus'", "'mrl.comm'", "'upstream'"]),
-    "threads": ("train: {threads: 1}\n", ["train.threads: 1 would be overridden", "set train.threads: 0"]),
+    "threads": ("train: {threads: 1, device: cpu}\n", ["train.threads: 1 would be overridden", "train.threads: 0"]),
     "trl_args_owned": ("train: {trl_args: {max_steps: 4}}\n", ["train.trl_args: 'max_steps' is set by train.steps"]),
     "old_logps_rloo": (
         "rollout: {old_logps: engine}\ntrain: {trainer: rloo}\n",
@@ -215,3 +215,18 @@ def test_placement_rule_devices():
     RolloutConfig(workers=8).check_placement("colocate", "npu", [0, 1], devices=1)  # all share the trainer's card
     with pytest.raises(ConfigError, match=r"after the trainer's 1\) but only 2 npu"):
         RolloutConfig(workers=1).check_placement("disaggregated", "npu", [0], devices=2, device_index=1)
+
+
+def test_train_threads_is_refused_wherever_the_placement_sets_the_trainers_threads():
+    """Local or remote workers alike: on a CPU with cores to split the trainer gets its own cores and threads, so a
+    train.threads would be overridden; without workers it is the run's."""
+    from mrl_plugins.errors import ConfigError
+    from mrl_plugins.run import preflight
+
+    remote = {"workers": 0, "remote_workers": 1, "rendezvous": "127.0.0.1:29555"}
+    for rollout in ({"workers": 1}, remote):
+        data = {"rollout": rollout, "train": {"threads": 2, "device": "cpu", "model": "tiny"}}
+        if len(CORES) > 1:
+            with pytest.raises(ConfigError, match=r"^train\.threads: 2 would be overridden"):
+                preflight(data)
+    preflight({"rollout": {"workers": 0}, "train": {"threads": 2, "device": "cpu", "model": "tiny"}})

@@ -398,7 +398,7 @@ def test_mrl_compare_default_runs_leave_out_what_cannot_run_on_cpu(tmp_path, cap
     monkeypatch.setattr(compare, "installed", lambda module: True)
     monkeypatch.setattr(compare, "preflight_runs", lambda *a, **k: None)  # it would find vllm absent
     config = tmp_path / "c.yaml"
-    config.write_text("train: {model: tiny, steps: 2}\n")
+    config.write_text("train: {model: tiny, steps: 2, device: cpu}\n")
     assert compare.cli(["--config", str(config), "--repeats", "1", "--out", str(tmp_path / "out")]) == 0
     report = json.loads((tmp_path / "out" / "report.json").read_text())
     assert report["skipped"] == {"trl_vllm": f"skipped: {compare.RUNS['trl_vllm'].cpu_fails}"}

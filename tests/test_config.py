@@ -90,6 +90,10 @@ def test_input_kinds(tmp_path):
     obj = MrlConfig(mode="hybrid")
     loaded = load_config(obj)  # validated and copied: what a run resolves into it stays out of the caller's
     assert loaded == obj and loaded is not obj and loaded.rollout is not obj.rollout
+    given = MrlConfig()
+    given.device, given.train = " CPU ", {"device": "CPU"}  # changed after it was built
+    assert (load_config(given).device, load_config(given).train.device) == ("cpu", "cpu")
+    assert (given.device, given.train) == (" CPU ", {"device": "CPU"})  # not even made canonical in place
     with pytest.raises(ConfigError, match="expected a YAML path, a dict or an MrlConfig, got int"):
         load_config(3)
 

@@ -231,7 +231,7 @@ def test_an_index_the_trainer_lacks_fails_at_once_naming_the_valid_ones(tmp_path
         pool.close(timeout=2)
     assert out.returncode == 2, out.stderr[-3000:]
     assert out.stderr.strip().splitlines() == [
-        f"mrl worker: error: --index 5: the trainer at {address} has remote workers 0 only"
+        f"mrl worker: error: worker index 5: the trainer at {address} has remote workers 0 only"
     ]
     assert took < 60  # not the --timeout of 300 s
 

@@ -32,8 +32,8 @@ Ordering: a producer writes the frame, then its length, then bumps ``head``; the
 ``tail`` only after release. x86 keeps these stores in order. A CPU that may reorder them (Arm, e.g. the Kunpeng
 hosts of Ascend NPUs; :data:`ORDERED_STORES` False) can show ``head`` before the frame's bytes, and Python has no
 memory barrier to prevent it: there every frame carries its payload checksum, even with the top-level
-``checksums: false`` (said once in the log), so a frame read too early fails it, is re-read once after 1 ms, and
-is never returned torn.
+``checksums: false`` (an INFO line at each producer's start says so), so a frame read too early fails it, is re-read
+once after 1 ms, and is never returned torn.
 """
 
 from __future__ import annotations

@@ -27,7 +27,9 @@ class EngineSection:
             "logprobs_mode and tensor_parallel_size 1 itself"
         },
     )
-    engine_threads: int = field(default=1, metadata={"help": "torch threads of each rollout engine", "ge": 1})
+    engine_threads: int = field(
+        default=1, metadata={"help": "torch threads of each rollout engine (CPU: at most its worker's cores)", "ge": 1}
+    )
     engine_cores: list[int] | None = internal(
         "the workers take the process's cores outside rollout.trainer_cores (restrict the process with taskset to "
         "leave cores out)",

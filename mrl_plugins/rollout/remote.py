@@ -220,16 +220,20 @@ def serve(address: str, index: int, *, device: str | None = None, cores: list[in
             socket.create_connection((host, port), timeout=min(5.0, timeout)).close()
             break
         except OSError as exc:
-            if time.monotonic() > deadline or isinstance(exc, socket.gaierror):
+            if isinstance(exc, socket.gaierror):
+                raise ConfigError(f"trainer address {address}: {host!r} does not resolve ({exc.strerror})") from None
+            if time.monotonic() > deadline:
                 raise StageTimeoutError(
                     f"no trainer answering at {address} within {timeout:g} s ({exc.strerror or exc}); start the "
-                    f"trainer (is its rollout.rendezvous {address}?) or raise --timeout"
+                    f"trainer (is its rollout.rendezvous {address}?) or wait longer (mrl worker --timeout)"
                 ) from None
             time.sleep(0.5)
     store = dist.TCPStore(host, port, None, False, timeout=td(timeout), wait_for_workers=False)
     while not store.check([key]):
         if store.check([INDICES]) and index not in (have := json.loads(store.get(INDICES))):
-            raise ConfigError(f"--index {index}: the trainer at {address} has remote workers {choices(have)} only")
+            raise ConfigError(
+                f"worker index {index}: the trainer at {address} has remote workers {choices(have)} only"
+            )
         if time.monotonic() > deadline:
             raise StageTimeoutError(f"mrl worker: no spec for worker {index} at {address} within {timeout:g} s")
         time.sleep(0.1)

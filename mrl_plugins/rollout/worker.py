@@ -123,7 +123,7 @@ def worker_main(spec: WorkerSpec, requests: Any, errors: Any, parent_pid: int | 
         device, applied = apply_worker_budget(spec)
         events.put(WorkerEvent(BUDGET, spec.index, applied.as_dict() | {"pid": os.getpid()}))
         pm = spec.plugin_factory(spec.config)
-        ctx = StageContext(config=spec.config, plugins=pm)
+        ctx = StageContext(config=pm.config, plugins=pm)  # as the manager resolved it on this host
         timeline_dir = os.environ.get("MRL_TIMELINE_DIR")
         timeline = (
             open(os.path.join(timeline_dir, f"worker-{spec.index}-{os.getpid()}.jsonl"), "a", encoding="utf-8")  # noqa: SIM115

@@ -83,7 +83,11 @@ class WeightSyncConfig:
         "the top-level timeout_s bounds every wait of a transfer (derived)", default=None, gt=0
     )
     directory: str | None = field(
-        default=None, metadata={"help": "root folder of the 'directory' transport (local disk or shared filesystem)"}
+        default=None,
+        metadata={
+            "help": "root folder of the 'directory' transport (local disk or shared filesystem); only that transport "
+            "reads it"
+        },
     )
     max_retries: int = internal(
         "a version is read again twice after a checksum or missing-shard error", default=2, ge=0
