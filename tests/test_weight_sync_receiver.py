@@ -351,14 +351,18 @@ def test_poll_interval_follows_the_measured_update_interval():
     assert PollInterval(2.0).seconds == 2.0  # fixed
     clock = PollInterval()
     assert clock.seconds == 0.5  # until two versions were seen
-    for i in range(20):
-        clock.arrived(i * 0.001)
+    now = time.monotonic()
+    for i in range(20):  # the last one now
+        clock.arrived(now - 0.019 + i * 0.001)
     assert clock.seconds == 0.01  # 3/8 of 1 ms, clamped
     for i in range(9):  # only the last 8 gaps count
-        clock.arrived(100 + i * 8.0)
-    assert clock.seconds == pytest.approx(3.0)
+        clock.arrived(now - 64.0 + i * 8.0)
+    assert clock.seconds == pytest.approx(3.0, abs=0.01)
+    for i in range(9):  # no version for 20 s since gaps of 8 s (the run takes turns): 3/8 of the open gap
+        clock.arrived(now - 84.0 + i * 8.0)
+    assert clock.seconds == pytest.approx(7.5, abs=0.01)
     for i in range(9):
-        clock.arrived(1000 + i * 1000.0)
+        clock.arrived(now - 8000.0 + i * 1000.0)
     assert clock.seconds == 60.0
 
 

@@ -349,8 +349,10 @@ class PollInterval:
     """Seconds between version polls: ``fixed``, or automatic.
 
     Automatic is 3/8 of the mean gap between the last 8 new versions (the middle of the
-    quarter-to-half-of-the-update-interval rule), ``initial`` until two versions were seen, clamped to
-    [``lo``, ``hi``].
+    quarter-to-half-of-the-update-interval rule), or of the time since the last one once that is longer (no
+    version comes while the run takes turns: an idle worker then wakes ever more rarely instead of taking the
+    trainer's cores from it every few ms; a publish's notice still wakes it at once), ``initial`` until two versions
+    were seen, clamped to [``lo``, ``hi``].
     """
 
     def __init__(self, fixed: float | None = None, *, initial: float = 0.5, lo: float = 0.01, hi: float = 60.0):
@@ -368,7 +370,8 @@ class PollInterval:
         if len(self._seen) < 2:
             return self.initial
         gaps = [b - a for a, b in zip(self._seen, self._seen[1:])]
-        return min(self.hi, max(self.lo, 0.375 * sum(gaps) / len(gaps)))
+        gap = max(sum(gaps) / len(gaps), time.monotonic() - self._seen[-1])
+        return min(self.hi, max(self.lo, 0.375 * gap))
 
 
 __all__ = ["DirectLoader", "DoubleBufferedReceiver", "PollInterval"]
