@@ -59,7 +59,7 @@ def _readme_config(steps: int) -> str:
     )
     assert data["rollout"]["rendezvous"] == f"{two_hosts.TRAINER}:{two_hosts.RENDEZVOUS_PORT}"
     data["rollout"].update(local_warmup=False, engine_threads=1, trainer_threads=1)
-    data["train"] = {"model": "tiny", "steps": steps, "threads": 1}
+    data["train"] = {"model": "tiny", "steps": steps}
     return yaml.safe_dump(data)
 
 

@@ -90,7 +90,7 @@ def _steps_done(progress: Path) -> int:
 @require_trl
 def test_grpo_worker_on_the_ray_node_learns_and_survives_a_sigkill(cluster, tmp_path):
     data = _config(tmp_path, local_warmup=False, engine_threads=1, trainer_threads=1)
-    data["train"] = {"model": "tiny", "steps": STEPS, "threads": 1}
+    data["train"] = {"model": "tiny", "steps": STEPS}
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
     block = re.search(r"```yaml\n(# trainer config.*?)```", readme, re.S).group(1).replace("10.0.0.1", HEAD)
     pasted = yaml.safe_load(
