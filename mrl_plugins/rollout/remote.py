@@ -37,6 +37,7 @@ import time
 from typing import Any
 
 from mrl_plugins._net import td
+from mrl_plugins._proc import wait_until
 from mrl_plugins.errors import ConfigError, MrlError, StageTimeoutError, choices
 
 from .config import parse_address
@@ -215,19 +216,27 @@ def serve(address: str, index: int, *, device: str | None = None, cores: list[in
 
     host, port = parse_address(address, "mrl worker --connect")
     key, deadline = f"{PREFIX}/spec/{index}", time.monotonic() + timeout
-    while True:  # a plain connect first: the store client's own failure is pages of C++ frames on stderr
+    why = ["not tried"]
+
+    def listening() -> bool | None:  # a plain connect first: the store client's own failure is pages of C++ frames
         try:
             socket.create_connection((host, port), timeout=min(5.0, timeout)).close()
-            break
+            return True
+        except socket.gaierror as exc:
+            raise ConfigError(f"trainer address {address}: {host!r} does not resolve ({exc.strerror})") from None
         except OSError as exc:
-            if isinstance(exc, socket.gaierror):
-                raise ConfigError(f"trainer address {address}: {host!r} does not resolve ({exc.strerror})") from None
-            if time.monotonic() > deadline:
-                raise StageTimeoutError(
-                    f"no trainer answering at {address} within {timeout:g} s ({exc.strerror or exc}); start the "
-                    f"trainer (is its rollout.rendezvous {address}?) or wait longer (mrl worker --timeout)"
-                ) from None
-            time.sleep(0.5)
+            why[0] = exc.strerror or str(exc)
+            return None
+
+    wait_until(
+        listening,
+        deadline,
+        lambda: (
+            f"no trainer answering at {address} within {timeout:g} s ({why[0]}); start the trainer (is its "
+            f"rollout.rendezvous {address}?) or wait longer (mrl worker --timeout)"
+        ),
+        sleep=0.5,
+    )
     store = dist.TCPStore(host, port, None, False, timeout=td(timeout), wait_for_workers=False)
     while not store.check([key]):
         if store.check([INDICES]) and index not in (have := json.loads(store.get(INDICES))):
