@@ -267,7 +267,9 @@ class MrlConfig:
                 f"rollout.colocated_workers: read in mode 'hybrid' only (mode is {self.mode!r}); remove it or set "
                 f"mode: hybrid"
             )
-        if ws.directory is not None and ws.transport in ("shm", "broadcast", "per_param", "vllm"):
+        from mrl_plugins.weight_sync.config import KNOWN_TRANSPORTS
+
+        if ws.directory is not None and ws.transport != "directory" and ws.transport in KNOWN_TRANSPORTS:
             raise ConfigError(
                 f"weight_sync.directory: read by weight_sync.transport 'directory' only (this run's is "
                 f"{ws.transport!r}; 'auto' picks 'directory' with rollout.remote_workers); remove it or set "

@@ -64,16 +64,13 @@ def _trl_args(cfg: MrlConfig, output_dir: str) -> dict[str, Any]:
 
     p = preset(cfg.train.model)
     args = {
+        **{arg: getattr(cfg.train, key) for arg, key in cfg.train.OWNED_TRL_ARGS.items()},  # steps, seed, ...
         "output_dir": output_dir,
-        "max_steps": cfg.train.steps,
         "per_device_train_batch_size": p.per_device_train_batch_size,
         "num_generations": p.num_generations,
         "max_completion_length": p.max_completion_length,
-        "learning_rate": cfg.train.learning_rate,
-        "logging_steps": cfg.train.logging_steps,
         "report_to": [],
         "save_strategy": "no",
-        "seed": cfg.train.seed,
         "temperature": 1.0,
         "disable_tqdm": True,
     }

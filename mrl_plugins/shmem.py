@@ -78,11 +78,11 @@ def new_path(stage: str, run_id: str, role: str = "", tag: str | None = None) ->
     return os.path.join(shm_dir(), name)
 
 
-def owner_pid(name: str) -> int | None:
-    """The owner pid in a segment's file name when the owner ran in this process's pid namespace, else None (not
-    one of ours, another namespace's, or a name that does not say its namespace)."""
+def owner_pid(name: str, ns: int | None) -> int | None:
+    """The owner pid in a segment's file name when the owner ran in pid namespace ``ns`` (this process's:
+    :func:`~mrl_plugins._proc.pid_namespace`), else None (not one of ours, another namespace's, or a name that does
+    not say its namespace)."""
     m = _NAME_RE.match(os.path.basename(name))
-    ns = pid_namespace()
     if m is None or ns is None or m.group("ns") is None or int(m.group("ns")) != ns:
         return None
     return int(m.group("pid"))
@@ -97,8 +97,9 @@ def remove_stale(directory: str | None = None) -> list[str]:
         names = os.listdir(directory)
     except OSError:
         return removed
+    ns = pid_namespace()
     for name in names:
-        pid = owner_pid(name)
+        pid = owner_pid(name, ns)
         if pid is not None and not pid_alive(pid):
             path = os.path.join(directory, name)
             try:

@@ -30,12 +30,14 @@ class Check:
 
 
 def checked_type(cast: Any, ok: Any, need: str) -> Any:
-    """An argparse type: ``cast(text)`` that ``ok`` accepts, else one error saying what is needed."""
+    """An argparse type: ``cast(text)`` that ``ok`` accepts, else one error saying what is needed (``cast`` may raise
+    ValueError, or ConfigError as the project's own parsers do)."""
+    from mrl_plugins.errors import ConfigError
 
     def parse(text: str) -> Any:
         try:
             value = cast(text)
-        except ValueError:
+        except (ValueError, ConfigError):
             value = None
         if value is None or not ok(value):  # nan fails every comparison
             raise argparse.ArgumentTypeError(f"must be {need}, got {text!r}")

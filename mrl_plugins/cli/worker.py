@@ -12,41 +12,22 @@ import argparse
 import math
 import os
 import sys
-from typing import Any, NoReturn
+from typing import NoReturn
 
 from mrl_plugins.cli.checks import checked_type
-from mrl_plugins.errors import ConfigError, MrlError
-
-
-def _lenient(parse: Any) -> Any:
-    """``parse(text)`` with a ConfigError read as a malformed value (argparse's type rule)."""
-
-    def cast(text: str) -> Any:
-        try:
-            return parse(text)
-        except ConfigError:
-            raise ValueError(text) from None
-
-    return cast
-
-
-def _address(text: str) -> str:
-    """The trainer's ``HOST:PORT`` as given (ValueError: malformed, or port 0)."""
-    from mrl_plugins.rollout.config import parse_address
-
-    if _lenient(lambda t: parse_address(t, "--connect"))(text)[1] == 0:
-        raise ValueError(text)
-    return text
+from mrl_plugins.errors import MrlError
 
 
 def parser() -> argparse.ArgumentParser:
     from mrl_plugins.device.select import canonical_device_spec
+    from mrl_plugins.rollout.config import parse_address
 
     cores = sorted(os.sched_getaffinity(0))
     p = argparse.ArgumentParser(prog="mrl worker", description="run a rollout worker for a trainer on another host")
     p.add_argument(
         "--connect", required=True, metavar="HOST:PORT",
-        type=checked_type(_address, bool, "the trainer's HOST:PORT (its rollout.rendezvous, port > 0)"),
+        type=checked_type(lambda t: parse_address(t, "--connect")[1] and t, bool,
+                          "the trainer's HOST:PORT (its rollout.rendezvous, port > 0)"),
         help="the trainer's rollout.rendezvous address HOST:PORT",
     )  # fmt: skip
     p.add_argument(
@@ -54,7 +35,7 @@ def parser() -> argparse.ArgumentParser:
         help="this worker's index (the trainer's log names the command for each)",
     )  # fmt: skip
     p.add_argument(
-        "--device", type=checked_type(_lenient(lambda t: canonical_device_spec(t, "--device")), bool,
+        "--device", type=checked_type(lambda t: canonical_device_spec(t, "--device"), bool,
                                       "auto, cpu, cuda[:N] or npu[:N]"),
         help="torch device here: auto, cpu, cuda[:N], npu[:N] (default: the trainer's)",
     )  # fmt: skip
