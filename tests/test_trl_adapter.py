@@ -180,7 +180,7 @@ def test_peft_policy_generates_with_the_merged_trained_weights(tmp_path, workers
     mrl_plugins.enable(trainer, {"rollout": rollout})
     if workers == 0:  # built when train() begins: build it now to look at the inference copy
         trainer._mrl_state.runtime.start()
-    served = trainer._mrl_state.runtime.runtime.receiver.model if workers == 0 else None
+    served = trainer._mrl_state.runtime.receiver.model if workers == 0 else None
     trainer.train()
     assert len(published) == 3
     last = published[-1]

@@ -1,6 +1,6 @@
 """The ``mrl`` rollout stage's trainer side, built for the host (``RolloutStage.open_runtime``).
 
-No local or remote workers: a :class:`LazyLocalRuntime`. Otherwise a
+No local or remote workers: a :class:`~mrl_plugins.rollout.runtime.LocalEngineRuntime`. Otherwise a
 :class:`~mrl_plugins.rollout.runtime.PoolRuntime` over a :class:`~mrl_plugins.rollout.pool.WorkerPool` started when
 ``train()`` begins, with the trainer's own model answering while the workers start (``rollout.local_warmup``) and,
 with ``rollout.rebalance``, a :class:`~mrl_plugins.rollout.hybrid.HybridBalancer`. Either one opens the weight-sync
@@ -24,7 +24,7 @@ def open_runtime(ctx: StageContext, setup: RolloutSetup) -> Any:
     trainer, model, sampling, seed, device = setup.host, setup.model, setup.sampling, setup.seed, setup.device
     engine = configured_engine(pm, cfg)  # with what it declares it can do
     if setup.placements is None:
-        return LazyLocalRuntime(lambda: LocalEngineRuntime(pm, ctx, model, sampling, engine, seed))
+        return LocalEngineRuntime(pm, ctx, model, sampling, engine, seed)
     places, _trainer_cores, shared = setup.placements
     score_models = dict(setup.score_models) or None
 
@@ -121,34 +121,3 @@ def placement_kwargs(
     # one) cannot be timed around a lend: no lending
     out["lend"] = bool(rc.lend_cores) and not ctx.plugins.capabilities("weight_sync", ctx).collective
     return out
-
-
-class LazyLocalRuntime:
-    """``rollout.workers: 0``: the in-process engine runtime (its inference copy and weight path) built when
-    ``train()`` begins or at the first generation / weight sync, not at ``enable()``."""
-
-    replaces_host = True
-
-    def __init__(self, build: Any) -> None:
-        self._build = build
-        self.runtime: Any = None
-
-    @property
-    def started(self) -> bool:
-        return self.runtime is not None
-
-    def start(self) -> Any:
-        if self.runtime is None:
-            self.runtime = self._build()
-        return self.runtime
-
-    def publish(self, version: int, named_tensors: Any) -> Any:
-        return self.start().publish(version, named_tensors)
-
-    def generate(self, prompts: list[list[int]], num_generations: int, model_id: str) -> Any:
-        return self.start().generate(prompts, num_generations, model_id)
-
-    def close(self) -> None:
-        runtime, self.runtime = self.runtime, None
-        if runtime is not None:
-            runtime.close()

@@ -24,35 +24,43 @@ log = logging.getLogger("mrl_plugins.rollout")
 
 
 class LocalEngineRuntime:
-    """``rollout.workers: 0``: an engine on an inference copy inside the trainer process."""
+    """``rollout.workers: 0``: an engine on an inference copy inside the trainer process, built with its weight-sync
+    ends by :meth:`start` (when ``train()`` begins or at the first generation / weight sync), not at ``enable()``;
+    :meth:`close` drops them (a later use builds them again)."""
 
     replaces_host = True
 
     def __init__(self, pm: Any, ctx: StageContext, model: Any, sampling: Any, engine: Any, seed: int) -> None:
         """``engine``: the configured engine's registration (:class:`~mrl_plugins.hookspecs.RolloutEngine`)."""
+        self.pm, self.ctx, self._build = pm, ctx, (model, sampling, engine, seed)
+        self.receiver: Any = None  # set last by start(): built
+
+    def start(self) -> None:
+        if self.receiver is not None:
+            return
         from mrl_plugins.weight_sync.sources import inference_copy
 
         from .engine import build_engine
 
-        self.pm, self.ctx = pm, ctx
-
-        self.model = inference_copy(model)  # PEFT: the merged base model, named as published
+        model, sampling, engine, seed = self._build
+        copy = inference_copy(model)  # PEFT: the merged base model, named as published
         self.own_weights = engine.own_weights
         self.engine = build_engine(
-            engine.factory, self.model, sampling, device=trainer_device(model).spec, seed=seed,
-            options=dict(ctx.config.rollout.engine_options or {}),
+            engine.factory, copy, sampling, device=trainer_device(model).spec, seed=seed,
+            options=dict(self.ctx.config.rollout.engine_options or {}),
         )  # fmt: skip
         # the weight-sync stage's ends, opened through the manager: the receiver loads into this copy
-        self.sender = pm.weight_sync_open_sender(
-            ctx=ctx, model_id="policy", run_id=f"local{id(self):x}", receivers=1, same_process=True
+        self.sender = self.pm.weight_sync_open_sender(
+            ctx=self.ctx, model_id="policy", run_id=f"local{id(self):x}", receivers=1, same_process=True
         )
-        self.receiver = pm.weight_sync_open_receiver(
-            ctx=ctx, model=self.model, handle=self.sender.receiver_handle(), model_id="policy", rank=0
+        self.receiver = self.pm.weight_sync_open_receiver(
+            ctx=self.ctx, model=copy, handle=self.sender.receiver_handle(), model_id="policy", rank=0
         )
 
     def publish(self, version: int, named_tensors: Any) -> Any:
         from mrl_plugins.metrics import record_publish
 
+        self.start()
         report = self.sender.publish(version, named_tensors)
         record_publish(self.ctx.metrics, report)
         return report
@@ -62,6 +70,7 @@ class LocalEngineRuntime:
 
         from .worker import switch_engine
 
+        self.start()
         timeout = self.ctx.config.weight_sync.timeout_s
         switched = switch_engine(self.receiver, self.engine, self.own_weights, timeout, timeout)
         if switched is not None:
@@ -75,7 +84,10 @@ class LocalEngineRuntime:
         return RolloutResult(flat, out.completion_ids, out.logprobs, int(version), model_id)
 
     def close(self) -> None:
-        for end in (self.receiver, self.sender):
+        if self.receiver is None:
+            return
+        receiver, self.receiver = self.receiver, None
+        for end in (receiver, self.sender):
             end.close()
         close = getattr(self.engine, "close", None)
         if callable(close):
