@@ -53,10 +53,6 @@ from mrl_plugins.device.memory import DEFAULT_HEADROOM
 from mrl_plugins.device.placement import accelerator_indices, colocated_count
 from mrl_plugins.errors import ConfigError, MrlError
 
-# ---------------------------------------------------------------------------------------------------------------------
-# config
-# ---------------------------------------------------------------------------------------------------------------------
-
 
 def inputs_from_config(data: Mapping[str, Any]) -> dict[str, Any]:
     """What doctor uses from a config (loaded as a run loads it: removed and internal keys are the same errors),
@@ -87,10 +83,6 @@ def inputs_from_config(data: Mapping[str, Any]) -> dict[str, Any]:
     ]
     return out
 
-
-# ---------------------------------------------------------------------------------------------------------------------
-# CLI
-# ---------------------------------------------------------------------------------------------------------------------
 
 HIGH_UTIL = 0.7  # --high-util's default
 #: what each name=value flag looks like (its error shows it)

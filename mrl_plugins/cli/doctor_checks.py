@@ -46,11 +46,6 @@ class DoctorInputs:
     env: Mapping[str, str] = field(default_factory=lambda: dict(os.environ))
 
 
-# ---------------------------------------------------------------------------------------------------------------------
-# device facts (lazy imports)
-# ---------------------------------------------------------------------------------------------------------------------
-
-
 def _device() -> Any:
     import mrl_plugins.device as device
 
@@ -138,11 +133,6 @@ def check_backend(device_spec: str, env: Mapping[str, str]) -> tuple[list[Check]
         return checks, kind
     checks.append(Check("ok", "backend", f"device {device_spec!r} present (found: {found})"))
     return checks, kind
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# visible devices
-# ---------------------------------------------------------------------------------------------------------------------
 
 
 def _share_status(mode: str | None) -> tuple[str, str]:
@@ -256,11 +246,6 @@ def check_visible_devices(
     return Check(status, "visible devices", detail), shared
 
 
-# ---------------------------------------------------------------------------------------------------------------------
-# ports
-# ---------------------------------------------------------------------------------------------------------------------
-
-
 def parse_assignments(text: str, what: str, example: str) -> dict[str, str]:
     """``'a=1,b=2'`` -> ``{'a': '1', 'b': '2'}``; ConfigError naming the expected form, with ``example`` (what a
     valid ``what`` looks like), otherwise."""
@@ -331,11 +316,6 @@ def check_ports(table: Mapping[str, int], network: Sequence[str] = ()) -> list[C
         listing = ", ".join(f"{n}={p}" for n, p in table.items())
         checks.append(Check("ok", "ports", f"{len(table)} ports, no collision, all free on 127.0.0.1: {listing}"))
     return checks
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# memory, core limits, threads
-# ---------------------------------------------------------------------------------------------------------------------
 
 
 def _fraction(name: str, value: Any) -> float:

@@ -88,6 +88,3 @@ def ray_checks(data: Mapping[str, Any]) -> list[Check]:
     finally:
         if owned:
             ray.shutdown()
-
-
-__all__ = ["ray_checks"]

@@ -417,23 +417,3 @@ def count_reward(completions: list[str], **kwargs: Any) -> list[float]:
         toks = completion.split()
         out.append(sum(t == TARGET for t in toks) / len(toks) if toks else 0.0)
     return out
-
-
-__all__ = [
-    "CACHE_ENV",
-    "FINGERPRINT_FILE",
-    "PRESETS",
-    "TARGET",
-    "TOOL_PRESETS",
-    "WORDS",
-    "Preset",
-    "build_dataset",
-    "build_model",
-    "build_tokenizer",
-    "build_tool_tokenizer",
-    "cache_dir",
-    "count_reward",
-    "preset",
-    "save_preset",
-    "tool_preset_folder",
-]

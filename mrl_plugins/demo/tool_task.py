@@ -97,9 +97,6 @@ def build_tool_tokenizer() -> Any:
     return fast
 
 
-# ----------------------------------------------------------------------------------------------------- the task
-
-
 def _problem(rng: random.Random, op: str) -> tuple[int, int]:
     a, b = rng.randint(0, MAX_OPERAND), rng.randint(0, MAX_OPERAND)
     return (max(a, b), min(a, b)) if op == "-" else (a, b)  # differences stay >= 0
@@ -181,9 +178,6 @@ def arithmetic_reward(completions: list[Any], a: list[int], b: list[int], op: li
     return out
 
 
-# --------------------------------------------------------------------------------------------------------- tools
-
-
 def _check_operands(a: int, b: int) -> None:
     for name, value in (("a", a), ("b", b)):
         if not isinstance(value, int) or isinstance(value, bool):
@@ -215,9 +209,6 @@ def subtract(a: int, b: int) -> int:
 def calculator_tools() -> list[Callable[..., Any]]:
     """``[add, subtract]`` as TRL's ``tools=`` takes them (plain functions)."""
     return [add, subtract]
-
-
-# -------------------------------------------------------------------------------------------------- environments
 
 
 class _ArithmeticEnv:
@@ -326,9 +317,6 @@ def trainer_inputs(task: str = "tools", *, n: int = 512, seed: int = 0) -> dict[
         "reward_funcs": [],
         "environment_factory": environment_factories(env),
     }
-
-
-# ---------------------------------------------------------------------------------------------- supervised start
 
 
 #: the SFT recipe of the ``tiny-tools`` preset (part of its cache key): AdamW, linear warm-up then cosine decay;
