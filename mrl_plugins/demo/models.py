@@ -29,16 +29,15 @@ from __future__ import annotations
 import json
 import os
 import random
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from mrl_plugins.demo import tool_task
-from mrl_plugins.demo.tool_task import build_tool_tokenizer
+from mrl_plugins.demo.tool_task import SPECIAL, build_tool_tokenizer, word_level_tokenizer
 from mrl_plugins.errors import ConfigError, StageTimeoutError, choices
 
 #: words the tokenizer knows besides the special tokens
 WORDS: tuple[str, ...] = tuple("abcdefghijklmnop")
-SPECIAL = ("<pad>", "<eos>", "<unk>")
 
 
 @dataclass(frozen=True)
@@ -59,10 +58,13 @@ class Preset:
     eos_sampled: bool = True  # False: the output layer stops before the EOS id (completions run to full length)
 
 
+_TINY = Preset(
+    64, 128, 2, 2, 1, max_completion_length=8, num_generations=4, per_device_train_batch_size=8, prompt_words=4
+)
+#: the GPU job's presets (module doc): Qwen2, bf16, the EOS never sampled
+_QWEN2 = {"arch": "qwen2", "dtype": "bfloat16", "eos_sampled": False}
 PRESETS: dict[str, Preset] = {
-    "tiny": Preset(
-        64, 128, 2, 2, 1, max_completion_length=8, num_generations=4, per_device_train_batch_size=8, prompt_words=4
-    ),
+    "tiny": _TINY,
     "small": Preset(
         256, 704, 4, 8, 2, max_completion_length=48, num_generations=8, per_device_train_batch_size=16, prompt_words=6
     ),
@@ -82,25 +84,10 @@ PRESETS: dict[str, Preset] = {
         num_generations=8,
         per_device_train_batch_size=64,
         prompt_words=8,
-        arch="qwen2",
-        dtype="bfloat16",
-        eos_sampled=False,
+        **_QWEN2,
     ),
     # the same code path at a CPU size (benchmarks/gpu/run.sh --cpu); head_dim 32
-    "qwen2-tiny": Preset(
-        64,
-        128,
-        2,
-        2,
-        1,
-        max_completion_length=16,
-        num_generations=4,
-        per_device_train_batch_size=8,
-        prompt_words=4,
-        arch="qwen2",
-        dtype="bfloat16",
-        eos_sampled=False,
-    ),
+    "qwen2-tiny": replace(_TINY, max_completion_length=16, **_QWEN2),
 }
 #: presets of the tool task (:mod:`mrl_plugins.demo.tool_task`): built by :func:`tool_preset_folder`, not at random
 TOOL_PRESETS = ("tiny-tools",)
@@ -111,17 +98,8 @@ def build_tokenizer(*, eos_last: bool = False) -> Any:
 
     ``eos_last``: the EOS token takes the last id (presets whose model never samples it: ``eos_sampled=False``).
     """
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
     order = (*(s for s in SPECIAL if s != "<eos>"), *WORDS, "<eos>") if eos_last else SPECIAL + WORDS
-    vocab = {tok: i for i, tok in enumerate(order)}
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>", padding_side="left"
-    )
-    return fast
+    return word_level_tokenizer(order)
 
 
 def _is_local_checkpoint(spec: str) -> bool:

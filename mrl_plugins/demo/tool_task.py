@@ -82,16 +82,22 @@ def vocabulary() -> dict[str, int]:
     return {tok: i for i, tok in enumerate(SPECIAL + MARKUP + NUMBERS)}
 
 
-def build_tool_tokenizer() -> Any:
-    """The word-level tokenizer with :data:`CHAT_TEMPLATE` and :data:`RESPONSE_TEMPLATE` (left padding)."""
+def word_level_tokenizer(tokens: Any) -> Any:
+    """A WordLevel tokenizer over ``tokens`` (ids in their order; :data:`SPECIAL` among them) that splits on
+    whitespace, wrapped as a left-padding fast tokenizer."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    tok = Tokenizer(models.WordLevel(vocab=vocabulary(), unk_token="<unk>"))
+    tok = Tokenizer(models.WordLevel(vocab={t: i for i, t in enumerate(tokens)}, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    fast = PreTrainedTokenizerFast(
+    return PreTrainedTokenizerFast(
         tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>", padding_side="left"
     )
+
+
+def build_tool_tokenizer() -> Any:
+    """The word-level tokenizer with :data:`CHAT_TEMPLATE` and :data:`RESPONSE_TEMPLATE` (left padding)."""
+    fast = word_level_tokenizer(vocabulary())
     fast.chat_template = CHAT_TEMPLATE
     fast.response_template = RESPONSE_TEMPLATE
     return fast
@@ -114,9 +120,7 @@ def question(a: int, b: int, op: str) -> str:
 ENV_MODES = (None, "single", "dict")
 
 
-def build_tool_dataset(
-    n: int = 256, *, seed: int = 0, ops: tuple[str, ...] = ("+", "-"), env: str | None = None
-) -> Any:
+def build_tool_dataset(n: int = 256, *, seed: int = 0, env: str | None = None) -> Any:
     """A ``datasets.Dataset`` of ``n`` problems: columns ``prompt`` (a conversation), ``a``, ``b``, ``op``, ``answer``.
 
     ``env=None``: the prompt asks the whole question, for ``tools=`` (:func:`calculator_tools`). ``env="single"``
@@ -129,13 +133,10 @@ def build_tool_dataset(
 
     if env not in ENV_MODES:
         raise ConfigError(f"env: {env!r} is not a dataset kind; valid: None, {choices(m for m in ENV_MODES if m)}")
-    unknown = [op for op in ops if op not in OPS]
-    if unknown or not ops:
-        raise ConfigError(f"ops: {unknown or list(ops)!r} not valid; valid: a non-empty tuple of {choices(OPS)}")
     rng = random.Random(seed)
     rows: dict[str, list[Any]] = {"prompt": [], "a": [], "b": [], "op": [], "answer": []}
     for _ in range(n):
-        op = rng.choice(ops)
+        op = rng.choice(tuple(OPS))
         a, b = _problem(rng, op)
         text = "what is" if env else question(a, b, op)
         for key, value in (("prompt", [{"role": "user", "content": text}]), ("a", a), ("b", b), ("op", op)):
@@ -337,11 +338,11 @@ SFT_RECIPE: dict[str, Any] = {
 }
 
 
-def tool_schemas(tools: list[Callable[..., Any]] | None = None) -> list[dict[str, Any]]:
-    """The JSON schemas ``apply_chat_template`` renders for ``tools`` (default: :func:`calculator_tools`)."""
+def tool_schemas() -> list[dict[str, Any]]:
+    """The JSON schemas ``apply_chat_template`` renders for :func:`calculator_tools`."""
     from transformers.utils import get_json_schema
 
-    return [get_json_schema(t) for t in (tools if tools is not None else calculator_tools())]
+    return [get_json_schema(t) for t in calculator_tools()]
 
 
 def sft_example(
