@@ -78,12 +78,11 @@ from .broadcast_group import (  # noqa: F401 - re-exported: the transports' cons
     WINDOW_BYTES,
     _ctrl_pack,
     _Group,
-    _row_split,
     _tag,
 )
 from .broadcast_rx import BroadcastHandle, BroadcastReceiver
 from .config import WeightSyncConfig
-from .shards import WeightSyncError, align, as_bytes, check_newer, chunk_checksums, st_dtype
+from .shards import WeightSyncError, align, as_bytes, check_newer, chunk_checksums, row_split, st_dtype
 
 
 class _BaseSender:
@@ -226,7 +225,7 @@ class BroadcastSender(_BaseSender):
                 continue
             entries.append([name, dt, list(t.shape), off, t.nbytes])
             b, row = as_bytes(t), t.nbytes // t.shape[0]
-            for r0, r1 in _row_split(t.shape[0], row, self.bucket_bytes):
+            for r0, r1 in row_split(t.shape[0], row, self.bucket_bytes):
                 msgs.append([off + r0 * row, (r1 - r0) * row])
                 bufs.append(b[r0 * row : r1 * row])
             off = align(off + t.nbytes)

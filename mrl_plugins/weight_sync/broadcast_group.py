@@ -125,11 +125,3 @@ def _ctrl_head(head: torch.Tensor) -> tuple[int, int, bytes]:
         raise WeightSyncError("weight broadcast: bad control message (stream out of step)")
     n, base = struct.unpack("<QQ", raw[8:])
     return n, base, bytes(head[HEAD : HEAD + min(n, CTRL_BYTES - HEAD)].numpy())
-
-
-def _row_split(rows: int, row_bytes: int, bucket: int) -> list[tuple[int, int]]:
-    """Row ranges of about equal size, each at most ``bucket`` bytes (at least one row)."""
-    per = max(1, bucket // max(1, row_bytes))
-    k = -(-rows // per)
-    per = -(-rows // k)
-    return [(r, min(rows, r + per)) for r in range(0, rows, per)]

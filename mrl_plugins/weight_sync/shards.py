@@ -112,13 +112,10 @@ def st_dtype(dtype: torch.dtype) -> str:
         ) from None
 
 
-def row_chunks(t: torch.Tensor, chunk_bytes: int) -> list[tuple[int, int]]:
-    """Row ranges splitting ``t`` into pieces of at most ``chunk_bytes`` (at least one row each)."""
-    if t.dim() == 0 or t.shape[0] == 0:
-        return [(0, t.shape[0] if t.dim() else 1)]
-    rows = t.shape[0]
-    row_bytes = max(1, t.nbytes // rows)
-    per = max(1, chunk_bytes // row_bytes)
+def row_split(rows: int, row_bytes: int, limit: int) -> list[tuple[int, int]]:
+    """Row ranges of about equal size, each at most ``limit`` bytes (at least one row)."""
+    per = max(1, limit // max(1, row_bytes))
+    per = -(-rows // -(-rows // per))  # as many pieces, of about equal rows
     return [(r, min(rows, r + per)) for r in range(0, rows, per)]
 
 
@@ -194,11 +191,6 @@ def render_header(entries: list[Entry], meta: ShardMeta, data_len: int) -> bytes
     return struct.pack("<Q", len(raw)) + raw
 
 
-def header_len(entries: list[Entry], model_id: str, data_len: int) -> int:
-    """Length of the rendered header; independent of version/index/count/checksum values."""
-    return len(render_header(entries, ShardMeta("0" * 32, model_id, 0, 0), data_len))
-
-
 @dataclass
 class ParsedShard:
     """A shard read back: its metadata and ``(Entry, view)`` pairs over the caller's buffer."""
@@ -262,21 +254,6 @@ def parse_shard(buf: torch.Tensor, *, verify: bool = True, where: str = "shard")
     return out
 
 
-def check_meta(meta: ShardMeta, *, model_id: str, version: int, index: int, count: int, uuid: str | None, where: str):
-    """Raise :class:`WeightSyncError` when a shard's identity is not the expected one."""
-    exp = {"model_id": model_id, "version": version, "shard_index": index, "shard_count": count}
-    got = {
-        "model_id": meta.model_id,
-        "version": meta.version,
-        "shard_index": meta.shard_index,
-        "shard_count": meta.shard_count,
-    }
-    if uuid is not None:
-        exp["uuid"], got["uuid"] = uuid, meta.uuid
-    if exp != got:
-        raise WeightSyncError(f"{where}: shard identity {got} does not match the expected {exp}")
-
-
 def dest_tensor(dest: Dest, name: str, dtype: torch.dtype, shape: tuple[int, ...] | list[int]) -> torch.Tensor | None:
     """The tensor of ``dest`` that receives the whole tensor ``name`` (``dtype``, ``shape``); ``None`` when ``dest``
     is a callable. :class:`WeightSyncError` when ``dest`` has no such name or its tensor does not match."""
@@ -338,7 +315,7 @@ class ShardWriter:
         if t.nbytes > self.chunk_bytes and t.dim() > 0:
             self.flush()
             rows = t.shape[0]
-            for r0, r1 in row_chunks(t, self.chunk_bytes):
+            for r0, r1 in row_split(rows, t.nbytes // rows, self.chunk_bytes):
                 part = t[r0:r1]
                 self._emit([(name, part, r0, rows if (r0, r1) != (0, rows) else None)])
             return
@@ -354,7 +331,7 @@ class ShardWriter:
 
     def _emit(self, items: list[tuple[str, torch.Tensor, int, int | None]]) -> None:
         entries, data_len = layout(items)
-        hlen = header_len(entries, self.model_id, data_len)
+        hlen = len(render_header(entries, ShardMeta("0" * 32, self.model_id, 0, 0), data_len))  # any meta: same length
         handle, buf = self.sink.reserve(hlen + data_len)
         data = buf[hlen : hlen + data_len]
         for (_, t, _, _), e in zip(items, entries):
@@ -383,7 +360,7 @@ def read_shards(
     model_id: str,
     version: int,
     count: int,
-    uuid: str | None,
+    uuid: str,
     verify: bool,
 ) -> int:
     """Verify and copy ``count`` shards (each a ``uint8`` tensor) into ``dest``; return the tensor bytes copied."""
@@ -391,7 +368,9 @@ def read_shards(
     for i, blob in enumerate(blobs):
         where = f"model_id={model_id} version={version} shard {i}/{count}"
         parsed = parse_shard(blob, verify=verify, where=where)
-        check_meta(parsed.meta, model_id=model_id, version=version, index=i, count=count, uuid=uuid, where=where)
+        expected = ShardMeta(uuid, model_id, version, i, count, parsed.meta.checksum)
+        if parsed.meta != expected:
+            raise WeightSyncError(f"{where}: shard identity {parsed.meta} does not match the expected {expected}")
         for entry, view in parsed.entries:
             copy_entry(dest, entry, view)
             nbytes += entry.nbytes
@@ -399,23 +378,3 @@ def read_shards(
     if seen != count:
         raise WeightSyncError(f"model_id={model_id} version={version}: got {seen} of {count} shards")
     return nbytes
-
-
-__all__ = [
-    "ALIGN",
-    "CHECKSUM_ALGOS",
-    "VersionGoneError",
-    "Dest",
-    "Entry",
-    "ShardMeta",
-    "ShardWriter",
-    "WeightSyncError",
-    "align",
-    "as_bytes",
-    "checksum",
-    "chunk_checksums",
-    "parse_shard",
-    "read_shards",
-    "render_header",
-    "row_chunks",
-]

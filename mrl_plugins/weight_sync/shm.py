@@ -26,10 +26,9 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import os
-import re
 import time
 import uuid as uuidlib
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,17 +40,7 @@ from mrl_plugins.hookspecs import PublishReport
 from mrl_plugins.shmem import Segment, new_path, remove_stale, safe_role
 
 from .config import WeightSyncConfig
-from .shards import (
-    Dest,
-    ShardWriter,
-    VersionGoneError,
-    WeightSyncError,
-    align,
-    check_meta,
-    check_newer,
-    copy_entry,
-    parse_shard,
-)
+from .shards import Dest, ShardWriter, VersionGoneError, WeightSyncError, align, check_newer, read_shards
 
 STAGE = "weights"
 CTL_MAGIC = b"MRLWCTL1"
@@ -62,10 +51,6 @@ _UUID_OFF = 40
 TABLE_OFF = 128  # (offset, length) u64 pairs, one per shard
 TABLE_CAP = (SLOT_HDR - TABLE_OFF) // 16
 _MIN_SLOT = 1 << 20
-
-
-def _run_part(run_id: str) -> str:
-    return re.sub(r"[^A-Za-z0-9_.-]", "_", str(run_id))[:64] or "run"
 
 
 def _flock(fd: int, exclusive: bool, deadline: float, what: str) -> None:
@@ -94,16 +79,13 @@ class _SlotSink:
         self.seg, self.pos, self.done = seg, SLOT_HDR, 0
         self._announced: set[int] = set()
 
-    def ensure(self, end: int) -> None:
-        if end > self.seg.size:  # capacity doubles; only the bytes written are allocated
-            self.seg.grow(max(self.seg.size * 2, align(end + _MIN_SLOT, 4096)))
-        self.seg.allocate(end)
-
     def reserve(self, n: int) -> tuple[tuple[int, int], torch.Tensor]:
         if self.done >= TABLE_CAP:
             raise WeightSyncError(f"more than {TABLE_CAP} shards in one version: raise weight_sync.chunk_bytes")
         off = align(self.pos)
-        self.ensure(off + n)
+        if off + n > self.seg.size:  # capacity doubles; only the bytes written are allocated
+            self.seg.grow(max(self.seg.size * 2, align(off + n + _MIN_SLOT, 4096)))
+        self.seg.allocate(off + n)
         self.pos = off + n
         return (off, n), self.seg.tensor[off : off + n]
 
@@ -133,7 +115,7 @@ class ShmSender:
         remove_stale()
         # one sender per (run_id, model_id) in a process: the fixed tag makes a second one collide (O_EXCL)
         tag = hashlib.sha1(f"{run_id}\0{model_id}".encode()).hexdigest()[:8]
-        base = new_path(STAGE, _run_part(run_id), safe_role(model_id), tag=tag)
+        base = new_path(STAGE, run_id, safe_role(model_id), tag=tag)
         self._closed = False
         self._segs: list[Segment] = []
         try:
@@ -334,21 +316,17 @@ class ShmReceiver:
         seq, v1, _used, count = seg.read("<QQQQ", 8)
         if not (seq % 2 == 0 and v1 == version + 1):
             return None
+
+        def blobs() -> Iterator[torch.Tensor]:  # the slot's shard table
+            for i in range(count):
+                off, n = seg.read("<QQ", TABLE_OFF + 16 * i)
+                if off + n > seg.size:
+                    seg.refresh()
+                yield seg.tensor[off : off + n]
+
         uid = seg.read("<32s", _UUID_OFF)[0].decode()
-        nbytes = 0
-        for i in range(count):
-            off, n = seg.read("<QQ", TABLE_OFF + 16 * i)
-            if off + n > seg.size:
-                seg.refresh()
-            where = f"model_id={self.h.model_id} version={version} shard {i}"
-            parsed = parse_shard(seg.tensor[off : off + n], verify=self.h.verify, where=where)
-            m = parsed.meta
-            check_meta(m, model_id=self.h.model_id, version=version, index=i, count=m.shard_count, uuid=uid,
-                       where=where)  # fmt: skip
-            for entry, view in parsed.entries:
-                copy_entry(dest, entry, view)
-                nbytes += entry.nbytes
-        return nbytes
+        return read_shards(blobs(), dest, model_id=self.h.model_id, version=version, count=count, uuid=uid,
+                           verify=self.h.verify)  # fmt: skip
 
     def close(self) -> None:
         for s in [self.ctl, *self.slots]:
