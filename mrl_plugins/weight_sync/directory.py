@@ -20,6 +20,7 @@ folders of their runs (entries of other machines or containers are never judged)
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -58,7 +59,7 @@ class _FileSink:
         self._cur: tuple[str, int] | None = None
 
     def reserve(self, n: int) -> tuple[str, torch.Tensor]:
-        self._finish_current()
+        self.close()
         if self._buf.numel() < n:
             self._buf = torch.empty(n, dtype=torch.uint8)
         name = f"shard_{len(self.files):05d}.safetensors"
@@ -73,28 +74,22 @@ class _FileSink:
         with open(os.path.join(self.folder, name), "r+b") as f:  # patch the final shard count in place
             f.write(hb)
 
-    def _finish_current(self) -> None:
+    def close(self) -> None:
+        """Write the shard being built to its file."""
         if self._cur is not None:
             name, n = self._cur
             with open(os.path.join(self.folder, name), "wb") as f:
                 f.write(memoryview(self._buf[:n].numpy()))
             self._cur = None
 
-    def close(self) -> None:
-        self._finish_current()
-
 
 def _fsync_dir(path: str) -> None:
-    try:
+    with contextlib.suppress(OSError):
         fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 def _host() -> str | None:
@@ -148,19 +143,11 @@ def _sweep_dead(directory: str) -> None:
                 t = _TMP_RE.match(n)
                 if t and t["host"] == host and not pid_alive(int(t["pid"])):
                     path = os.path.join(root, n)
-                    shutil.rmtree(path, ignore_errors=True) if os.path.isdir(path) else _unlink(path)
+                    with contextlib.suppress(OSError):
+                        shutil.rmtree(path, ignore_errors=True) if os.path.isdir(path) else os.unlink(path)
         if removed:
-            try:
+            with contextlib.suppress(OSError):
                 os.rmdir(run_dir)  # the dead writer's run, empty now
-            except OSError:
-                pass
-
-
-def _unlink(path: str) -> None:
-    try:
-        os.unlink(path)
-    except OSError:
-        pass
 
 
 class DirectorySender:
@@ -235,10 +222,7 @@ class DirectorySender:
         return PublishReport(self.model_id, version, writer.nbytes, time.perf_counter() - t0, count)
 
     def _gc(self, newest: int) -> None:
-        versions = []
-        for n in os.listdir(self.root):
-            if n.startswith("weight_v") and n[8:].isdigit():
-                versions.append(int(n[8:]))
+        versions = [int(n[8:]) for n in os.listdir(self.root) if n.startswith("weight_v") and n[8:].isdigit()]
         keep = set(sorted(v for v in versions if v <= newest)[-self.config.keep_versions :])
         for v in versions:
             if v not in keep and v < newest:
@@ -259,10 +243,8 @@ class DirectorySender:
             return
         self._closed = True
         shutil.rmtree(self.root, ignore_errors=True)
-        try:
+        with contextlib.suppress(OSError):  # another model of the run is still there
             os.rmdir(os.path.dirname(self.root))
-        except OSError:  # another model of the run is still there
-            pass
 
 
 @dataclass(frozen=True)
