@@ -42,15 +42,11 @@ INFLIGHT_PER_WORKER = 2
 
 
 class WorkerPool:
-    """Trainer-side handle on the rollout workers: requests routed to them, their answers assembled, weights
-    published to them; the processes themselves are its :class:`~mrl_plugins.rollout.supervisor.WorkerSupervisor`'s
-    (``workers``).
+    """The trainer's side of the rollout workers (see the module docstring; the processes: ``workers``).
 
-    :param engine: the configured engine's registration (:class:`~mrl_plugins.hookspecs.RolloutEngine`): its
-        factory and what it declares it can do.
-    :param model: the policy (model_id ``"policy"``); ``score_models``: models every worker holds to *score* each
-        policy completion (its per-token logprobs under that model, e.g. the reference model's, in
-        ``RolloutResult.scores``), published once or whenever they change.
+    :param engine: the configured engine's registration (:class:`~mrl_plugins.hookspecs.RolloutEngine`).
+    :param model: the policy (model_id ``"policy"``); ``score_models``: the models that score each policy completion
+        (published once or whenever they change).
     """
 
     def __init__(
@@ -73,8 +69,6 @@ class WorkerPool:
         self.score_with = tuple(score_models or ())
         self.models = {"policy": model, **(score_models or {})}
         self._waiting: collections.deque[tuple[int, int]] = collections.deque()  # (req_id, chunk), FIFO
-        self._queued_at: dict[tuple[int, int], float] = {}
-        self._waits: collections.deque[float] = collections.deque(maxlen=2048)  # seconds a chunk waited
         self.run_id = f"mrl{os.getpid()}{uuid.uuid4().hex[:6]}"
         self._ids = itertools.count(1)
         self._tickets: dict[int, Ticket] = {}
@@ -83,7 +77,6 @@ class WorkerPool:
         self._assigned: list[set[tuple[int, int]]] = [set() for _ in range(self.n)]
         self._versions: dict[tuple[int, str], int] = {}  # (worker, model_id) -> version it switched to
         self.budgets: dict[int, dict] = {}  # worker -> {"budget": AppliedBudget.as_dict(), "memory": {...}}
-        self._closed = False
         names = stage_names(pm, cfg)
         # an unsafe fork is refused and Ray's reservation made before anything else opens
         self.workers = WorkerSupervisor(
@@ -100,12 +93,8 @@ class WorkerPool:
                 )
             self.sender = self.senders["policy"]
             # a new process can take a worker's place only where every end is rejoinable
-            for ends, caps, what in (
-                ([*self.senders.values()], ws_caps, names[1]),
-                ([self.consumer], comm_caps, names[0]),
-            ):
-                rejoinable = all(getattr(e, "capabilities", caps).rejoinable for e in ends)
-                if self.workers.no_rejoin is None and not rejoinable:
+            for ends, what in (([*self.senders.values()], names[1]), ([self.consumer], names[0])):
+                if self.workers.no_rejoin is None and not all(e.capabilities.rejoinable for e in ends):
                     self.workers.no_rejoin = no_rejoin(what)
             served = {
                 m: ServedModel(
@@ -142,23 +131,11 @@ class WorkerPool:
         self.workers.launch(specs, [self.consumer, *self.senders.values()])  # releases all of it when it fails
 
     # ------------------------------------------------------------------ the workers
-    @property
-    def ready(self) -> bool:
-        """Every worker has built its engine and attached its weight and experience paths."""
-        return self.workers.ready
-
-    @property
-    def ready_s(self) -> float | None:
-        """Seconds from the pool's start until every worker was first ready (None: not yet)."""
-        return self.workers.ready_s
-
-    @property
-    def started_at(self) -> float:
-        return self.workers.started_at
-
-    @property
-    def pids(self) -> list[int]:
-        return self.workers.pids
+    # the supervisor's state, read through the pool (see WorkerSupervisor)
+    ready = property(lambda self: self.workers.ready)
+    ready_s = property(lambda self: self.workers.ready_s)
+    started_at = property(lambda self: self.workers.started_at)
+    pids = property(lambda self: self.workers.pids)
 
     def check_workers(self) -> None:
         """Raise :class:`WorkerDiedError` for a worker that failed or died and cannot be replaced; one that got a
@@ -172,17 +149,22 @@ class WorkerPool:
         are forgotten."""
         for mid in self.models:
             self._versions.pop((i, mid), None)
-        for key in [k for k in self._assigned[i] if k[0] not in self._tickets]:
-            self._assigned[i].discard(key)
-            self._queued_at.pop(key, None)
+        self._assigned[i] -= {k for k in self._assigned[i] if k[0] not in self._tickets}
+
+    def _unanswered(self, i: int) -> list[tuple[Ticket, int, list[list[int]]]]:
+        """``(ticket, chunk, prompts)`` handed to worker ``i`` and not answered (an answer already received, waiting
+        in the stash, counts as answered)."""
+        return [
+            (t, chunk, prompts)
+            for t in self._tickets.values()
+            for chunk, (worker, prompts) in t.chunks.items()
+            if worker == i and chunk not in t.results and (t.req_id, chunk) not in self._stash
+        ]
 
     def _resubmit_worker(self, i: int) -> None:
-        """A restarted worker ``i`` gets the chunks its predecessor had not answered (an answer already received,
-        waiting in the stash, is not generated again)."""
-        for t in self._tickets.values():
-            for chunk, (worker, prompts) in t.chunks.items():
-                if worker == i and chunk not in t.results and (t.req_id, chunk) not in self._stash:
-                    self._send(i, t, chunk, prompts)
+        """A restarted worker ``i`` gets the chunks its predecessor had not answered."""
+        for t, chunk, prompts in self._unanswered(i):
+            self._send(i, t, chunk, prompts)
 
     def wait_ready(self, progress: Any = None, *, first: float = 1.0, every: float = 5.0) -> float:
         """Block until every worker is ready, at most ``rollout.start_timeout_s`` from the pool's start (a worker
@@ -211,9 +193,8 @@ class WorkerPool:
     def _send(self, w: int, t: Ticket, chunk: int, prompts: list[list[int]]) -> None:
         t.chunks[chunk] = (w, prompts)
         self._assigned[w].add((t.req_id, chunk))
-        score_with = self.score_with if t.model_id == "policy" else ()
         self.workers.requests[w].put(
-            GenerateRequest(t.req_id, chunk, prompts, t.num_generations, t.model_id, t.min_version, tuple(score_with))
+            GenerateRequest(t.req_id, chunk, prompts, t.num_generations, t.model_id, t.min_version, self.score_with)
         )
 
     def move_worker(self, i: int, placement: dict, *, wait: bool = True) -> None:
@@ -238,11 +219,9 @@ class WorkerPool:
         workers.draining.add(i)
         try:
             others = workers.active
-            for t in self._tickets.values():  # drain: its unanswered chunks go to the others
-                for chunk, (worker, prompts) in list(t.chunks.items()):
-                    if worker == i and chunk not in t.results:
-                        self._assigned[i].discard((t.req_id, chunk))
-                        self._send(others[chunk % len(others)], t, chunk, prompts)
+            for t, chunk, prompts in self._unanswered(i):  # drain: its unanswered chunks go to the others
+                self._assigned[i].discard((t.req_id, chunk))
+                self._send(others[chunk % len(others)], t, chunk, prompts)
             workers.move(i, placement, self.cfg.rollout.start_timeout_s)
         except BaseException:
             workers.draining.discard(i)
@@ -320,10 +299,7 @@ class WorkerPool:
             req_id, num_generations, model_id, min_version, {c: (-1, part) for c, part in enumerate(parts) if part}
         )
         self._tickets[req_id] = ticket
-        now = time.monotonic()
-        for c in ticket.chunks:
-            self._waiting.append((req_id, c))
-            self._queued_at[(req_id, c)] = now
+        self._waiting.extend((req_id, c) for c in ticket.chunks)
         self._dispatch()
         return req_id
 
@@ -333,22 +309,15 @@ class WorkerPool:
             w = min(self.workers.active, key=lambda k: len(self._assigned[k]))
             if len(self._assigned[w]) >= INFLIGHT_PER_WORKER:
                 return
-            key = self._waiting.popleft()
-            queued = self._queued_at.pop(key, None)
-            t = self._tickets.get(key[0])
-            if queued is None or t is None:  # discarded after it was queued
-                continue
-            self._waits.append(time.monotonic() - queued)
-            self._send(w, t, key[1], t.chunks[key[1]][1])
+            req_id, chunk = self._waiting.popleft()
+            t = self._tickets.get(req_id)
+            if t is not None:  # else discarded after it was queued
+                self._send(w, t, chunk, t.chunks[chunk][1])
 
     def discard(self, req_id: int) -> None:
         """Forget ticket ``req_id``: its answers are dropped when they arrive (no waiting)."""
-        t = self._tickets.pop(req_id, None)
-        if t is not None:
+        if self._tickets.pop(req_id, None) is not None:  # its chunks still queued are never sent (_dispatch)
             self._abandoned.add(req_id)
-            for chunk, (worker, _) in t.chunks.items():
-                if worker < 0:
-                    self._queued_at.pop((req_id, chunk), None)  # still queued: cancelled, never sent
         for key in [k for k in self._stash if k[0] == req_id]:
             del self._stash[key]
 
@@ -387,7 +356,6 @@ class WorkerPool:
         if 0 <= w < self.n:
             self._assigned[w].discard(key)
             self._versions[(w, meta.model_id)] = max(meta.version, self._versions.get((w, meta.model_id), -1))
-        self._queued_at.pop(key, None)
         ticket = self._tickets.get(key[0])
         if ticket is not None and (key[1] in ticket.results or key in self._stash):
             # answered twice (a dead worker's last frame arrived after its chunk went to its successor): the first
@@ -427,19 +395,12 @@ class WorkerPool:
             st = getattr(obj, "stats", None)
             if st is not None:
                 out.update({f"{name}/{k}": v for k, v in st().items() if isinstance(v, int | float)})
-        waits = sorted(self._waits)
-        out["rollout/sched/policy/queue_depth"] = float(len(self._queued_at))
-        for q in (50, 99):
-            value = waits[min(len(waits) - 1, len(waits) * q // 100)] * 1e3 if waits else 0.0
-            out[f"rollout/sched/policy/wait_p{q}_ms"] = value
+        out["rollout/sched/policy/queue_depth"] = float(sum(k[0] in self._tickets for k in self._waiting))
         out.update(budget_metrics(self.budgets))
         return out
 
     def close(self, timeout: float | None = None) -> None:
         """Stop the workers and release the queues and shared memory: a ready worker gets ``timeout`` s
         (default ``lifecycle.STOP_GRACE_S``, 1 s) to take its stop request, one still starting is terminated at
-        once. Also done when the pool is garbage-collected or the process exits."""
-        if self._closed:
-            return
-        self._closed = True
+        once. Also done when the pool is garbage-collected or the process exits; idempotent."""
         self.workers.close(timeout)

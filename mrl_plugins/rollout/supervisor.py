@@ -34,9 +34,9 @@ log = logging.getLogger("mrl_plugins.rollout")
 
 
 class WorkerSupervisor:
-    """Starts, watches and stops ``len(placements)`` local and ``rollout.remote_workers`` remote workers (see the
-    module docstring). Built in two steps: the constructor refuses an unsafe fork and reserves the Ray cluster
-    (nothing else is open yet); :meth:`launch` starts the workers once the pool has opened its ends."""
+    """``len(placements)`` local and ``rollout.remote_workers`` remote workers (see the module docstring), built in
+    two steps: the constructor refuses an unsafe fork and reserves the Ray cluster (nothing else is open yet);
+    :meth:`launch` starts the workers once the pool has opened its ends."""
 
     def __init__(self, ctx: Any, engine: Any, placements: list[dict], *, rejoinable_ends: bool) -> None:
         cfg = ctx.config
@@ -303,10 +303,7 @@ class WorkerSupervisor:
         :func:`~mrl_plugins.rollout.lifecycle.teardown`)."""
         if timeout is not None:
             self._lifetime["grace"] = float(timeout)
-        if self._finalizer is not None:
-            release(self._finalizer)
-        else:
-            self.abort()
+        release(self._finalizer)  # set by launch(), which the pool always ran (or it was never built)
 
 
 def _drop_queued(requests: Any) -> None:
