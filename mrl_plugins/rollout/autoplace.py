@@ -182,8 +182,7 @@ def decide(
 @dataclass
 class PlacementController:
     """Applies :func:`decide` to a running pipeline: :meth:`observe` every generation interval, :meth:`check` at
-    each generation (returns the arrangement to use for it). ``force(arr)`` switches at the next check (tests,
-    ``python -m benchmarks plan``)."""
+    each generation (returns the arrangement to use for it). ``force(arr)`` switches at the next check (tests)."""
 
     scaling: Scaling
     initial: str = TURNS
@@ -229,11 +228,6 @@ class PlacementController:
             return
         self._samples.append(sample)
 
-    def due(self) -> bool:
-        exploring = self._explored_from is not None and self._explored_from[0] != self.current
-        need = self.probe if exploring or not self._checked else self.interval
-        return len(self._samples) >= need
-
     def check(self, generations_left: int | None = None) -> str:
         """The arrangement for the next generation (a decision is taken, logged and reported when one is due).
         ``generations_left``: how many generations the run has left, when the host knows (None: unbounded)."""
@@ -242,18 +236,17 @@ class PlacementController:
             if forced != self.current:
                 self._switch(forced)
             return self.current
-        if not self.due():
-            return self.current
         fresh = self._explored_from is not None and self._explored_from[0] != self.current
-        samples = self._samples[-(self.probe if fresh or not self._checked else self.interval) :]
+        need = self.probe if fresh or not self._checked else self.interval
+        if len(self._samples) < need:
+            return self.current
+        samples = self._samples[-need:]
         if self._pending is not None and self._pending[0] == self.current:  # the projection that led here, measured
-            step = statistics.median(s.step_s for s in samples)
-            lo, hi = CALIBRATION_RANGE
-            self.calibration[self.current] = min(hi, max(lo, step / self._pending[1]))
+            self._calibrate(self.current, statistics.median(s.step_s for s in samples) / self._pending[1])
             self._pending = None
         target = other(self.current)
         calibration = self.calibration[target]
-        measured_other = self._explored_from[1] if fresh and self._explored_from is not None else None
+        measured_other = self._explored_from[1] if fresh else None
         explore = self.explore and target not in self._ever and measured_other is None
         if generations_left is not None and generations_left < EXPLORE_PAYBACK * (self.probe + 1):
             explore = False  # too few generations left to repay trying a possibly slower arrangement
@@ -267,8 +260,7 @@ class PlacementController:
         self._ever.add(self.current)
         if measured_other is not None and measured_other > 0 and decision.raw_projection_s > 0:
             # both measured just now: the projection of the other one from this one's stage times is calibrated
-            lo, hi = CALIBRATION_RANGE
-            self.calibration[target] = min(hi, max(lo, (1.0 / measured_other) / decision.raw_projection_s))
+            self._calibrate(target, (1.0 / measured_other) / decision.raw_projection_s)
         self._explored_from = (self.current, decision.measured_steps_per_s) if decision.reason == "explore" else None
         self._checked = True
         self._samples = []
@@ -284,6 +276,10 @@ class PlacementController:
             self._pending = (target, decision.raw_projection_s)
             self._switch(target)
         return self.current
+
+    def _calibrate(self, arrangement: str, ratio: float) -> None:
+        lo, hi = CALIBRATION_RANGE
+        self.calibration[arrangement] = min(hi, max(lo, ratio))
 
     def _switch(self, target: str) -> None:
         self.current = target
