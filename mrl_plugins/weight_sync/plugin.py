@@ -60,37 +60,17 @@ class WeightSyncPlugin:
 
     @hookimpl
     def mrl_weight_sync_register_transports(self) -> Iterator[WeightTransport]:
-        yield WeightTransport(
-            name="shm",
-            factory=ShmSender,
-            description="shared memory on one host, double-buffered",
-            capabilities=Capabilities(rejoinable=True),
-        )
-        yield WeightTransport(
-            name="directory",
-            factory=DirectorySender,
-            description="safetensors files + atomic manifest (local or shared filesystem)",
-            capabilities=Capabilities(rejoinable=True, cross_host=True),
-        )
-        yield WeightTransport(
-            name="broadcast",
-            factory=BroadcastSender,
-            description="bucketed torch.distributed broadcast on a dedicated group",
-            capabilities=Capabilities(collective=True, cross_host=True),
-        )
-        yield WeightTransport(
-            name="per_param",
-            factory=PerParamSender,
-            description="one torch.distributed broadcast per parameter (baseline)",
-            capabilities=Capabilities(collective=True, cross_host=True),
-        )
-
-        yield WeightTransport(
-            name="vllm",
-            factory=VLLMTransferSender,
-            description="into rollout.engine 'vllm' through vLLM's weight-transfer protocol (nccl / hccl / mrl_gloo)",
-            capabilities=Capabilities(collective=True),
-        )
+        network = Capabilities(collective=True, cross_host=True)
+        yield WeightTransport("shm", ShmSender, "shared memory on one host, double-buffered",
+                              Capabilities(rejoinable=True))  # fmt: skip
+        yield WeightTransport("directory", DirectorySender, "safetensors files + atomic manifest (local or shared "
+                              "filesystem)", Capabilities(rejoinable=True, cross_host=True))  # fmt: skip
+        yield WeightTransport("broadcast", BroadcastSender, "bucketed torch.distributed broadcast on a dedicated "
+                              "group", network)  # fmt: skip
+        yield WeightTransport("per_param", PerParamSender, "one torch.distributed broadcast per parameter (baseline)",
+                              network)  # fmt: skip
+        yield WeightTransport("vllm", VLLMTransferSender, "into rollout.engine 'vllm' through vLLM's weight-transfer "
+                              "protocol (nccl / hccl / mrl_gloo)", Capabilities(collective=True))  # fmt: skip
 
     def capabilities(self, ctx: StageContext) -> Capabilities:
         return _transport(ctx).capabilities
@@ -116,18 +96,17 @@ class WeightSyncPlugin:
     def open_receiver(self, ctx: StageContext, model: Any, handle: Any, model_id: str, rank: int) -> Any:
         from .receiver import DoubleBufferedReceiver
 
+        caps = _transport(ctx).capabilities
         if isinstance(handle, VLLMTransferHandle):  # into the worker's vLLM engine: bound by the worker
             receiver = handle.attach(rank + 1, model)
-            receiver.capabilities = _transport(ctx).capabilities
-            return receiver
-        caps = _transport(ctx).capabilities
-        receiver = DoubleBufferedReceiver(
-            model,
-            attach_handle(handle, rank, caps.collective),
-            model_id=model_id,
-            staging=ctx.config.weight_sync.staging,
-            name_map=ctx.plugins.weight_sync_name_map(model_id),
-        )
+        else:
+            receiver = DoubleBufferedReceiver(
+                model,
+                attach_handle(handle, rank, caps.collective),
+                model_id=model_id,
+                staging=ctx.config.weight_sync.staging,
+                name_map=ctx.plugins.weight_sync_name_map(model_id),
+            )
         receiver.capabilities = caps
         return receiver
 
