@@ -53,4 +53,13 @@ def gloo_group(store: Any, rank: int, world: int, timeout: float, host: str, con
     return dist.ProcessGroupGloo(store, rank, world, opts)
 
 
-__all__ = ["gloo_devices", "gloo_group", "local_address", "td"]
+def gloo_broadcast(pg: Any, t: Any, timeout: float) -> Any:
+    """Start broadcasting ``t`` from rank 0 of the gloo group ``pg`` (a ``timeout``-second timeout); its work."""
+    import torch.distributed as dist
+
+    opts = dist.BroadcastOptions()
+    opts.rootRank, opts.timeout = 0, td(timeout)
+    return pg.broadcast([t], opts)
+
+
+__all__ = ["gloo_broadcast", "gloo_devices", "gloo_group", "local_address", "td"]

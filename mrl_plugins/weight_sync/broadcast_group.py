@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from mrl_plugins._net import gloo_group, td
+from mrl_plugins._net import gloo_broadcast, gloo_group, td
 from mrl_plugins.errors import StageTimeoutError
 
 from .shards import WeightSyncError
@@ -75,10 +75,7 @@ class _Group:
             if self.group is not None:
                 work = dist.broadcast(t, src=dist.get_global_rank(self.group, 0), group=self.group, async_op=True)
             else:
-                opts = dist.BroadcastOptions()
-                opts.rootRank = 0
-                opts.timeout = td(timeout)
-                work = self.pg.broadcast([t], opts)
+                work = gloo_broadcast(self.pg, t, timeout)
             if not async_op:
                 work.wait(td(timeout))
                 return None

@@ -30,7 +30,7 @@ from vllm.distributed.weight_transfer.base import (
 )
 from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory, WeightTransferTrainerFactory
 
-from mrl_plugins._net import gloo_group, td
+from mrl_plugins._net import gloo_broadcast, gloo_group, td
 
 GLOO_BACKEND = "mrl_gloo"
 
@@ -56,15 +56,6 @@ def _group(host: str, port: int, rank: int, world: int, timeout: float, is_maste
         host, port, world_size=world, is_master=is_master, timeout=td(timeout), wait_for_workers=False
     )
     return store, gloo_group(store, rank, world, timeout, host)
-
-
-def _bcast(pg: Any, t: torch.Tensor, timeout: float) -> None:
-    import torch.distributed as dist
-
-    opts = dist.BroadcastOptions()
-    opts.rootRank = 0
-    opts.timeout = td(timeout)
-    pg.broadcast([t], opts).wait(opts.timeout)
 
 
 @dataclass
@@ -137,7 +128,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
         info = update_info
         for name, dtype_name, shape in zip(info.names, info.dtype_names, info.shapes, strict=True):
             t = torch.empty(shape, dtype=getattr(torch, dtype_name))
-            _bcast(self.pg, t, self.timeout)
+            gloo_broadcast(self.pg, t, self.timeout).wait(td(self.timeout))
             self.model.load_weights([(name, t.to(self.device))])
 
     def shutdown(self) -> None:
@@ -183,7 +174,7 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
         try:
             future = exe.submit(self.client.update_weights, asdict(info))
             for _name, t in self.source:
-                _bcast(self.pg, t.detach().to("cpu").contiguous(), self.timeout)
+                gloo_broadcast(self.pg, t.detach().to("cpu").contiguous(), self.timeout).wait(td(self.timeout))
             future.result()
         finally:
             exe.shutdown(wait=False)  # a failed broadcast leaves the peer blocked: never join it here
