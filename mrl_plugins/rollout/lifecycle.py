@@ -39,13 +39,15 @@ REMOTE_GRACE_S = 10.0
 
 
 @contextmanager
-def _signal_as(sig: int, handler: Any) -> Iterator[None]:
-    """``handler`` for ``sig`` inside the block, the previous one after; off the main thread nothing changes."""
+def signal_kept(sig: int, handler: Any = None) -> Iterator[None]:
+    """``sig``'s handler as it was before the block once it ends (``handler``, when given, inside it: else whatever
+    the block sets, e.g. ``ray.init``'s own); off the main thread nothing changes."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
     previous = signal.getsignal(sig)
-    signal.signal(sig, handler)
+    if handler is not None:
+        signal.signal(sig, handler)
     try:
         yield
     finally:
@@ -55,13 +57,7 @@ def _signal_as(sig: int, handler: Any) -> Iterator[None]:
 def sigint_ignored() -> Any:
     """SIGINT ignored while a child starts (an ignored signal stays ignored across fork and exec, and Python then
     installs no KeyboardInterrupt handler in the child) or while the trainer shuts its stages down."""
-    return _signal_as(signal.SIGINT, signal.SIG_IGN)
-
-
-def sigterm_default() -> Any:
-    """SIGTERM at its default action while a child starts: a forked child would otherwise inherit the trainer's
-    SIGTERM handler (the TRL adapter installs one) and the pool's ``terminate()`` would not end it."""
-    return _signal_as(signal.SIGTERM, signal.SIG_DFL)
+    return signal_kept(signal.SIGINT, signal.SIG_IGN)
 
 
 @contextmanager
@@ -86,8 +82,10 @@ def main_not_reimported() -> Iterator[None]:
 
 
 def spawn_quiet(proc: Any) -> None:
-    """``proc.start()`` with SIGINT ignored and SIGTERM at its default in the child."""
-    with sigint_ignored(), sigterm_default(), warnings.catch_warnings():
+    """``proc.start()`` with SIGINT ignored and SIGTERM at its default in the child (a forked child would otherwise
+    inherit the trainer's SIGTERM handler, which the TRL adapter installs, and the pool's ``terminate()`` would not
+    end it)."""
+    with sigint_ignored(), signal_kept(signal.SIGTERM, signal.SIG_DFL), warnings.catch_warnings():
         # Python >= 3.12 warns on fork() in a process with threads; start_method forks only a worker that
         # never starts an OpenMP team or touches a device runtime, the parts that do not survive a fork
         warnings.filterwarnings(
@@ -218,10 +216,7 @@ def teardown(
                 pass
     for obj in channels:
         try:
-            try:
-                obj.close(unlink=True)
-            except TypeError:
-                obj.close()
+            obj.close()  # a consumer unlinks its shared memory by default
         except Exception:  # noqa: BLE001
             log.debug("closing %r failed", obj, exc_info=True)
 

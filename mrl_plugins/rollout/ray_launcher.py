@@ -20,12 +20,12 @@ import signal
 import socket
 import threading
 import time
-from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
+from collections.abc import Iterable
 from typing import Any
 
 from mrl_plugins.errors import ConfigError, StageTimeoutError
 
+from .lifecycle import signal_kept
 from .pool_checks import loopback
 
 log = logging.getLogger("mrl_plugins.rollout")
@@ -104,7 +104,7 @@ def actor_cores(cores: list[int] | None, threads: int, nodes: list[str]) -> list
             raise ConfigError(
                 f"rollout.ray_worker_cores: {cores} gives {len(cores) // threads} actor(s) of engine_threads "
                 f"{threads} their cores, but Ray placed {nodes.count(node)} on one node; list more cores, or "
-                "set ray_strategy SPREAD / STRICT_SPREAD"
+                "keep fewer workers on a node with rollout.ray_resources (docs/ray.md)"
             )
         out.append(part)
     return out
@@ -122,18 +122,6 @@ def describe_nodes(nodes: list[dict]) -> str:
         state = "" if n.get("Alive") else " dead"
         out.append(f"{n.get('NodeManagerAddress', '?')} {_fmt(dict(n.get('Resources') or {}))}{state}")
     return "; ".join(out) or "(no nodes)"
-
-
-@contextmanager
-def _sigterm_kept() -> Iterator[None]:
-    """``ray.init`` sets its own SIGTERM handler in the driver: the trainer's (the TRL adapter's cleanup) stays."""
-    main = threading.current_thread() is threading.main_thread()
-    previous = signal.getsignal(signal.SIGTERM) if main else None
-    try:
-        yield
-    finally:
-        if main and previous is not None:
-            signal.signal(signal.SIGTERM, previous)
 
 
 def resolve_address(address: str) -> str | None:
@@ -179,7 +167,7 @@ def connect(address: str) -> bool:
     if address == "local":
         os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
         kwargs.update(include_dashboard=False, object_store_memory=LOCAL_OBJECT_STORE_BYTES)
-    with _sigterm_kept():
+    with signal_kept(signal.SIGTERM):  # ray.init sets its own handler: the trainer's (the TRL adapter's) stays
         try:
             ray.init(address=target or address, **kwargs)
         except ConnectionError as exc:
@@ -293,7 +281,7 @@ class RayLauncher:
                     f"Ray (rollout.ray_address): {len(self.bundles)} worker bundle(s) {_fmt(self.bundles[0])} "
                     f"cannot be placed ({rc.ray_strategy}): {why}. Cluster: {describe_nodes(nodes)}. Add "
                     "nodes (`ray start --address HEAD:6379 --num-cpus N`), lower rollout.remote_workers or "
-                    "engine_threads, or change ray_strategy"
+                    "engine_threads"
                 )
             self.pg = placement_group(self.bundles, strategy=rc.ray_strategy, name=f"mrl-rollout-{os.getpid()}")
             ready, _ = ray.wait([self.pg.ready()], timeout=rc.start_timeout_s)
@@ -478,7 +466,7 @@ class RayLauncher:
                 log.debug("removing the placement group failed", exc_info=True)
         if self._owns_ray:
             try:
-                with _sigterm_kept():
+                with signal_kept(signal.SIGTERM):
                     ray.shutdown()
             except Exception:  # noqa: BLE001
                 log.debug("ray.shutdown failed", exc_info=True)
