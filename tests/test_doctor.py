@@ -22,8 +22,9 @@ try:
 except ImportError:  # tests/ imported as a package (rootdir-based import modes)
     from tests.fakes import fake_torch_npu
 
-from mrl_plugins.cli import doctor
-from mrl_plugins.cli.doctor import check_memory, check_ports, check_threads, cli, load_report, triage
+from mrl_plugins.cli import doctor_checks
+from mrl_plugins.cli.doctor import cli, load_report, triage
+from mrl_plugins.cli.doctor_checks import check_memory, check_ports, check_threads
 from mrl_plugins.device import probe
 from mrl_plugins.device.base import _reset_warn_once
 from mrl_plugins.errors import ConfigError
@@ -60,7 +61,7 @@ def _free_port() -> int:
 
 
 def test_cpu_defaults_all_ok(capsys):
-    cores = doctor.available_cores()
+    cores = doctor_checks.available_cores()
     rc = cli(["--device", "cpu", "--threads", "1"], env={})
     out = capsys.readouterr().out
     checks = _lines(out)
@@ -147,7 +148,7 @@ def test_memory_from_measured_peaks(capsys):
 
 
 def test_thread_budget_against_real_cores(capsys):
-    cores = doctor.available_cores()
+    cores = doctor_checks.available_cores()
     assert check_threads([1] * cores, cores).status == "ok"
     over = check_threads([2, 2], 2)
     assert over.status == "warn" and "15x slower" in over.detail and "2+2 = 4" in over.detail
@@ -165,7 +166,7 @@ def test_torch_default_threads_used_when_nothing_set(capsys):
     import torch
 
     n = torch.get_num_threads()
-    cores = doctor.available_cores()
+    cores = doctor_checks.available_cores()
     cli(["--processes", "2"], env={})
     out = capsys.readouterr().out
     assert f"{n}+{n} = {2 * n}" in out and "torch default" in out
@@ -243,7 +244,7 @@ def test_fake_npu_torch_npu_without_cann_fails_with_fix(monkeypatch, tmp_path, c
     """FAKE: torch_npu 2.7.1 'installed' (package metadata) but no CANN toolkit anywhere."""
     monkeypatch.setattr(probe, "DEFAULT_CANN_HOMES", (str(tmp_path / "nowhere"),))
     monkeypatch.setattr(probe, "_dist_version", _dist_versions(torch="2.7.1", torch_npu="2.7.1"))
-    hazard = doctor.check_torch_npu_hazard({})
+    hazard = doctor_checks.check_torch_npu_hazard({})
     assert hazard.status == "fail" and "set_env.sh" in hazard.detail and "pip uninstall torch_npu" in hazard.detail
     rc = cli(["--threads", "1"], env={})
     out = capsys.readouterr().out
@@ -251,7 +252,7 @@ def test_fake_npu_torch_npu_without_cann_fails_with_fix(monkeypatch, tmp_path, c
     assert _lines(out)["torch_npu+CANN"] == ["fail"] and "import torch` fails" in out
     assert _lines(out)["backend"] == ["warn"]  # not probed: importing torch_npu there could break the process
     monkeypatch.setattr(probe, "DEFAULT_CANN_HOMES", (str(tmp_path),))  # a CANN folder exists: no hazard
-    assert doctor.check_torch_npu_hazard({}).status == "ok"
+    assert doctor_checks.check_torch_npu_hazard({}).status == "ok"
 
 
 def test_fake_npu_backend_versions_and_core_limits(fake_npu, capsys):
@@ -271,9 +272,9 @@ def test_fake_npu_old_torch_npu_lacks_core_limits(fake_npu, monkeypatch):
     env, install = fake_npu
     install(core_limits=False, version="2.5.1")
     monkeypatch.setattr(probe, "_dist_version", _dist_versions(torch="2.7.1", torch_npu="2.5.1"))
-    limits = doctor.check_core_limits("npu")
+    limits = doctor_checks.check_core_limits("npu")
     assert limits.status == "warn" and "set_device_limit, set_stream_limit" in limits.detail
-    checks, kind = doctor.check_backend("auto", env)
+    checks, kind = doctor_checks.check_backend("auto", env)
     assert kind == "npu"
     matrix = [c for c in checks if c.name == "version matrix"][0]
     assert matrix.status == "fail" and "built for torch 2.5.x" in matrix.detail
@@ -298,7 +299,7 @@ def test_fake_npu_visible_devices_from_env(fake_npu, visible, processes, mode, s
     env, _ = fake_npu
     if visible is not None:
         env = env | {"ASCEND_RT_VISIBLE_DEVICES": visible}
-    check, is_shared = doctor.check_visible_devices("npu", processes, mode, env)
+    check, is_shared = doctor_checks.check_visible_devices("npu", processes, mode, env)
     assert (check.status, is_shared) == (status, shared), check.detail
     assert text in check.detail and "ASCEND_RT_VISIBLE_DEVICES" in check.detail
 
@@ -345,14 +346,15 @@ def test_fake_npu_config_card_plan(fake_npu, tmp_path, capsys, yaml_text, visibl
 
 def test_cuda_variable_named_for_cuda():
     """CUDA_VISIBLE_DEVICES is the variable for CUDA devices (no GPU needed: only the env is read)."""
-    check, shared = doctor.check_visible_devices("cuda", 2, None, {"CUDA_VISIBLE_DEVICES": "3,2"})
+    check, shared = doctor_checks.check_visible_devices("cuda", 2, None, {"CUDA_VISIBLE_DEVICES": "3,2"})
     assert check.status == "ok" and "CUDA_VISIBLE_DEVICES=3,2" in check.detail and not shared  # order free on CUDA
     uuids = {"CUDA_VISIBLE_DEVICES": "GPU-8f3c2d1e,GPU-77aa01bc"}
-    check, shared = doctor.check_visible_devices("cuda", 2, None, uuids)
+    check, shared = doctor_checks.check_visible_devices("cuda", 2, None, uuids)
     assert check.status == "ok" and "process 1 -> card GPU-77aa01bc" in check.detail
-    check, shared = doctor.check_visible_devices("cuda", 3, "disaggregated", uuids)
+    check, shared = doctor_checks.check_visible_devices("cuda", 3, "disaggregated", uuids)
     assert check.status == "fail" and shared
-    assert doctor.check_visible_devices("npu", 1, None, {"ASCEND_RT_VISIBLE_DEVICES": "GPU-1"})[0].status == "fail"
+    npu_ids = {"ASCEND_RT_VISIBLE_DEVICES": "GPU-1"}
+    assert doctor_checks.check_visible_devices("npu", 1, None, npu_ids)[0].status == "fail"
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -26,20 +26,12 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from mrl_plugins.cli.checks import Check, checked_type  # noqa: F401 - Check re-exported (tests)
-from mrl_plugins.cli.doctor_checks import (  # noqa: F401 - re-exported (tests): the checks' public names
+from mrl_plugins import device as dev
+from mrl_plugins.cli.checks import Check, checked_type
+from mrl_plugins.cli.doctor_checks import (
     DoctorInputs,
-    _device,
     _fraction,
-    available_cores,
-    check_backend,
-    check_core_limits,
-    check_memory,
     check_port_number,
-    check_ports,
-    check_threads,
-    check_torch_npu_hazard,
-    check_visible_devices,
     default_threads,
     parse_assignments,
     parse_card_list,
@@ -70,7 +62,7 @@ def inputs_from_config(data: Mapping[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {"device": cfg.train.device, "mode": cfg.mode}
     colocated = colocated_count(cfg.mode, rc.workers, rc.colocated_workers)
     out["processes"] = 1 + rc.workers
-    base = _device().parse_device_spec(cfg.train.device)[1] or 0
+    base = dev.parse_device_spec(cfg.train.device)[1] or 0
     out["card_plan"] = [base] + accelerator_indices(cfg.mode, rc.workers, colocated, base)[: rc.workers]
     if rc.workers:
         out["threads_cfg"] = (rc.trainer_threads, "rollout.trainer_cores", rc.engine_threads)
@@ -178,8 +170,6 @@ def _inputs_from_args(args: argparse.Namespace, env: Mapping[str, str], data: Ma
     if args.visible_devices is not None:
         visible = [parse_card_list(s, "--visible-devices") for s in args.visible_devices.split(";")]
     if args.processes is not None:
-        if args.processes < 1:
-            raise ConfigError(f"--processes must be >= 1, got {args.processes}")
         inputs.processes = args.processes
     elif visible is not None:
         inputs.processes = len(visible)

@@ -13,6 +13,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from mrl_plugins import device as dev
 from mrl_plugins.cli.checks import Check
 from mrl_plugins.device.memory import DEFAULT_HEADROOM
 from mrl_plugins.errors import ConfigError
@@ -46,12 +47,6 @@ class DoctorInputs:
     env: Mapping[str, str] = field(default_factory=lambda: dict(os.environ))
 
 
-def _device() -> Any:
-    import mrl_plugins.device as device
-
-    return device
-
-
 def _fmt_versions(v: Mapping[str, str | None]) -> str:
     names = (("python", "python"), ("torch", "torch"), ("torch_npu", "torch_npu"), ("cann", "CANN"), ("cuda", "CUDA"))
     return ", ".join(f"{label} {v.get(key) or '-'}" for key, label in names)
@@ -67,7 +62,6 @@ def _major_minor(version: str) -> tuple[int, int] | None:
 
 def check_torch_npu_hazard(env: Mapping[str, str]) -> Check:
     """Fail when the torch_npu distribution is installed but no CANN toolkit is found (``import torch`` breaks)."""
-    dev = _device()
     v = dev.versions(env)
     if dev.torch_npu_without_cann(env):
         return Check(
@@ -89,7 +83,6 @@ def check_backend(device_spec: str, env: Mapping[str, str]) -> tuple[list[Check]
 
     Returns the checks and the device type the run will use (``auto`` resolved: NPU, else CUDA, else CPU).
     """
-    dev = _device()
     kind, index = dev.parse_device_spec(device_spec)
     v = dev.versions(env)
     checks = [Check("ok", "versions", _fmt_versions(v))]
@@ -239,7 +232,7 @@ def check_visible_devices(
     read and process *i* is assumed to take its *i*-th entry. Sharing fails in disaggregated (or unknown) mode and
     warns in colocate/hybrid mode. On NPU a non-ascending list fails (torch_npu then counts no device).
     """
-    var = _device().visible_devices_env(device_type)
+    var = dev.visible_devices_env(device_type)
     if var is None:
         return Check("ok", "visible devices", f"{device_type}: no visible-device variable to set"), False
     status, detail, shared = _visible(var, processes, mode, device_type == "npu", env.get(var), assignments)
@@ -364,12 +357,12 @@ def reserve_from_peaks(peaks: Mapping[str, str], device_memory: str, headroom: f
     from mrl_plugins.cli.units import parse_size
 
     total = parse_size(device_memory)
-    return {n: _device().reservation_fraction(int(parse_size(p)), int(total), headroom) for n, p in peaks.items()}
+    return {n: dev.reservation_fraction(int(parse_size(p)), int(total), headroom) for n, p in peaks.items()}
 
 
 def check_core_limits(device_type: str) -> Check:
     """Which of torch_npu's core-limit APIs exist (only NPUs have them)."""
-    apis = _device().core_limit_apis()
+    apis = dev.core_limit_apis()
     present = [n for n, ok in apis.items() if ok]
     missing = [n for n in NEEDED_CORE_LIMITS if not apis.get(n)]
     if device_type != "npu":
@@ -401,7 +394,6 @@ def default_threads(env: Mapping[str, str]) -> tuple[int, str]:
         if not omp.isdigit() or int(omp) < 1:
             raise ConfigError(f"OMP_NUM_THREADS={omp!r} is not a positive integer")
         return int(omp), "OMP_NUM_THREADS"
-    dev = _device()
     if not dev.torch_npu_without_cann(env):
         try:
             import torch
@@ -450,7 +442,7 @@ def run_checks(inputs: DoctorInputs) -> list[Check]:
     backend, device_type = check_backend(inputs.device, env)
     checks += backend
     assignments = inputs.visible
-    var = _device().visible_devices_env(device_type)
+    var = dev.visible_devices_env(device_type)
     if assignments is None and inputs.card_plan is not None and var is not None:
         assignments, problem = plan_cards(inputs.card_plan, var, env)
         if problem:

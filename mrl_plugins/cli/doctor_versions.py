@@ -9,8 +9,9 @@ from the installed distributions' metadata: nothing is imported.
 from __future__ import annotations
 
 from collections.abc import Callable
-from importlib.metadata import PackageNotFoundError, requires, version
+from importlib.metadata import PackageNotFoundError, requires
 
+from mrl_plugins.device.probe import _dist_version as _installed
 from mrl_plugins.errors import UnsupportedVersionError
 
 DISTRIBUTION = "mrl-plugins"
@@ -32,13 +33,6 @@ def declared_ranges(distribution: str = DISTRIBUTION) -> dict[str, str]:
         if str(req.specifier):
             out[req.name.lower()] = str(req.specifier)
     return out
-
-
-def _installed(name: str) -> str | None:
-    try:
-        return version(name)
-    except PackageNotFoundError:
-        return None
 
 
 def version_problems(

@@ -12,13 +12,6 @@ import sys
 from mrl_plugins.errors import MrlError
 
 
-def _add_selection(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", help="mrl YAML config (path or bundled name: upstream, colocate, ...)")
-    p.add_argument("--plugins", help="per-stage choice, e.g. rollout=mrl,weight_sync=upstream,comm=mrl")
-    p.add_argument("--disable", action="append", default=[], help="block a plugin by name (repeatable)")
-    p.add_argument("--no-autoload", action="store_true", help="do not load third-party entry-point plugins")
-
-
 def _selection_config(ns: argparse.Namespace) -> dict:
     from mrl_plugins.adapters.trl import config_from_env
     from mrl_plugins.config import load_yaml, parse_plugin_selection
@@ -116,7 +109,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="mrl", description="mrl-plugins: accelerate TRL's GRPO/RLOO loops")
     sub = parser.add_subparsers(dest="command")
     p_plugins = sub.add_parser("plugins", help="list plugins, the stages they provide and which are active")
-    _add_selection(p_plugins)
+    p_plugins.add_argument("--config", help="mrl YAML config (path or bundled name: upstream, colocate, ...)")
+    p_plugins.add_argument("--plugins", help="per-stage choice, e.g. rollout=mrl,weight_sync=upstream,comm=mrl")
+    p_plugins.add_argument("--disable", action="append", default=[], help="block a plugin by name (repeatable)")
+    p_plugins.add_argument("--no-autoload", action="store_true", help="do not load third-party entry-point plugins")
     sub.add_parser("run", help="train the embedded GRPO job with the configured plugins", add_help=False)
     sub.add_parser("trl", help="run TRL's CLI (trl grpo/rloo ...) with the plugins on", add_help=False)
     sub.add_parser("compare", help="vanilla TRL vs plugins side by side: report, JSON, plots", add_help=False)
