@@ -72,11 +72,11 @@ class _FlatSet:
 
     def __init__(self, specs: list[tuple[str, torch.dtype, tuple[int, ...], torch.device]], where: str) -> None:
         sizes: dict[torch.device, int] = {}
-        place: list[tuple[str, torch.device, int]] = []
-        for name, dtype, shape, dev in specs:
-            nb = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+        place: list[tuple[torch.device, int, int]] = []  # device, offset, bytes
+        for _, dtype, shape, dev in specs:
+            nb = torch.Size(shape).numel() * dtype.itemsize
             off = sizes.get(dev, 0)
-            place.append((name, dev, off))
+            place.append((dev, off, nb))
             sizes[dev] = align(off + nb)
         pin = where == "host" and torch.cuda.is_available()
         self.flats: dict[torch.device, torch.Tensor] = {}
@@ -84,8 +84,7 @@ class _FlatSet:
             target = torch.device("cpu") if where == "host" else dev
             self.flats[dev] = torch.empty(max(size, 1), dtype=torch.uint8, device=target, pin_memory=pin)
         self.views: dict[str, torch.Tensor] = {}
-        for (name, dtype, shape, _), (_, dev, off) in zip(specs, place):
-            nb = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+        for (name, dtype, shape, _), (dev, off, nb) in zip(specs, place):
             self.views[name] = self.flats[dev][off : off + nb].view(dtype).view(shape)
         self.nbytes = sum(sizes.values())
 

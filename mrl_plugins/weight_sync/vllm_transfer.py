@@ -126,7 +126,6 @@ class VLLMTransferHandle:
     backend: str
     timeout_s: float
     model_id: str = "policy"
-    kind: str = "vllm"
 
     @property
     def engine_options(self) -> dict[str, Any]:
@@ -141,8 +140,6 @@ class VLLMTransferHandle:
 
 class VLLMTransferSender:
     """Trainer end: ``publish`` runs one round of vLLM's weight transfer to every receiver's engine."""
-
-    kind = "vllm"
 
     def __init__(
         self, config: Any, *, model_id: str = "policy", run_id: str = "run", host: str = "127.0.0.1",
