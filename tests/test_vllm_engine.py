@@ -103,7 +103,7 @@ def test_dtype_mismatch_with_the_trainer_is_refused():
 
     model, tok = build_model("tiny", seed=0)
     with pytest.raises(ConfigError, match="differs from the trainer model's dtype 'float32'"):
-        VLLMEngine(model, tok, params=SamplingParams(max_new_tokens=2), llm_kwargs={"dtype": "bfloat16"})
+        VLLMEngine(model, tok, params=SamplingParams(max_new_tokens=2), options={"dtype": "bfloat16"})
 
 
 @require_vllm
@@ -116,7 +116,7 @@ def test_a_failed_start_leaves_no_config_folder(monkeypatch, tmp_path):
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     model, tok = build_model("tiny", seed=0)
     with pytest.raises(Exception, match="no_such_vllm_option"):
-        VLLMEngine(model, tok, params=SamplingParams(max_new_tokens=2), llm_kwargs={"no_such_vllm_option": 1})
+        VLLMEngine(model, tok, params=SamplingParams(max_new_tokens=2), options={"no_such_vllm_option": 1})
     assert [f for f in os.listdir(tmp_path) if f.startswith("mrl-vllm-")] == []
 
 
@@ -623,7 +623,7 @@ def test_not_enough_memory_for_vllm_is_one_clear_error(monkeypatch):
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "0")
     model, tok = build_model("tiny", seed=0)
     with pytest.raises(ConfigError, match="vLLM refused to start.*memory"):
-        VLLMEngine(model, tok, params=SamplingParams(max_new_tokens=2), llm_kwargs={"gpu_memory_utilization": 0.99})
+        VLLMEngine(model, tok, params=SamplingParams(max_new_tokens=2), options={"gpu_memory_utilization": 0.99})
 
 
 @require_vllm

@@ -54,20 +54,14 @@ GEN_KWARGS_IGNORED = ("do_sample", "bos_token_id", "cache_implementation", "disa
 class SamplingParams:
     """How completions are sampled (TRL ``GRPOConfig``/``RLOOConfig`` semantics)."""
 
-    max_new_tokens: int = field(default=16, metadata={"help": "max tokens generated per completion"})
-    temperature: float = field(default=1.0, metadata={"help": "softmax temperature (> 0)"})
-    top_p: float = field(default=1.0, metadata={"help": "nucleus sampling mass in (0, 1]; 1.0 = off"})
-    top_k: int | None = field(default=0, metadata={"help": "keep the k most likely tokens; 0 or None = off"})
-    min_p: float | None = field(
-        default=None, metadata={"help": "drop tokens below min_p x top probability; None = off"}
-    )
-    repetition_penalty: float = field(
-        default=1.0, metadata={"help": "HF repetition penalty over prompt+generated tokens (pads excluded); 1.0 = off"}
-    )
-    eos_token_ids: list[int] = field(default_factory=list, metadata={"help": "token ids that end a completion"})
-    pad_token_id: int | None = field(
-        default=None, metadata={"help": "id used to left-pad prompts (None: first EOS or 0)"}
-    )
+    max_new_tokens: int = 16  # max tokens generated per completion
+    temperature: float = 1.0  # softmax temperature (> 0)
+    top_p: float = 1.0  # nucleus sampling mass in (0, 1]; 1.0 = off
+    top_k: int | None = 0  # keep the k most likely tokens; 0 or None = off
+    min_p: float | None = None  # drop tokens below min_p x top probability; None = off
+    repetition_penalty: float = 1.0  # HF repetition penalty over prompt+generated tokens (pads excluded); 1.0 = off
+    eos_token_ids: list[int] = field(default_factory=list)  # token ids that end a completion
+    pad_token_id: int | None = None  # id used to left-pad prompts (None: first EOS or 0)
 
     def filters(self) -> list[str]:
         """Names of the active sampling filters (top_k, top_p, min_p, repetition_penalty); empty when sampling is
@@ -253,6 +247,18 @@ def cut_after_eos(tokens: Sequence[int], eos: Iterable[int]) -> int:
     return len(tokens)
 
 
+def trim_after_eos(
+    samples: Iterable[tuple[list[int], list[float]]], eos: Iterable[int]
+) -> tuple[list[list[int]], list[list[float]]]:
+    """``(completions, logprobs)``: each sample's tokens and logprobs up to and including its first EOS."""
+    completions, logprobs = [], []
+    for toks, lps in samples:
+        n = cut_after_eos(toks, eos)
+        completions.append(toks[:n])
+        logprobs.append(lps[:n])
+    return completions, logprobs
+
+
 def build_engine(
     factory: Any, model: Any, params: SamplingParams, *, device: str, seed: int, options: dict | None = None
 ) -> Any:
@@ -280,8 +286,6 @@ class TransformersEngine:
     :param model: a ``transformers`` causal LM (``model(input_ids, attention_mask, position_ids,
         past_key_values, use_cache=True)``); put in eval mode and moved to ``device``.
     :param tokenizer: optional; fills ``params.eos_token_ids``/``pad_token_id`` when they are unset.
-    :param device: torch device string.
-    :param params: sampling settings (validated here).
     :param seed: seeds the engine's private ``torch.Generator``; ``None`` uses torch's global RNG.
     """
 
@@ -317,9 +321,9 @@ class TransformersEngine:
 
         _check_prompts(prompts, num_generations)
         start = time.perf_counter()
-        with inference_mode(self.model):
-            completions, logprobs = self._sample([list(p) for p in prompts for _ in range(num_generations)])
         repeated = [list(p) for p in prompts for _ in range(num_generations)]
+        with inference_mode(self.model):
+            completions, logprobs = self._sample(repeated)
         return EngineOutput(repeated, completions, logprobs, seconds=time.perf_counter() - start)
 
     def score(self, prompts: list[list[int]], completions: list[list[int]]) -> list[list[float]]:
@@ -379,11 +383,4 @@ class TransformersEngine:
             step_ids = nxt.unsqueeze(1)
             mask = torch.cat([mask, torch.ones((batch, 1), dtype=mask.dtype, device=dev)], dim=1)
             position_ids = position_ids[:, -1:] + 1
-        tok_list = tokens[:, :steps].tolist()
-        lp_list = logps[:, :steps].tolist()
-        completions, logprobs = [], []
-        for toks, lps in zip(tok_list, lp_list, strict=True):
-            n = cut_after_eos(toks, p.eos_token_ids)
-            completions.append(toks[:n])
-            logprobs.append(lps[:n])
-        return completions, logprobs
+        return trim_after_eos(zip(tokens[:, :steps].tolist(), logps[:, :steps].tolist(), strict=True), p.eos_token_ids)

@@ -13,7 +13,7 @@ def engine_registrations() -> Iterator[Any]:
     from mrl_plugins.optional import check_vllm_installed
 
     from .engine import TransformersEngine
-    from .vllm_engine import VLLM_START_S, check_vllm_servable, vllm_factory
+    from .vllm_engine import VLLM_START_S, VLLMEngine, check_vllm_servable
 
     yield RolloutEngine(
         name="transformers",
@@ -25,7 +25,7 @@ def engine_registrations() -> Iterator[Any]:
     )
     yield RolloutEngine(
         name="vllm",
-        factory=vllm_factory,
+        factory=VLLMEngine,
         description="vLLM in the worker process (vllm.LLM, in-process engine core), weights synced by reload",
         options=True,
         fork_safe=True,

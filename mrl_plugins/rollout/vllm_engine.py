@@ -42,7 +42,7 @@ from typing import Any
 from mrl_plugins.errors import ConfigError
 from mrl_plugins.optional import check_vllm_installed
 
-from .engine import EngineOutput, SamplingParams, _check_prompts, cut_after_eos, teacher_forced_logps
+from .engine import EngineOutput, SamplingParams, _check_prompts, teacher_forced_logps, trim_after_eos
 
 log = logging.getLogger("mrl_plugins.rollout")
 
@@ -143,9 +143,8 @@ class VLLMEngine:
         reference and :meth:`apply_weights` without arguments re-applies the model's current weights).
     :param tokenizer: optional; fills ``params.eos_token_ids``/``pad_token_id`` when they are unset.
     :param device: ``cpu``, ``cuda[:N]`` or ``npu[:N]`` (the process's visible device; one device per engine).
-    :param params: sampling settings.
     :param seed: base seed; every completion gets its own (``seed + call x batch + i``).
-    :param llm_kwargs: extra ``vllm.LLM`` keyword arguments (``rollout.engine_options``), e.g.
+    :param options: extra ``vllm.LLM`` keyword arguments (``rollout.engine_options``), e.g.
         ``gpu_memory_utilization``, ``max_model_len``, ``enforce_eager``. ``dtype`` must equal the model's.
     """
 
@@ -157,7 +156,7 @@ class VLLMEngine:
         device: str = "cpu",
         params: SamplingParams,
         seed: int | None = None,
-        llm_kwargs: dict | None = None,
+        options: dict | None = None,
     ) -> None:
         params.fill_from_tokenizer(tokenizer)
         self.params = params
@@ -167,8 +166,7 @@ class VLLMEngine:
         self.last_apply_ms = 0.0
         self._calls = 0
         self._tmpdir: str | None = None
-        kwargs = dict(llm_kwargs or {})
-        check_vllm_installed()
+        kwargs = dict(options or {})
         check_vllm_servable(model.config, self.device, type(model).__name__)
         model_dtype = _dtype_name(next(model.parameters()).dtype)
         asked = kwargs.pop("dtype", None)
@@ -287,14 +285,13 @@ class VLLMEngine:
         params = [self._sampling_params(None if base is None else base + i) for i in range(len(flat))]
         self._calls += 1
         outputs = self.llm.generate([{"prompt_token_ids": p} for p in flat], sampling_params=params, use_tqdm=False)
-        completions, logprobs = [], []
+        samples = []
         for req_out in outputs:
             (comp,) = req_out.outputs
             toks = list(comp.token_ids)
             lps = [float(step[tok].logprob) for step, tok in zip(comp.logprobs or [], toks, strict=False)]
-            n = cut_after_eos(toks, self.params.eos_token_ids)
-            completions.append(toks[:n])
-            logprobs.append(lps[:n])
+            samples.append((toks, lps))
+        completions, logprobs = trim_after_eos(samples, self.params.eos_token_ids)
         if filters:  # vLLM's are the filtered distribution's: score with the served weights, temperature only
             logprobs = teacher_forced_logps(
                 self.model,
@@ -335,16 +332,3 @@ def release_llm(owner: Any, *, process_group: bool = False) -> bool:
     except Exception:  # noqa: BLE001
         pass
     return True
-
-
-def vllm_factory(
-    model: Any,
-    tokenizer: Any = None,
-    *,
-    params: SamplingParams,
-    device: str = "cpu",
-    seed: int | None = None,
-    options: dict | None = None,
-) -> VLLMEngine:
-    """Registered factory of ``rollout.engine: vllm``; ``options`` are ``rollout.engine_options``."""
-    return VLLMEngine(model, tokenizer, device=device, params=params, seed=seed, llm_kwargs=options)
