@@ -9,8 +9,7 @@
   :mod:`~mrl_plugins.rollout.autoplace`) chooses per generation from the samples this class feeds it; a run that
   starts taking turns starts its workers at the first generation in the background (lowest CPU priority), or never
   when the run is too short for the split to be chosen; with ``placement: fixed`` always the split;
-* the trainer's share of the machine in each arrangement and the lending of idle workers' share inside the split
-  (:class:`TrainerShare`);
+* the trainer's share of the machine, lent the idle workers' share (:class:`TrainerShare`);
 * hybrid rebalancing (``rollout.rebalance``): the :class:`~mrl_plugins.rollout.hybrid.HybridBalancer` moving workers
   between the colocated and dedicated pools by the trainer's wait share.
 
@@ -272,10 +271,7 @@ class Placement:
         self._observe(t0)
         if self.start_deferred:
             self._background_start(generations_left, start_pool)
-        target = self.controller.check(generations_left)
-        if target != self.arrangement:
-            self.arrangement = target
-            self.ctx.metrics.add("rollout/placement_switch_batches", 1)
+        self.arrangement = self.controller.check(generations_left)  # a switch counted as rollout/placement_switches
         self.controller.report()
         return self.arrangement
 
