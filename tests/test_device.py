@@ -47,7 +47,7 @@ def test_cpu_device_facts():
     dev = get_device("cpu")
     assert isinstance(dev, CpuDevice) and dev.type == "cpu" and dev.index is None
     assert dev.torch_device == torch.device("cpu")
-    assert dev.collective_backend == "gloo" and dev.visible_devices_env is None
+    assert collective_backend(dev.type) == "gloo" and visible_devices_env(dev.type) is None
     assert dev == get_device("cpu") and str(dev) == "cpu"
     assert "cpu" in available_device_types() and available_device_types()[0] == "cpu"
     assert collective_backend("cpu") == "gloo"
@@ -83,7 +83,7 @@ def test_absent_cuda_is_a_device_error_with_choices():
 
 def test_cuda_facts_without_gpu():
     dev = CudaDevice(index=1)
-    assert dev.collective_backend == "nccl" and dev.visible_devices_env == "CUDA_VISIBLE_DEVICES"
+    assert collective_backend(dev.type) == "nccl" and visible_devices_env(dev.type) == "CUDA_VISIBLE_DEVICES"
     assert dev.spec == "cuda:1"
     # torch.cuda.Stream.priority_range() -> (least, greatest); lower number = higher priority
     assert cuda_priority_number("high", (0, -5)) == -5

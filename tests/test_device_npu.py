@@ -36,8 +36,9 @@ from mrl_plugins.device import (
     reserve_memory,
     torch_npu_without_cann,
     versions,
+    visible_devices_env,
 )
-from mrl_plugins.device.base import _reset_warn_once
+from mrl_plugins.device import base as device_base
 from mrl_plugins.errors import ConfigError, DeviceError
 
 GIB = 1 << 30
@@ -45,9 +46,9 @@ GIB = 1 << 30
 
 @pytest.fixture(autouse=True)
 def _fresh_warnings():
-    _reset_warn_once()
+    device_base._warned.clear()
     yield
-    _reset_warn_once()
+    device_base._warned.clear()
 
 
 @pytest.fixture
@@ -106,7 +107,7 @@ def test_broken_torch_npu_falls_back_to_cuda(monkeypatch, with_cuda):
     fake_torch_npu.install_broken(monkeypatch, RuntimeError("aclInit failed"))
     with pytest.warns(DeviceFallbackWarning, match="continuing on CUDA.*aclInit failed"):
         dev = get_device("auto")
-    assert dev.type == "cuda" and dev.collective_backend == "nccl"
+    assert dev.type == "cuda" and collective_backend(dev.type) == "nccl"
 
 
 def test_installed_without_cards_is_unusable(monkeypatch, no_cuda):
@@ -152,8 +153,8 @@ def test_missing_npu_index_names_choices(monkeypatch, no_cuda):
 def test_npu_facts_and_visible_devices(monkeypatch, no_cuda):
     fake_torch_npu.install(monkeypatch)
     dev = get_device("npu")
-    assert dev.collective_backend == "hccl"
-    assert dev.visible_devices_env == "ASCEND_RT_VISIBLE_DEVICES"
+    assert collective_backend(dev.type) == "hccl"
+    assert visible_devices_env(dev.type) == "ASCEND_RT_VISIBLE_DEVICES"
 
 
 def test_npu_torch_device_in_subprocess():
@@ -183,7 +184,7 @@ def test_npu_streams_do_not_claim_priority(monkeypatch, no_cuda):
     dev = get_device("npu:1")
     high = dev.new_stream("high")
     assert isinstance(high.raw, mod.npu.Stream) and high.raw.device_index == 1
-    assert high.priority == "high" and high.priority_honoured is False and high.hw_priority is None
+    assert high.priority == "high" and high.priority_honoured is False
     with dev.stream_context(high):
         assert mod.npu.current_stream() is high.raw
     assert mod.npu.current_stream() is not high.raw and mod.npu.current_stream().stream_id == 0  # the default

@@ -25,8 +25,8 @@ except ImportError:  # tests/ imported as a package (rootdir-based import modes)
 from mrl_plugins.cli import doctor_checks
 from mrl_plugins.cli.doctor import cli, load_report, triage
 from mrl_plugins.cli.doctor_checks import check_memory, check_ports, check_threads
+from mrl_plugins.device import base as device_base
 from mrl_plugins.device import probe
-from mrl_plugins.device.base import _reset_warn_once
 from mrl_plugins.errors import ConfigError
 
 LINE = re.compile(r"^(ok|warn|fail) +[a-zA-Z_+ ]+: \S")
@@ -34,9 +34,9 @@ LINE = re.compile(r"^(ok|warn|fail) +[a-zA-Z_+ ]+: \S")
 
 @pytest.fixture(autouse=True)
 def _fresh_warnings():
-    _reset_warn_once()
+    device_base._warned.clear()
     yield
-    _reset_warn_once()
+    device_base._warned.clear()
 
 
 def _lines(out: str) -> dict[str, list[str]]:

@@ -2,9 +2,9 @@
 
 Example::
 
-    from mrl_plugins.device import get_device
+    from mrl_plugins.device import collective_backend, get_device
     dev = get_device("auto")            # NPU, else CUDA, else CPU
-    dev.collective_backend              # 'hccl' / 'nccl' / 'gloo'
+    collective_backend(dev.type)        # 'hccl' / 'nccl' / 'gloo'
     s = dev.new_stream("high")          # hardware priority on CUDA only (s.priority_honoured)
     with dev.stream_context(s):
         ...
@@ -17,37 +17,14 @@ project: NPU is tested against a fake torch_npu that follows the documented API.
 
 from __future__ import annotations
 
-from mrl_plugins.device.base import (
-    COLLECTIVE_BACKENDS,
-    DEVICE_TYPES,
-    STREAM_PRIORITIES,
-    VISIBLE_DEVICES_ENV,
-    CoreLimitWarning,
-    Device,
-    DeviceFallbackWarning,
-    DeviceStream,
-)
-from mrl_plugins.device.budget import (
-    AppliedBudget,
-    ComputeBudget,
-    allowed_cores,
-    apply_compute_budget,
-    split_cores,
-)
-from mrl_plugins.device.cpu import CpuDevice
-from mrl_plugins.device.cuda import CudaDevice
-from mrl_plugins.device.memory import (
-    MemoryProfile,
-    measure_peak,
-    reservation_fraction,
-    reserve_memory,
-)
-from mrl_plugins.device.npu import NpuDevice
-from mrl_plugins.device.probe import (
-    CORE_LIMIT_APIS,
-    NpuStatus,
-    cann_home,
-    cann_version,
+# the package's API: re-exported names
+from mrl_plugins.device.base import CoreLimitWarning, Device, DeviceFallbackWarning  # noqa: F401
+from mrl_plugins.device.budget import ComputeBudget, allowed_cores, apply_compute_budget, split_cores  # noqa: F401
+from mrl_plugins.device.cpu import CpuDevice  # noqa: F401
+from mrl_plugins.device.cuda import CudaDevice  # noqa: F401
+from mrl_plugins.device.memory import measure_peak, reservation_fraction, reserve_memory  # noqa: F401
+from mrl_plugins.device.npu import NpuDevice  # noqa: F401
+from mrl_plugins.device.probe import (  # noqa: F401
     core_limit_apis,
     is_cuda_available,
     is_torch_npu_available,
@@ -56,49 +33,10 @@ from mrl_plugins.device.probe import (
     torch_npu_without_cann,
     versions,
 )
-from mrl_plugins.device.select import (
+from mrl_plugins.device.select import (  # noqa: F401
     available_device_types,
     collective_backend,
     get_device,
     parse_device_spec,
     visible_devices_env,
 )
-
-__all__ = [
-    "AppliedBudget",
-    "COLLECTIVE_BACKENDS",
-    "CORE_LIMIT_APIS",
-    "ComputeBudget",
-    "CoreLimitWarning",
-    "CpuDevice",
-    "CudaDevice",
-    "DEVICE_TYPES",
-    "Device",
-    "DeviceFallbackWarning",
-    "DeviceStream",
-    "MemoryProfile",
-    "NpuDevice",
-    "NpuStatus",
-    "STREAM_PRIORITIES",
-    "VISIBLE_DEVICES_ENV",
-    "allowed_cores",
-    "apply_compute_budget",
-    "available_device_types",
-    "cann_home",
-    "cann_version",
-    "collective_backend",
-    "core_limit_apis",
-    "get_device",
-    "is_cuda_available",
-    "is_torch_npu_available",
-    "measure_peak",
-    "npu_status",
-    "parse_device_spec",
-    "reservation_fraction",
-    "reserve_memory",
-    "split_cores",
-    "torch_npu_installed",
-    "torch_npu_without_cann",
-    "versions",
-    "visible_devices_env",
-]

@@ -55,12 +55,6 @@ def warn_once(message: str, category: type[Warning] = DeviceFallbackWarning, sta
     return True
 
 
-def _reset_warn_once() -> None:
-    """Forget which warnings were emitted (tests only)."""
-    with _warned_lock:
-        _warned.clear()
-
-
 def check_priority(priority: str) -> str:
     """Validate a stream priority name; ConfigError naming the valid ones otherwise."""
     if priority not in STREAM_PRIORITIES:
@@ -82,14 +76,13 @@ def check_fraction(fraction: float) -> float:
 class DeviceStream:
     """A stream of one device. ``raw`` is the backend stream (``None`` on CPU).
 
-    ``priority`` is what was asked for; ``hw_priority`` the number passed to the backend; ``priority_honoured``
-    says whether the hardware schedules by it (True only on CUDA, and only for ``high`` vs the others).
+    ``priority`` is what was asked for; ``priority_honoured`` says whether the hardware schedules by it (True only
+    on CUDA, and only for ``high`` vs the others).
     """
 
     device_type: str
     priority: str
     raw: Any = None
-    hw_priority: int | None = None
     priority_honoured: bool = False
 
     def synchronize(self) -> None:
@@ -111,16 +104,6 @@ class Device(ABC):
     memory_fraction: float | None = field(default=None, compare=False)
 
     # --- facts -------------------------------------------------------------------------------------------------
-    @property
-    def collective_backend(self) -> str:
-        """torch.distributed backend for this device type: ``hccl``, ``nccl`` or ``gloo``."""
-        return COLLECTIVE_BACKENDS[self.type]
-
-    @property
-    def visible_devices_env(self) -> str | None:
-        """Environment variable selecting visible devices (``ASCEND_RT_VISIBLE_DEVICES``/``CUDA_VISIBLE_DEVICES``)."""
-        return VISIBLE_DEVICES_ENV[self.type]
-
     @property
     def spec(self) -> str:
         """The spec string that selects this device (``cpu``, ``cuda:0``, ``npu:1``)."""
@@ -162,3 +145,49 @@ class Device(ABC):
     @abstractmethod
     def reset_peak_memory(self) -> bool:
         """Reset the peak so the next :meth:`memory_stats` measures from now. Returns whether it could."""
+
+
+@dataclass(eq=True)
+class AcceleratorDevice(Device):
+    """A CUDA GPU or an Ascend NPU: the same calls, on ``torch.cuda`` or ``torch_npu.npu`` (:meth:`_ns`)."""
+
+    index: int | None = 0
+
+    @abstractmethod
+    def _ns(self) -> Any:
+        """The backend's namespace, imported when called (never at module import)."""
+
+    @contextmanager
+    def stream_context(self, stream: DeviceStream | None) -> Iterator[DeviceStream | None]:
+        """``<ns>.stream(stream.raw)``."""
+        with self._ns().stream(None if stream is None else stream.raw):
+            yield stream
+
+    def synchronize(self) -> None:
+        """``<ns>.synchronize(index)``."""
+        self._ns().synchronize(self.index)
+
+    def set_memory_fraction(self, fraction: float) -> None:
+        """``<ns>.set_per_process_memory_fraction(fraction, index)`` (a float, as torch_npu requires): the caching
+        allocator refuses more."""
+        value = check_fraction(fraction)
+        self._ns().set_per_process_memory_fraction(value, self.index)
+        self.memory_fraction = value
+
+    def _total_bytes(self, ns: Any) -> int:
+        return int(ns.get_device_properties(self.index).total_memory)
+
+    def memory_stats(self) -> dict[str, int]:
+        """Allocator peak/current bytes and the device's total memory."""
+        ns = self._ns()
+        total = self._total_bytes(ns)
+        return {
+            "peak_bytes": int(ns.max_memory_allocated(self.index)),
+            "allocated_bytes": int(ns.memory_allocated(self.index)),
+            "total_bytes": total,
+        }
+
+    def reset_peak_memory(self) -> bool:
+        """``<ns>.reset_peak_memory_stats(index)``."""
+        self._ns().reset_peak_memory_stats(self.index)
+        return True

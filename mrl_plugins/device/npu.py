@@ -12,13 +12,11 @@ two stream pools; every pool stream is created with ``aclrtCreateStreamWithConfi
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from types import ModuleType
 
 from mrl_plugins.device import probe
-from mrl_plugins.device.base import Device, DeviceStream, check_fraction, check_priority
+from mrl_plugins.device.base import AcceleratorDevice, DeviceStream, check_priority
 
 #: torch_npu stream pool per priority name (pool 1 = "high" pool; no scheduling effect, see module doc).
 NPU_POOL_PRIORITY: dict[str, int] = {"high": -1, "normal": 0, "low": 0}
@@ -30,49 +28,22 @@ def npu_namespace() -> ModuleType:
 
 
 @dataclass(eq=True)
-class NpuDevice(Device):
+class NpuDevice(AcceleratorDevice):
     """One Ascend NPU; collectives use ``hccl``; ``ASCEND_RT_VISIBLE_DEVICES`` selects NPUs."""
 
     type: str = field(default="npu", init=False)  # NpuDevice(1) is npu:1
-    index: int | None = 0
+
+    def _ns(self) -> ModuleType:
+        return npu_namespace()
 
     def new_stream(self, priority: str = "normal") -> DeviceStream:
         """``torch_npu.npu.Stream(device=index, priority=...)``; ``priority_honoured`` is False (module doc)."""
         check_priority(priority)
-        number = NPU_POOL_PRIORITY[priority]
-        raw = npu_namespace().Stream(device=self.index, priority=number)
-        return DeviceStream(self.type, priority, raw=raw, hw_priority=None, priority_honoured=False)
+        raw = npu_namespace().Stream(device=self.index, priority=NPU_POOL_PRIORITY[priority])
+        return DeviceStream(self.type, priority, raw=raw, priority_honoured=False)
 
-    @contextmanager
-    def stream_context(self, stream: DeviceStream | None) -> Iterator[DeviceStream | None]:
-        """``torch_npu.npu.stream(stream.raw)``."""
-        with npu_namespace().stream(None if stream is None else stream.raw):
-            yield stream
-
-    def synchronize(self) -> None:
-        """``torch_npu.npu.synchronize(index)``."""
-        npu_namespace().synchronize(self.index)
-
-    def set_memory_fraction(self, fraction: float) -> None:
-        """``torch_npu.npu.set_per_process_memory_fraction(fraction, index)`` (it requires a float)."""
-        value = check_fraction(fraction)
-        npu_namespace().set_per_process_memory_fraction(value, self.index)
-        self.memory_fraction = value
-
-    def memory_stats(self) -> dict[str, int]:
-        """Allocator peak/current bytes and the NPU's total memory (``mem_get_info``)."""
-        npu = npu_namespace()
+    def _total_bytes(self, npu: ModuleType) -> int:
+        """``mem_get_info``'s total where torch_npu has it, else the device properties'."""
         if hasattr(npu, "mem_get_info"):
-            total = int(npu.mem_get_info(self.index)[1])
-        else:
-            total = int(npu.get_device_properties(self.index).total_memory)
-        return {
-            "peak_bytes": int(npu.max_memory_allocated(self.index)),
-            "allocated_bytes": int(npu.memory_allocated(self.index)),
-            "total_bytes": total,
-        }
-
-    def reset_peak_memory(self) -> bool:
-        """``torch_npu.npu.reset_peak_memory_stats(index)``."""
-        npu_namespace().reset_peak_memory_stats(self.index)
-        return True
+            return int(npu.mem_get_info(self.index)[1])
+        return super()._total_bytes(npu)
