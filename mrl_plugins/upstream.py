@@ -36,33 +36,12 @@ _QUEUE = Capabilities(rejoinable=True)
 
 class TrainerGeneration:
     """``rollout: upstream``: TRL generates with the training model (``replaces_host = False``: the adapter leaves
-    TRL's generation in place, so a run equals vanilla TRL). :meth:`generate` is that same path, callable alone."""
+    TRL's generation in place, so a run equals vanilla TRL, and never calls :meth:`generate`)."""
 
     replaces_host = False
 
-    def __init__(self, trainer: Any) -> None:
-        self.trainer = trainer
-
     def generate(self, prompts: list[list[int]], num_generations: int, model_id: str) -> RolloutResult:
-        trainer = self.trainer
-        flat = [list(p) for p in prompts for _ in range(num_generations)]
-        saved = trainer.use_vllm
-        trainer.use_vllm = False
-        try:
-            try:
-                out = trainer._generate_single_turn(flat, None, {}, num_generations)
-            except TypeError:  # RLOOTrainer's signature has no num_generations
-                out = trainer._generate_single_turn(flat, None, {})
-        finally:
-            trainer.use_vllm = saved
-        completion_ids = out[0] if isinstance(out, tuple) else out
-        return RolloutResult(
-            prompt_ids=flat,
-            completion_ids=[list(c) for c in completion_ids],
-            logprobs=None,  # type: ignore[arg-type]  # TRL's transformers path computes none
-            weight_version=int(trainer.state.global_step),
-            model_id=model_id,
-        )
+        raise PluginError("rollout 'upstream' leaves TRL's own generation in place: it has no generate of its own")
 
     def publish(self, version: int, named_tensors: Iterable[tuple[str, Any]]) -> None:
         return None  # it generates with the training model: nothing to sync
@@ -83,8 +62,9 @@ class InPlaceSender:
         self.version: int | None = None
         self._last: tuple[int, float] = (0, 0.0)
 
-    def receiver_handle(self) -> InPlaceHandle:
-        return InPlaceHandle(self)
+    def receiver_handle(self) -> InPlaceSender:
+        """In-process only: the sender itself (the receiver binds the model to it)."""
+        return self
 
     def publish(self, version: int, named_tensors: Iterable[tuple[str, Any]]) -> PublishReport:
         import torch
@@ -106,13 +86,6 @@ class InPlaceSender:
 
     def close(self) -> None:
         self.target = None
-
-
-class InPlaceHandle:
-    """In-process only: binds the receiving model to its :class:`InPlaceSender`."""
-
-    def __init__(self, sender: InPlaceSender) -> None:
-        self.sender = sender
 
 
 class InPlaceReceiver:
@@ -158,7 +131,7 @@ class UpstreamRollout:
         trainer = setup.host
         if trainer is None or not hasattr(trainer, "_generate_single_turn"):
             raise PluginError("rollout 'upstream' runs TRL's own generation and needs a TRL trainer as host")
-        return TrainerGeneration(trainer)
+        return TrainerGeneration()
 
 
 class UpstreamWeightSync:
@@ -178,8 +151,8 @@ class UpstreamWeightSync:
         return sender
 
     def open_receiver(self, ctx: StageContext, model: Any, handle: Any, model_id: str, rank: int) -> Any:
-        if isinstance(handle, InPlaceHandle):
-            return InPlaceReceiver(model, handle.sender, model_id)
+        if isinstance(handle, InPlaceSender):
+            return InPlaceReceiver(model, handle, model_id)
         from mrl_plugins.weight_sync.plugin import attach_handle
         from mrl_plugins.weight_sync.receiver import DirectLoader
 

@@ -408,8 +408,9 @@ def test_enable_refuses_more_workers_than_cores_before_anything_changes(tmp_path
 
 def test_upstream_rollout_runtime_is_trls_own_generation(tmp_path):
     """``rollout: upstream`` opens a runtime that declares ``replaces_host = False``: the adapter leaves TRL's
-    generation in place (no ``vllm_generation`` patch), and the runtime's ``generate`` is that same TRL path."""
+    generation in place (no ``vllm_generation`` patch) and never asks the runtime to generate."""
     import mrl_plugins
+    from mrl_plugins.errors import PluginError
     from mrl_plugins.upstream import TrainerGeneration
 
     trainer = _trainer(tmp_path, steps=1)
@@ -417,10 +418,8 @@ def test_upstream_rollout_runtime_is_trls_own_generation(tmp_path):
     runtime = trainer._mrl_state.runtime
     assert isinstance(runtime, TrainerGeneration) and runtime.replaces_host is False
     assert trainer.use_vllm is False and "vllm_generation" not in trainer.__dict__
-    ids = trainer._tokenize_prompts(["a b c"])[0]
-    res = runtime.generate(ids, 2, "policy")
-    assert res.prompt_ids == [list(ids[0])] * 2 and len(res.completion_ids) == 2
-    assert all(len(c) >= 1 for c in res.completion_ids) and res.weight_version == 0
+    with pytest.raises(PluginError, match="leaves TRL's own generation in place"):
+        runtime.generate([[1, 2]], 2, "policy")
     assert runtime.publish(1, []) is None  # it generates with the training model: nothing to sync
     mrl_plugins.disable(trainer)
 
