@@ -84,7 +84,7 @@ def _corrupting_receiver(handle, q) -> None:
         finally:
             bc.chunk_checksums = real
         unchanged = all(torch.equal(p, good[n]) for n, p in model.named_parameters())
-        no_switch = recv.staged_version is None and recv.switch(1) is None and recv.version == 1
+        no_switch = recv.switch(1) is None and recv.version == 1  # nothing staged
         # a poll right now could retry version 2 while the sender has not announced 3 yet: wait for 3
         deadline = time.monotonic() + 30
         while recv.tr.latest_version() != 3:
@@ -120,30 +120,21 @@ def test_corrupted_message_means_no_switch_and_a_clear_error():
 
 
 def _layout_receiver(handle, rank, versions, q) -> None:
-    """Fetch each version into contiguous, non-contiguous and callable destinations; report what arrived."""
+    """Fetch each version into contiguous and non-contiguous destinations; report what arrived."""
     torch.set_num_threads(1)
     try:
         rx = handle.attach(rank)
         for v in versions:
             ref = mixed_tensors(v)
-            if v % 2:  # mapping: non-contiguous destinations for two tensors (received through a buffer)
-                dest = {n: torch.zeros_like(t) for n, t in ref}
+            dest = {n: torch.zeros_like(t) for n, t in ref}
+            if v % 2:  # non-contiguous destinations for two tensors (received through a buffer)
                 dest["big.f32"] = torch.zeros(33, 97).t()
                 dest["small.i8"] = torch.zeros(3, 5, dtype=torch.int8).t()
-                rx.fetch_into(v, dest, 30)
-                got = {n: t.contiguous() for n, t in dest.items()}
-            else:  # callable: row pieces assembled by the caller
-                pieces: dict[str, list[tuple[int, torch.Tensor]]] = {}
-
-                def sink(name, row0, t, pieces=pieces):
-                    pieces.setdefault(name, []).append((row0, t.clone()))
-
-                rx.fetch_into(v, sink, 30)
-                got = {}
-                for n, t in ref:
-                    parts = sorted(pieces[n], key=lambda p: p[0])
-                    assert [p[0] for p in parts] == sorted({p[0] for p in parts})
-                    got[n] = parts[0][1] if t.dim() == 0 else torch.cat([p[1] for p in parts])
+            else:  # every destination a strided view: every message through a buffer, copied in row pieces
+                dest = {n: torch.zeros(2 * len(t), *t.shape[1:], dtype=t.dtype)[::2] if t.dim() else d
+                        for (n, t), d in zip(ref, dest.values())}  # fmt: skip
+            rx.fetch_into(v, dest, 30)
+            got = {n: t.contiguous() for n, t in dest.items()}
             q.put((rank, v, {n: bool(torch.equal(got[n], t)) and got[n].dtype == t.dtype for n, t in ref}))
         rx.close()
     except BaseException as exc:  # report instead of hanging the parent

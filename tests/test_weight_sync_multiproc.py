@@ -132,17 +132,18 @@ def _reap(child, sender, q) -> None:
 
 
 def _fetch_and_stall(rx, version, q) -> None:
-    """``fetch_into(version)`` into a destination that stalls (until killed) at the first tensor it gets."""
+    """``fetch_into(version)`` into a destination that stalls (until killed) at the first tensor it looks up."""
 
-    def dest(name, row0, view):
-        q.put("stalled")
-        time.sleep(600)
+    class Stalling(dict):
+        def get(self, name, default=None):
+            q.put("stalled")
+            time.sleep(600)
 
-    rx.fetch_into(version, dest, 600)
+    rx.fetch_into(version, Stalling(), 600)
 
 
 def _stalling_receiver(handle, names, q) -> None:
-    """Take version 0, then join the broadcast of version 1 and stall at the first tensor it delivers."""
+    """Take version 0, then join the broadcast of version 1 and stall at the first tensor it looks up."""
     torch.set_num_threads(1)
     rx = handle.attach()
     rx.fetch_into(0, {n: torch.empty(1024, 1024) for n in names}, 60)

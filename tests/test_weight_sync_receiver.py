@@ -35,6 +35,10 @@ def filled(model: torch.nn.Module, v: float) -> list[tuple[str, torch.Tensor]]:
     return [(n, torch.full_like(p, v)) for n, p in model.named_parameters()]
 
 
+def param_bytes(model: torch.nn.Module) -> int:
+    return sum(p.nbytes for p in model.parameters())
+
+
 @pytest.fixture
 def shm():
     made = []
@@ -68,15 +72,15 @@ def test_stage_then_switch_and_version_log(shm, staging, caplog):
     caplog.set_level(logging.INFO, logger="mrl_plugins.weight_sync")
     rep = recv.switch()
     assert values(model) == {1.0} and recv.version == 1 and rep.from_version == -1 and rep.to_version == 1
-    assert rep.nbytes == recv.param_bytes
+    assert rep.nbytes == param_bytes(model)
     line = [r.getMessage() for r in caplog.records if r.getMessage().startswith("switch ")]
     assert len(line) == 1 and line[0].startswith("switch model_id=policy -1 -> 1 bytes=") and "seconds=" in line[0]
     assert recv.poll(1) is None  # unchanged version: nothing fetched
     out = model(torch.ones(2, 16))
     assert out.shape == (2, 8)
-    st = recv.stats()
-    assert st["switches"] == 1 and st["bytes"] == recv.param_bytes and st["ignored_versions"] == 0
-    assert set(recv.stats()) >= {"bytes", "switches", "ignored_versions", "switch_ms", "fetch_gbps"}
+    st = recv.stats()  # the gauges of metrics.record_switch (bytes and the switch count: the reports above)
+    assert set(st) == {"ignored_versions", "switch_ms", "fetch_gbps"}
+    assert st["ignored_versions"] == 0 and st["switch_ms"] >= 0 and st["fetch_gbps"] > 0
 
 
 @pytest.mark.parametrize("staging", ["device", "host"])
@@ -133,7 +137,7 @@ def test_corruption_means_no_switch(shm):
     seg.mm[off + 8 + hlen + 3] ^= 0x10
     with pytest.raises(WeightSyncError, match="checksum mismatch"):
         recv.poll(2)
-    assert recv.staged_version is None and recv.switch() is None
+    assert recv.switch() is None  # nothing staged
     assert recv.version == 1 and values(model) == {1.0}
     s.publish(3, filled(model, 3.0))  # the next good version goes through
     assert recv.poll(2) == 3 and recv.switch().to_version == 3 and values(model) == {3.0}
@@ -196,8 +200,8 @@ def test_switch_waits_for_in_flight_requests(shm):
     with recv.active():
         with pytest.raises(StageTimeoutError, match="still in flight"):
             recv.switch(timeout=0.2)
-        assert recv.version == -1 and recv.staged_version == 1
-    assert recv.switch(1).to_version == 1
+        assert recv.version == -1
+    assert recv.switch(1).to_version == 1  # still staged
 
 
 def test_several_models_coexist(shm):
@@ -271,14 +275,14 @@ def test_plugin_opens_both_ends_and_the_caller_counts_their_reports(fresh_pm):
         for v in (2, 3, 4):  # three switches inside one log window
             rep = s.publish(v, filled(model, v))
             record_publish(metrics, rep)
-            assert rep.version == v and rep.nbytes == recv.param_bytes
+            assert rep.version == v and rep.nbytes == param_bytes(model)
             assert recv.poll(2.0) == v
             sw = recv.switch(5)
             record_switch(metrics, sw, recv.stats())
             assert sw.to_version == v and values(model) == {float(v)}
         logged = metrics.flush()
         # counters: what happened in the window (not running totals added up again); gauges: the last value
-        assert logged["mrl/weights/switches"] == 3 and logged["mrl/weights/received_bytes"] == 3 * recv.param_bytes
+        assert logged["mrl/weights/switches"] == 3 and logged["mrl/weights/received_bytes"] == 3 * param_bytes(model)
         assert logged["mrl/weights/active_version"] == 4 and logged["mrl/weights/ignored_versions"] == 0
         assert 0 < logged["mrl/weights/receive_seconds"] < 30 and logged["mrl/weights/publish_seconds"] > 0
         s.publish(5, filled(model, 5.0))
@@ -343,7 +347,7 @@ def test_a_version_staged_by_another_thread_meanwhile_is_not_fetched_twice(shm):
         time.sleep(0.05)  # the second poll starts while the first one fetches
     for t in threads:
         t.join(10)
-    assert fetches == [1] and sorted(got, key=str) == [1, None] and recv.staged_version == 1
+    assert fetches == [1] and sorted(got, key=str) == [1, None]
     assert recv.switch(5).to_version == 1 and values(model) == {1.0}
 
 
@@ -438,7 +442,7 @@ def test_a_reader_that_always_loses_to_the_writer_gives_up_with_a_clear_error(tm
     recv = DoubleBufferedReceiver(model, rx)
     with pytest.raises(VersionGoneError, match="manifest is at"):
         recv.poll(None)
-    assert len(fetches) == GONE_RETRIES + 1 and recv.version == -1 and recv.staged_version is None
+    assert len(fetches) == GONE_RETRIES + 1 and recv.version == -1 and recv.switch(1) is None  # nothing staged
     rx.fetch_into = real
     assert recv.poll(5) == sender._latest and recv.switch(5)  # a reader that keeps up takes the newest
 

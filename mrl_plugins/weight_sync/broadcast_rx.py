@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import bisect
 import json
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -138,13 +137,12 @@ class BroadcastReceiver:
             bad.append(str(exc))
             return None
 
-    def _deliver(self, dest: Dest, name: str, target: Any, view: torch.Tensor, row0: int = 0) -> None:
+    @staticmethod
+    def _deliver(target: Any, view: torch.Tensor, row0: int = 0) -> None:
         if target is not None:
             if row0 or (view.dim() and view.shape[0] != target.shape[0]):
                 target = target[row0 : row0 + view.shape[0]]
             target.copy_(view)
-        elif callable(dest) and not isinstance(dest, Mapping):
-            dest(name, row0, view)
 
     def _recv_params(self, msg: dict, dest: Dest, timeout: float, bad: list[str]) -> int:
         n = 0
@@ -158,7 +156,7 @@ class BroadcastReceiver:
             else:
                 buf = torch.empty(nb, dtype=torch.uint8)
                 self.g.bcast(buf, timeout)
-                self._deliver(dest, name, target, buf.view(dtype).view(shape))
+                self._deliver(target, buf.view(dtype).view(shape))
             n += nb
         return n
 
@@ -170,10 +168,8 @@ class BroadcastReceiver:
         """
         entries = [e for e in msg["entries"] if e[4]]
         targets: dict[str, Any] = {}
-        for name, dt, shape, _, nb in msg["entries"]:
+        for name, dt, shape, _, _ in msg["entries"]:
             targets[name] = self._target(dest, name, ST_TO_DTYPE[dt], shape, bad)
-            if nb == 0 and not bad:
-                self._deliver(dest, name, targets[name], torch.empty(shape, dtype=ST_TO_DTYPE[dt]))
         starts = [e[3] for e in entries]
         plan = []
         for a, nb in msg["msgs"]:
@@ -231,7 +227,7 @@ class BroadcastReceiver:
                 mine.append(chunk_checksums(buf, chunk, algo))
             if not bad:
                 for name, dtype, piece, mo, cnb, r0, _ in copies:
-                    self._deliver(dest, name, targets[name], buf[mo : mo + cnb].view(dtype).view(piece), r0)
+                    self._deliver(targets[name], buf[mo : mo + cnb].view(dtype).view(piece), r0)
 
         while True:
             k = msg["k"]

@@ -129,12 +129,8 @@ class DoubleBufferedReceiver:
         self._inflight = 0
         self._switching = False
         self._ignored: set[int] = set()
-        self._bytes = 0
-        self._seconds = 0.0
-        self._switches = 0
         self._last_fetch = (0, 0.0)
         self._last_switch_ms = 0.0
-        self.param_bytes = sum(p.nbytes for _, p in self._params)
 
     # ------------------------------------------------------------------ staging
 
@@ -143,10 +139,6 @@ class DoubleBufferedReceiver:
         for alias, p in self._aliases.items():  # tied names point at the same staging view
             views.setdefault(alias, views[self._by_param[id(p)]])
         return views
-
-    @property
-    def staged_version(self) -> int | None:
-        return self._staged
 
     def poll(self, timeout: float | None = None) -> int | None:
         """Fetch the newest version into staging if it is newer than active and staged; return it, else ``None``.
@@ -205,8 +197,6 @@ class DoubleBufferedReceiver:
                     f"{missing[:3]} (check name_map or the mrl_weight_sync_map_name hook)"
                 )
             self._staged = version
-            self._bytes += nbytes
-            self._seconds += dt
             self._last_fetch = (nbytes, dt)
             LOG.debug("staged model_id=%s version %d bytes=%d seconds=%.4f", self.model_id, version, nbytes, dt)
             return version
@@ -262,7 +252,6 @@ class DoubleBufferedReceiver:
                     self._cv.notify_all()
             old, new = self.version, self._staged
             self.version, self._staged = new, None
-            self._switches += 1
             self._last_switch_ms = sw * 1e3
             nbytes, fetch_s = self._last_fetch
             LOG.info(
@@ -285,12 +274,9 @@ class DoubleBufferedReceiver:
     # ------------------------------------------------------------------ reporting
 
     def stats(self) -> dict[str, float]:
-        """Totals since creation: ``bytes``, ``seconds`` (fetch), ``switches``, ``ignored_versions``, ..."""
+        """``ignored_versions`` (since creation), ``switch_ms`` and ``fetch_gbps`` (of the last switch and fetch): the
+        gauges of :func:`mrl_plugins.metrics.record_switch` (bytes and seconds come from the switch reports)."""
         return {
-            "version": float(self.version),
-            "bytes": float(self._bytes),
-            "seconds": self._seconds,
-            "switches": float(self._switches),
             "ignored_versions": float(len(self._ignored)),
             "switch_ms": self._last_switch_ms,
             "fetch_gbps": (self._last_fetch[0] / self._last_fetch[1] / 1e9) if self._last_fetch[1] else 0.0,

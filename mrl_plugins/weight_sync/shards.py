@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import json
 import struct
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -56,8 +56,8 @@ for _name, _st in (("float8_e4m3fn", "F8_E4M3"), ("float8_e5m2", "F8_E5M2"), ("u
         DTYPE_TO_ST[getattr(torch, _name)] = _st
 ST_TO_DTYPE: dict[str, torch.dtype] = {v: k for k, v in DTYPE_TO_ST.items()}
 
-#: a destination: a mapping name -> tensor to copy into, or ``fn(name, row_start, chunk)``
-Dest = Mapping[str, torch.Tensor] | Callable[[str, int, torch.Tensor], None]
+#: a destination: a mapping name -> tensor to copy into
+Dest = Mapping[str, torch.Tensor]
 
 
 class WeightSyncError(MrlError):
@@ -254,11 +254,9 @@ def parse_shard(buf: torch.Tensor, *, verify: bool = True, where: str = "shard")
     return out
 
 
-def dest_tensor(dest: Dest, name: str, dtype: torch.dtype, shape: tuple[int, ...] | list[int]) -> torch.Tensor | None:
-    """The tensor of ``dest`` that receives the whole tensor ``name`` (``dtype``, ``shape``); ``None`` when ``dest``
-    is a callable. :class:`WeightSyncError` when ``dest`` has no such name or its tensor does not match."""
-    if callable(dest) and not isinstance(dest, Mapping):
-        return None
+def dest_tensor(dest: Dest, name: str, dtype: torch.dtype, shape: tuple[int, ...] | list[int]) -> torch.Tensor:
+    """The tensor of ``dest`` that receives the whole tensor ``name`` (``dtype``, ``shape``); :class:`WeightSyncError`
+    when ``dest`` has no such name or its tensor does not match."""
     target = dest.get(name)
     if target is None:
         raise WeightSyncError(
@@ -275,9 +273,6 @@ def copy_entry(dest: Dest, entry: Entry, view: torch.Tensor) -> None:
     """Copy one received entry (a whole tensor or a row chunk of one) into ``dest``."""
     rows = entry.rows_total
     target = dest_tensor(dest, entry.name, view.dtype, tuple(view.shape) if rows is None else (rows, *view.shape[1:]))
-    if target is None:
-        dest(entry.name, entry.row0, view)  # type: ignore[operator]
-        return
     if rows is not None:
         target = target[entry.row0 : entry.row0 + entry.shape[0]]
     target.copy_(view)
