@@ -137,12 +137,16 @@ def _weight_sync_defaults() -> str:
 
     rows = ["| transport | chunk (unit of checksum and retry) | bucket (one message or copy) |", "|---|---|---|"]
     for name in KNOWN_TRANSPORTS:
-        if name not in DEFAULT_CHUNK_BYTES:  # 'vllm': vLLM's backend sizes its own transfer
-            rows.append(f"| {name} | (unused: vLLM's weight-transfer backend) | (unused) |")
+        if name not in DEFAULT_CHUNK_BYTES:  # per_param: one broadcast per tensor; vllm: its backend sizes it
+            why = "vLLM's weight-transfer backend" if name == "vllm" else "one broadcast per parameter"
+            rows.append(f"| {name} | (unused: {why}) | (unused) |")
             continue
         bucket = _value(DEFAULT_BUCKET_BYTES[name]) if name in DEFAULT_BUCKET_BYTES else "(unused)"
         rows.append(f"| {name} | {_value(DEFAULT_CHUNK_BYTES[name])} | {bucket} |")
-    head = "Per-transport sizes (`mrl_plugins.weight_sync.config`; measured in `python -m benchmarks weights`):"
+    head = (
+        "Per-transport sizes (`mrl_plugins.weight_sync.config`; measured in `python -m benchmarks weights`: "
+        "[architecture.md](architecture.md#weight-transports-worker-pools-double-buffering)):"
+    )
     return head + "\n\n" + "\n".join(rows)
 
 

@@ -1,29 +1,7 @@
 """Configuration of the weight-sync stage (``weight_sync:`` section).
 
-Defaults for chunk and bucket sizes come from measurements on the development machine (2 vCPU
-EPYC shared with other jobs, load average 4-6 during the runs, so memcpy ran at 4-6 GB/s instead
-of the 12 GB/s of an idle machine; torch 2.13 CPU, one torch thread per process). ``None`` means
-"the transport's default":
-
-==========  ============  ============  ===================================================
-transport   chunk_bytes   bucket_bytes  measured (median GB/s; see ``python -m benchmarks weights``)
-==========  ============  ============  ===================================================
-shm         4 MiB         (unused)      publish+load, 177 MB bf16, one process: 1 MiB 2.69,
-                                        4 MiB 3.31, 16 MiB 2.74, 64 MiB 2.40 (checksums on)
-directory   64 MiB        (unused)      4/16/64 MiB within noise (0.3-0.7 GB/s, disk bound);
-                                        64 MiB keeps the file count low
-broadcast   4 MiB         16 MiB        988 MB Qwen2.5-0.5B-like list, 2 processes, xxh3
-                                        checksums on, x per_param in the same interleaved
-                                        runs (3 runs, load average 3-4.5 from other jobs):
-                                        bucket 1 MiB x1.04-1.18, 4 MiB x1.26-1.34, 16 MiB
-                                        x1.25-1.42, 64 MiB x1.27-1.41 (no checksums: 4 MiB
-                                        x1.58-1.73). The bucket is one tagged gloo send/recv;
-                                        tensors >= 1 MiB go from their own memory by rows
-per_param   (unused)      (unused)      one collective per parameter (baseline)
-==========  ============  ============  ===================================================
-
-crc32c (the shard format's checksum, 4.9 GB/s under the load above) is the main cost of ``verify_checksum`` on
-the shm path.
+Chunk and bucket sizes left at ``None`` are the transport's default (:data:`DEFAULT_CHUNK_BYTES`,
+:data:`DEFAULT_BUCKET_BYTES`), chosen from the measurements in docs/architecture.md ("Weight transports").
 """
 
 from __future__ import annotations
@@ -37,8 +15,8 @@ from mrl_plugins.errors import ConfigError, choices
 KNOWN_TRANSPORTS = ("shm", "directory", "broadcast", "per_param", "vllm")
 STAGING_CHOICES = ("device", "host")
 
-#: per-transport defaults (see the module docstring)
-DEFAULT_CHUNK_BYTES = {"shm": 4 << 20, "directory": 64 << 20, "broadcast": 4 << 20, "per_param": 4 << 20}
+#: per-transport defaults (measured: see the module docstring); per_param and vllm read no chunk or bucket size
+DEFAULT_CHUNK_BYTES = {"shm": 4 << 20, "directory": 64 << 20, "broadcast": 4 << 20}
 DEFAULT_BUCKET_BYTES = {"broadcast": 16 << 20}
 
 
