@@ -352,22 +352,3 @@ def _protocol_attrs(protocol: type) -> list[str]:
         names |= {n for n in vars(base) if not n.startswith("_")}
         names |= set(getattr(base, "__annotations__", {}))
     return sorted(names)
-
-
-__all__ = [
-    "STAGE_PROTOCOLS",
-    "Capabilities",
-    "CommStage",
-    "Experience",
-    "ExperienceConsumer",
-    "ExperienceProducer",
-    "RolloutHost",
-    "RolloutRuntime",
-    "RolloutSetup",
-    "RolloutStage",
-    "WeightReceiver",
-    "WeightSender",
-    "WeightSyncStage",
-    "check_end",
-    "check_stage",
-]

@@ -237,6 +237,3 @@ def mrl_weight_sync_map_name(model_id: str, name: str) -> str | None:
         def mrl_weight_sync_map_name(model_id, name):
             return name.replace("self_attn.qkv", "attn.c_attn") if model_id == "policy" else None
     """
-
-
-__all__ = ["PROJECT_NAME", "hookimpl", "hookspec"]

@@ -375,6 +375,3 @@ def _decode_field(mv, orig, wire, method, kind, shape, off, nbytes, numel, copy)
             # ``comm.base.owned`` copies exactly these fields out before the buffer is released
             t = t[...]
     return t.numpy() if kind == KIND_NUMPY else t
-
-
-__all__ = ["FrameError", "FramePlan", "encode_frame", "decode_frame", "peek_length", "MAGIC", "FORMAT_VERSION"]
