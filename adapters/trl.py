@@ -90,9 +90,7 @@ def enable(trainer: Any, config: Any = None) -> Any:
     ctx = StageContext(config=cfg, host=trainer, metrics=StageMetrics(), plugins=pm)
     state = State(pm, ctx, kind)
     state.has_workers = plan is not None
-    for other in list(State.live):  # one live worker pool per process: the newest enabled trainer's
-        if other is not state:
-            other.release_pool()
+    state.release_others()  # one live worker pool per process: the newest enabled trainer's
     try:
         _install_rollout(trainer, state, device, plan)
         _install_metrics(trainer, state)
@@ -211,7 +209,6 @@ def _install_rollout(trainer: Any, state: State, device: Any, plan: tuple | None
             return gen.loader
 
         state.patch(trainer, "get_train_dataloader", get_train_dataloader)
-    state.generation = gen
     if getattr(trainer, "use_vllm", False):  # built with use_vllm=True: TRL's own engine is replaced, free it
         from mrl_plugins.adapters.trl_generation import release_trl_vllm
 
@@ -284,14 +281,7 @@ def _check_engine_logps(trainer: Any, kind: str) -> None:
     check_old_logps_trainer(kind)
     from mrl_plugins.adapters.trl_generation import sampling_params
 
-    sp = sampling_params(trainer)
-    shaping = {
-        "top_p": sp.top_p != 1.0,
-        "top_k": bool(sp.top_k),
-        "min_p": bool(sp.min_p),
-        "repetition_penalty": sp.repetition_penalty != 1.0,
-    }
-    used = [k for k, on in shaping.items() if on]
+    used = sampling_params(trainer).filters()
     if used:
         raise ConfigError(
             f"rollout.old_logps: 'engine' needs temperature-only sampling (the engine's logprobs must be "

@@ -79,7 +79,6 @@ def install_agentic(trainer: Any, state: Any, gen: Any) -> None:
             return orig_loop(*args, **kwargs)
 
         state.patch(trainer, "_tool_call_loop", tool_call_loop)
-    return kinds
 
 
 def ahead_possible(trainer: Any, state: Any, gen: Any, kinds: list[str]) -> bool:

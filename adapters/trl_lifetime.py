@@ -41,7 +41,6 @@ class State:
         self.ctx = ctx
         self.kind = kind
         self.closed = False
-        self.generation: Any = None
         self.on_shutdown: list[Any] = []
         self.budget: tuple[list[int], int] | None = None  # (trainer cores, torch threads) while train() runs
         self.has_workers = False  # rollout worker processes (a pool) rather than none or an in-process engine
@@ -69,12 +68,16 @@ class State:
     # ------------------------------------------------------------------ worker pool
     def start(self) -> None:
         """Start the rollout workers (spawn, shared memory), stopping any other trainer's first."""
-        for other in list(State.live):
-            if other is not self:
-                other.release_pool()
+        self.release_others()
         start = getattr(self.runtime, "start", None)
         if start is not None:
             start()
+
+    def release_others(self) -> None:
+        """Release every other live trainer's worker pool (one per process)."""
+        for other in list(State.live):
+            if other is not self:
+                other.release_pool()
 
     def close_shadow(self) -> None:
         """No batch rolls out ahead any more (before the workers go)."""

@@ -99,17 +99,11 @@ class ShadowLookahead:
                 return list(batch)
         return None
 
-    # ---------------------------------------------------------------- when it may run
-    def usable(self) -> bool:
-        """The runtime would serve a rollout started ahead now
-        (:meth:`~mrl_plugins.rollout.runtime.PoolRuntime.can_run_ahead`)."""
-        return self.gen.runtime.can_run_ahead()
-
     # ---------------------------------------------------------------- starting
     def schedule(self, inputs: list[dict[str, Any]] | None) -> None:
         """After TRL generated a batch: run ``inputs`` (the next generation batch) ahead, now or one optimizer step
         before it is needed (TRL generates every ``steps_per_generation x num_iterations`` steps)."""
-        if inputs is None or not self.usable():
+        if inputs is None or not self.gen.runtime.can_run_ahead():
             return
         every = self.gen.runtime.generation_interval()
         left = self.gen.steps_left()
@@ -129,7 +123,7 @@ class ShadowLookahead:
         if not (due or running):
             return
         self.gen.sync_weights_once()
-        if due and self.usable():
+        if due and self.gen.runtime.can_run_ahead():
             inputs, _ = self.scheduled
             self.scheduled = None
             self._start(inputs)

@@ -353,7 +353,7 @@ def test_grpo_run_switches_arrangement_without_losing_samples(tmp_path, monkeypa
     runtime = state.runtime
     # this run switches by force only (keep_arrangement: its decisions are taken, logged and reported)
     runtime.where.share.lend_cpu = False  # the split keeps the trainer on its own core here (lending: the next test)
-    gen = state.generation
+    gen = trainer.vllm_generation
     calls: list[dict] = []
     orig_generate = runtime.generate
 
