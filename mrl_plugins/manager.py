@@ -248,10 +248,11 @@ class MrlPluginManager:
         missing = [stage for stage in STAGES if stage not in selection]
         if missing:
             raise PluginError(f"select: missing stage {missing[0]!r}; every stage needs a plugin: {choices(STAGES)}")
+        tables = {}
         for stage in STAGES:
-            table = self._table(STAGE_HOOKS[stage])[0]
-            if selection[stage] not in table:
-                raise PluginError(self._unknown(stage, selection[stage], table))
+            tables[stage] = self._table(STAGE_HOOKS[stage])
+            if selection[stage] not in tables[stage][0]:
+                raise PluginError(self._unknown(stage, selection[stage], tables[stage][0]))
         if selection["rollout"] == "upstream":
             for stage in [s for s in STAGES if s != "rollout" and selection[s] != "upstream"]:
                 raise ConfigError(
@@ -261,14 +262,13 @@ class MrlPluginManager:
                 )
         built = {}
         for stage in STAGES:
-            name = selection[stage]
-            table = self._table(STAGE_HOOKS[stage])[0]
+            name, (table, owners) = selection[stage], tables[stage]
             try:
                 obj = table[name].factory()
             except Exception as exc:  # noqa: BLE001 - name the plugin whose stage could not be built, keep the cause
-                owner = self._table(STAGE_HOOKS[stage])[1][name]
                 raise PluginError(
-                    f"plugins.{stage}: plugin {name!r} (from {owner!r}) failed to build: {type(exc).__name__}: {exc}"
+                    f"plugins.{stage}: plugin {name!r} (from {owners[name]!r}) failed to build: "
+                    f"{type(exc).__name__}: {exc}"
                 ) from exc
             check_stage(obj, STAGE_PROTOCOLS[stage], f"plugins.{stage}: plugin {name!r}")
             built[stage] = (name, obj)
@@ -331,11 +331,8 @@ class MrlPluginManager:
                 failures.append((impl.plugin_name, exc))
         if failures:
             name, exc = failures[0]
-            more = (
-                f" (and {len(failures) - 1} more: {', '.join(n for n, _ in failures[1:])})"
-                if len(failures) > 1
-                else ""
-            )
+            rest = ", ".join(n for n, _ in failures[1:])
+            more = f" (and {len(failures) - 1} more: {rest})" if len(failures) > 1 else ""
             raise PluginError(f"mrl_shutdown failed in plugin {name!r}: {type(exc).__name__}: {exc}{more}") from exc
 
     # ------------------------------------------------------------------ the stages, pass-through

@@ -68,41 +68,20 @@ class StageMetrics:
             return {k if k.startswith("mrl/") else f"mrl/{k}": v for k, v in self.totals.items()}
 
 
-def _emit(
-    metrics: StageMetrics | None, counters: Mapping[str, float], gauges: Mapping[str, float] | None = None
-) -> None:
-    """Counters add to what the log window holds already; gauges replace it."""
-    if metrics is None:
-        return
-    for k, v in counters.items():
-        metrics.add(k, v)
-    for k, v in (gauges or {}).items():
-        metrics.gauge(k, v)
-
-
 def record_publish(metrics: StageMetrics | None, report: object) -> None:
     """Counter ``mrl/weights/publish_seconds``: a weight sender's own time for one version (any plugin's report)."""
-    if report is not None:
-        _emit(metrics, {"mrl/weights/publish_seconds": float(getattr(report, "seconds", 0.0))})
+    if report is not None and metrics is not None:
+        metrics.add("mrl/weights/publish_seconds", float(getattr(report, "seconds", 0.0)))
 
 
 def record_switch(metrics: StageMetrics | None, report: object, stats: Mapping[str, float] | None = None) -> None:
     """One switch of a weight receiver: counters ``mrl/weights/received_bytes``, ``receive_seconds`` (fetch +
     switch), ``switches``; gauges ``active_version``, ``switch_ms``, ``fetch_gbps``, ``ignored_versions``."""
-    if report is None:
+    if report is None or metrics is None:
         return
-    stats = stats or {}
-    _emit(
-        metrics,
-        {
-            "mrl/weights/received_bytes": float(report.nbytes),
-            "mrl/weights/receive_seconds": float(report.seconds),
-            "mrl/weights/switches": 1.0,
-        },
-        {
-            "mrl/weights/active_version": float(report.to_version),
-            "mrl/weights/switch_ms": float(stats.get("switch_ms", 0.0)),
-            "mrl/weights/fetch_gbps": float(stats.get("fetch_gbps", 0.0)),
-            "mrl/weights/ignored_versions": float(stats.get("ignored_versions", 0.0)),
-        },
-    )
+    metrics.add("mrl/weights/received_bytes", float(report.nbytes))
+    metrics.add("mrl/weights/receive_seconds", float(report.seconds))
+    metrics.add("mrl/weights/switches", 1.0)
+    metrics.gauge("mrl/weights/active_version", float(report.to_version))
+    for key in ("switch_ms", "fetch_gbps", "ignored_versions"):
+        metrics.gauge(f"mrl/weights/{key}", float((stats or {}).get(key, 0.0)))

@@ -22,11 +22,6 @@ from mrl_plugins.errors import ConfigError
 MAX_ROOT_RESERVE = 0.20
 #: The two core-limit APIs that compute isolation on one NPU needs.
 NEEDED_CORE_LIMITS = ("set_device_limit", "set_stream_limit")
-CANN_FIX = (
-    "source the CANN toolkit's set_env.sh before starting Python (e.g. `source "
-    "/usr/local/Ascend/ascend-toolkit/set_env.sh`, which sets ASCEND_TOOLKIT_HOME), or, on a machine without NPUs, "
-    "`pip uninstall torch_npu` (TORCH_DEVICE_BACKEND_AUTOLOAD=0 also stops torch from loading it)"
-)
 
 
 @dataclass
@@ -67,9 +62,8 @@ def check_torch_npu_hazard(env: Mapping[str, str]) -> Check:
         return Check(
             "fail",
             "torch_npu+CANN",
-            f"torch_npu {v.get('torch_npu') or '(found)'} is installed but no CANN toolkit was found "
-            "(ASCEND_TOOLKIT_HOME / ASCEND_HOME_PATH unset, no /usr/local/Ascend/ascend-toolkit): torch autoloads "
-            f"torch_npu, so `import torch` fails. Fix: {CANN_FIX}",
+            f"torch_npu {v.get('torch_npu') or '(found)'} is installed but {dev.probe.NO_CANN}: torch autoloads "
+            f"torch_npu, so `import torch` fails. Fix: {dev.probe.CANN_FIX}",
         )
     if v.get("torch_npu") is None and not dev.torch_npu_installed():
         return Check("ok", "torch_npu+CANN", "torch_npu not installed (no hazard)")
@@ -372,7 +366,7 @@ def check_core_limits(device_type: str) -> Check:
         return Check(
             "warn",
             "core limits",
-            f"torch_npu lacks {', '.join(missing)} (added in torch_npu 2.6.0.post3 / 2.7.1, Ascend Extension for "
+            f"torch_npu lacks {', '.join(missing)} (needs {dev.probe.CORE_LIMIT_RELEASES}, Ascend Extension for "
             "PyTorch 7.2.0): rollout and training cannot be split by cube/vector cores; isolation falls back to "
             "streams and memory fractions",
         )

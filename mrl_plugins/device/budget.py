@@ -21,6 +21,7 @@ from typing import Any
 
 from mrl_plugins.config_fields import check_fields, section_from_dict
 from mrl_plugins.device.base import STREAM_PRIORITIES, CoreLimitWarning, Device, DeviceStream, warn_once
+from mrl_plugins.device.probe import CORE_LIMIT_RELEASES
 from mrl_plugins.errors import ConfigError, DeviceError
 
 
@@ -97,12 +98,13 @@ class ComputeBudget:
         },
     )
 
-    def validate(self) -> None:
-        """ConfigError naming the key and the allowed values for anything malformed (machine-independent)."""
-        check_fields(self, "budget")
+    def validate(self, path: str = "budget") -> None:
+        """ConfigError naming the key under ``path`` and the allowed values for anything malformed
+        (machine-independent)."""
+        check_fields(self, path)
         cores = self.cores
         if cores is not None and (not cores or min(cores) < 0 or len(set(cores)) < len(cores)):
-            raise ConfigError(f"budget.cores: {cores!r} invalid; a non-empty list of distinct core ids >= 0 or null")
+            raise ConfigError(f"{path}.cores: {cores!r} invalid; a non-empty list of distinct core ids >= 0 or null")
 
     @classmethod
     def from_dict(cls, d: dict[str, Any], path: str = "budget") -> ComputeBudget:
@@ -110,13 +112,7 @@ class ComputeBudget:
         errors name the keys under ``path`` (``rollout.engine_budget.stream_priority``)."""
         d = {k: (list(v) if k == "cores" and isinstance(v, tuple) else v) for k, v in dict(d).items()}
         budget = section_from_dict(cls, d, path, validate=False)
-        try:
-            budget.validate()
-        except ConfigError as exc:
-            msg = str(exc)
-            if path == "budget" or not msg.startswith("budget."):
-                raise
-            raise ConfigError(path + msg[len("budget") :]) from None
+        budget.validate(path)
         return budget
 
 
@@ -213,11 +209,9 @@ def _set_affinity(applied: AppliedBudget, cores: list[int]) -> None:
     applied.cores = list(cores)
 
 
-def _limit_args(budget: ComputeBudget) -> tuple[int, int]:
-    """torch_npu convention: -1 means 'do not limit'."""
-    cube = -1 if budget.npu_cube_cores is None else budget.npu_cube_cores
-    vector = -1 if budget.npu_vector_cores is None else budget.npu_vector_cores
-    return cube, vector
+def npu_limit_args(cube: int | None, vector: int | None) -> tuple[int, int]:
+    """``(cube, vector)`` core counts as torch_npu takes them: -1 means 'do not limit'."""
+    return (-1 if cube is None else int(cube)), (-1 if vector is None else int(vector))
 
 
 def _apply_npu_limits(
@@ -226,26 +220,17 @@ def _apply_npu_limits(
     from mrl_plugins.device.npu import npu_namespace
 
     npu = npu_namespace()
-    cube, vector = _limit_args(budget)
+    cube, vector = npu_limit_args(budget.npu_cube_cores, budget.npu_vector_cores)
+    scope = "device" if stream is None else "stream"
+    if not hasattr(npu, f"set_{scope}_limit"):
+        why = f"torch_npu has no set_{scope}_limit (needs {CORE_LIMIT_RELEASES})"
+        warn_once(f"{why}: NPU {scope} core budget not applied", CoreLimitWarning)
+        applied.notes.append(f"set_{scope}_limit absent in this torch_npu: {scope} core limit not applied")
+        return
     if stream is not None:
-        if not hasattr(npu, "set_stream_limit"):
-            warn_once(
-                "torch_npu has no set_stream_limit (needs torch_npu >= 2.6.0.post3 / 2.7.1): NPU stream core "
-                "budget not applied",
-                CoreLimitWarning,
-            )
-            applied.notes.append("set_stream_limit absent in this torch_npu: stream core limit not applied")
-            return
         npu.set_stream_limit(stream.raw, cube, vector)
         applied.npu_stream_limit = (cube, vector)
         applied._npu_stream_raw = stream.raw
-        return
-    if not hasattr(npu, "set_device_limit"):
-        warn_once(
-            "torch_npu has no set_device_limit (needs torch_npu >= 2.6.0.post3 / 2.7.1): NPU core budget not applied",
-            CoreLimitWarning,
-        )
-        applied.notes.append("set_device_limit absent in this torch_npu: device core limit not applied")
         return
     index = 0 if device.index is None else device.index
     if getattr(npu.set_device_limit, "called", False):

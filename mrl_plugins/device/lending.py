@@ -21,6 +21,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from mrl_plugins.device.budget import npu_limit_args
+from mrl_plugins.device.probe import CORE_LIMIT_RELEASES
+
 #: why CUDA lends nothing (logged once per run and in the docs)
 CUDA_NOTHING_TO_LEND = (
     "CUDA has no per-stream SM share in torch (a stream takes a priority only), so the trainer already uses the SMs "
@@ -86,11 +89,6 @@ class NpuStreamLender:
             self.npu.set_stream_limit(self.stream, self.full[0], self.full[1])
 
 
-def _budget_pair(engine_budget: dict) -> tuple[int, int]:
-    cube, vector = engine_budget.get("npu_cube_cores"), engine_budget.get("npu_vector_cores")
-    return (-1 if cube is None else int(cube)), (-1 if vector is None else int(vector))
-
-
 def open_lender(device: Any, engine_budget: dict, colocated: int) -> tuple[NpuStreamLender | None, str]:
     """The lender for a trainer on ``device`` with ``colocated`` workers of ``engine_budget`` beside it, or
     ``(None, why not)``: not an NPU (CUDA: :data:`CUDA_NOTHING_TO_LEND`), torch_npu without the stream-limit API,
@@ -100,14 +98,15 @@ def open_lender(device: Any, engine_budget: dict, colocated: int) -> tuple[NpuSt
         return None, CUDA_NOTHING_TO_LEND
     if kind != "npu":
         return None, f"{kind}: lending is the runtime's core affinity, not a device limit"
-    share_wanted = _budget_pair(dict(engine_budget or {}))
+    budget = dict(engine_budget or {})
+    share_wanted = npu_limit_args(budget.get("npu_cube_cores"), budget.get("npu_vector_cores"))
     if colocated < 1 or all(w == -1 for w in share_wanted):
         return None, split_share((0, 0), share_wanted, colocated)[1]
     from mrl_plugins.device.npu import npu_namespace
 
     npu = npu_namespace()
     if not hasattr(npu, "set_stream_limit"):
-        return None, "torch_npu has no set_stream_limit (needs torch_npu >= 2.6.0.post3 / 2.7.1): nothing lent"
+        return None, f"torch_npu has no set_stream_limit (needs {CORE_LIMIT_RELEASES}): nothing lent"
     index = 0 if device.index is None else device.index
     stream = npu.current_stream(index)
     if hasattr(npu, "get_stream_limit"):

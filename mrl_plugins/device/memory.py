@@ -39,31 +39,26 @@ def reservation_fraction(peak_bytes: int, total_bytes: int, headroom: float = DE
 
 @dataclass(frozen=True)
 class MemoryProfile:
-    """Memory seen while a callable ran on ``device``: ``peak_bytes``, the highest held while it ran (absolute:
-    what was held before included), and ``total_bytes``, the device's capacity."""
+    """Memory seen while a callable ran on a device: ``peak_bytes``, the highest held while it ran (absolute: what
+    was held before included), and ``total_bytes``, the device's capacity."""
 
-    device: str
     peak_bytes: int
     total_bytes: int
 
 
-def measure_peak(fn: Callable[[], T], device: Device | None = None) -> tuple[T, MemoryProfile]:
-    """Run ``fn()`` once on ``device`` (default: the ``auto`` device) and return its result and a profile.
+def measure_peak(fn: Callable[[], T], device: Device) -> tuple[T, MemoryProfile]:
+    """Run ``fn()`` once on ``device`` and return its result and a profile.
 
     The device is synchronised before and after, and its peak reset first. On CPU, when the kernel does not let
     the peak be reset, ``peak_bytes`` is the process peak so far.
     """
-    if device is None:
-        from mrl_plugins.device.select import get_device
-
-        device = get_device("auto")
     device.synchronize()
     device.reset_peak_memory()
     result = fn()
     device.synchronize()
     after = device.memory_stats()
     peak = int(max(after["peak_bytes"], after["allocated_bytes"]))
-    return result, MemoryProfile(device=device.spec, peak_bytes=peak, total_bytes=int(after["total_bytes"]))
+    return result, MemoryProfile(peak_bytes=peak, total_bytes=int(after["total_bytes"]))
 
 
 def reserve_memory(

@@ -78,16 +78,14 @@ def worker_placements(
                     raise ConfigError(f"rollout.{key}: cores {bad} are not available; valid: {sorted(valid)}")
         trainer_cores, engine_pool = cpu_split(rc, cores)
         shared = {"cores": trainer_cores or cores, "threads": rc.engine_threads, "device": "cpu"}
-        if cfg.mode == "hybrid":  # the first `colocated` workers share the trainer's cores, the rest split the others
-            own = n - colocated
-            groups = split_cores(min(own, len(engine_pool)), engine_pool) if own else []
-            places = [dict(shared) for _ in range(colocated)]
-            places += [
-                {"cores": groups[i % len(groups)], "threads": rc.engine_threads, "device": "cpu"} for i in range(own)
-            ]
-            return places, trainer_cores, shared
-        groups = split_cores(min(n, len(engine_pool)), engine_pool) if n else []
-        places = [{"cores": groups[i % len(groups)], "threads": rc.engine_threads, "device": "cpu"} for i in range(n)]
+        # hybrid: the first `colocated` workers share the trainer's cores; the others split the engine pool
+        shared_n = colocated if cfg.mode == "hybrid" else 0
+        own = n - shared_n
+        groups = split_cores(min(own, len(engine_pool)), engine_pool) if own else []
+        places = [dict(shared) for _ in range(shared_n)]
+        places += [
+            {"cores": groups[i % len(groups)], "threads": rc.engine_threads, "device": "cpu"} for i in range(own)
+        ]
         return places, trainer_cores, shared
     env_name = visible_devices_env(device.type)
     visible = [v.strip() for v in os.environ.get(env_name or "", "").split(",") if v.strip()] if env_name else []

@@ -44,11 +44,18 @@ DEFAULT_CANN_HOMES: tuple[str, ...] = (
 )
 
 CANN_ENV_VARS: tuple[str, ...] = ("ASCEND_TOOLKIT_HOME", "ASCEND_HOME_PATH")
+#: torch_npu installed without a CANN toolkit: what is missing and the fix (:func:`npu_status`, ``mrl doctor``)
+NO_CANN = f"no CANN toolkit was found ({' / '.join(CANN_ENV_VARS)} unset, no {DEFAULT_CANN_HOMES[0]})"
+CANN_FIX = (
+    "source the CANN toolkit's set_env.sh before starting Python (e.g. `source "
+    "/usr/local/Ascend/ascend-toolkit/set_env.sh`, which sets ASCEND_TOOLKIT_HOME), or, on a machine without NPUs, "
+    "`pip uninstall torch_npu` (TORCH_DEVICE_BACKEND_AUTOLOAD=0 also stops torch from loading it)"
+)
+#: the torch_npu releases that have :data:`CORE_LIMIT_APIS` (what the messages about their absence name)
+CORE_LIMIT_RELEASES = "torch_npu >= 2.6.0.post3 / 2.7.1"
 
 
-# ---------------------------------------------------------------------------------------------------------------------
-# seams (tests replace these with monkeypatch; they are the only places that touch the real torch_npu)
-# ---------------------------------------------------------------------------------------------------------------------
+# The seams: the only places that touch the real torch_npu (tests replace them with monkeypatch).
 
 
 def _torch_npu_spec() -> Any:
@@ -76,11 +83,6 @@ def _dist_version(name: str) -> str | None:
         return None
 
 
-# ---------------------------------------------------------------------------------------------------------------------
-# torch_npu
-# ---------------------------------------------------------------------------------------------------------------------
-
-
 @dataclass(frozen=True)
 class NpuStatus:
     """What a probe of torch_npu found.
@@ -104,13 +106,7 @@ def npu_status() -> NpuStatus:
     """Probe torch_npu: find it, import it in ``try/except``, ask it for devices. Never raises."""
     if _torch_npu_spec() is None:
         return NpuStatus(installed=False, usable=False, reason=None, device_count=0)
-    hint = ""
-    if cann_home() is None:
-        hint = (
-            " No CANN toolkit was found (ASCEND_TOOLKIT_HOME / ASCEND_HOME_PATH unset and no "
-            f"{DEFAULT_CANN_HOMES[0]}): source <ascend-toolkit>/set_env.sh, or uninstall torch_npu on machines "
-            "without NPUs (TORCH_DEVICE_BACKEND_AUTOLOAD=0 stops torch from importing it)."
-        )
+    hint = "" if cann_home() else f" Likely cause: {NO_CANN}; {CANN_FIX}."
     try:
         mod = _import_torch_npu()
     except Exception as exc:  # any failure of a native extension import: ImportError, OSError, RuntimeError ...
@@ -144,32 +140,20 @@ def core_limit_apis() -> dict[str, bool]:
     torch_npu is imported only if installed and only when a CANN toolkit is present (an import without CANN
     can fail in ways that leave the process unusable).
     """
-    result = dict.fromkeys(CORE_LIMIT_APIS, False)
-    if _torch_npu_spec() is None:
-        return result
-    if "torch_npu" not in sys.modules and cann_home() is None:
-        return result
-    try:
-        npu = getattr(_import_torch_npu(), "npu", None)
-    except Exception:
-        return result
-    if npu is None:
-        return result
-    return {name: callable(getattr(npu, name, None)) for name in CORE_LIMIT_APIS}
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# CUDA
-# ---------------------------------------------------------------------------------------------------------------------
+    npu = None
+    if _torch_npu_spec() is not None and ("torch_npu" in sys.modules or cann_home() is not None):
+        try:
+            npu = getattr(_import_torch_npu(), "npu", None)
+        except Exception:
+            pass
+    return {name: callable(getattr(npu, name, None)) for name in CORE_LIMIT_APIS}  # all False without npu
 
 
 def is_cuda_available() -> bool:
     """``torch.cuda.is_available()`` (torch imported lazily; False when torch cannot be imported)."""
     try:
         import torch
-    except Exception:
-        return False
-    try:
+
         return bool(torch.cuda.is_available())
     except Exception:
         return False
@@ -182,11 +166,6 @@ def cuda_device_count() -> int:
     import torch
 
     return int(torch.cuda.device_count())
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# CANN and versions
-# ---------------------------------------------------------------------------------------------------------------------
 
 
 def cann_home(env: Mapping[str, str] | None = None) -> str | None:

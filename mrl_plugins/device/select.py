@@ -46,10 +46,6 @@ def canonical_device_spec(spec: Any, key: str = "device") -> str:
     return kind if index is None else f"{kind}:{index}"
 
 
-def _device_counts(npu: probe.NpuStatus) -> dict[str, int]:
-    return {"cpu": 1, "cuda": probe.cuda_device_count(), "npu": npu.device_count if npu.usable else 0}
-
-
 def _choices_text(counts: dict[str, int]) -> str:
     specs = ["auto", "cpu"]
     for kind in ("cuda", "npu"):
@@ -67,14 +63,6 @@ def available_device_types() -> list[str]:
     return types
 
 
-def _make(kind: str, index: int | None) -> Device:
-    if kind == "cpu":
-        return CpuDevice()
-    if kind == "cuda":
-        return CudaDevice(index=0 if index is None else index)
-    return NpuDevice(index=0 if index is None else index)
-
-
 def get_device(spec: str = "auto") -> Device:
     """The :class:`Device` for ``spec`` (``auto``, ``cpu``, ``cuda``, ``cuda:N``, ``npu``, ``npu:N``).
 
@@ -83,36 +71,34 @@ def get_device(spec: str = "auto") -> Device:
     """
     kind, index = parse_device_spec(spec)
     if kind == "cpu":
-        return _make("cpu", None)
+        return CpuDevice()
     if kind == "auto":
         npu = probe.npu_status()
         if npu.usable:
-            return _make("npu", 0)
+            return NpuDevice(index=0)
         cuda = probe.is_cuda_available()
         if npu.installed:
             nxt = "CUDA" if cuda else "CPU"
             warn_once(f"torch_npu is installed but unusable, continuing on {nxt}: {npu.reason}", DeviceFallbackWarning)
-        return _make("cuda", 0) if cuda else _make("cpu", None)
+        return CudaDevice(index=0) if cuda else CpuDevice()
+    index = 0 if index is None else index
     # Probe only the requested backend on the success path; the other one only to list choices in an error.
     if kind == "cuda":
-        count = probe.cuda_device_count()
-        if count and (index is None or index < count):
-            return _make(kind, index)
+        if index < probe.cuda_device_count():
+            return CudaDevice(index=index)
         npu = probe.npu_status()
     else:
         npu = probe.npu_status()
-        if npu.usable and (index is None or index < npu.device_count):
-            return _make(kind, index)
-    counts = _device_counts(npu)
-    if counts[kind] == 0:
-        if kind == "npu":
-            why = npu.reason if npu.installed else "torch_npu is not installed"
-        else:
-            why = "torch.cuda.is_available() is False"
-        raise DeviceError(f"device {spec!r} is not present ({why}); available: {_choices_text(counts)}")
-    raise DeviceError(
-        f"device {spec!r} is not present ({counts[kind]} {kind.upper()} visible); available: {_choices_text(counts)}"
-    )
+        if npu.usable and index < npu.device_count:
+            return NpuDevice(index=index)
+    counts = {"cpu": 1, "cuda": probe.cuda_device_count(), "npu": npu.device_count if npu.usable else 0}
+    if counts[kind]:
+        why = f"{counts[kind]} {kind.upper()} visible"
+    elif kind == "npu":
+        why = npu.reason if npu.installed else "torch_npu is not installed"
+    else:
+        why = "torch.cuda.is_available() is False"
+    raise DeviceError(f"device {spec!r} is not present ({why}); available: {_choices_text(counts)}")
 
 
 def _check_type(device_type: str) -> str:
