@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -22,6 +23,7 @@ class ChannelClosedError(MrlError):
     """Every producer closed its end and all their frames were received."""
 
 
+@dataclass(slots=True, eq=False)
 class Received:
     """One received batch: ``meta`` (dict), ``batch`` (field -> tensor/array), ``nbytes`` (frame bytes).
 
@@ -29,21 +31,11 @@ class Received:
     until :meth:`release` (also called on leaving a ``with`` block); copy what you keep longer (:func:`owned`).
     """
 
-    __slots__ = ("meta", "batch", "nbytes", "producer", "_release")
-
-    def __init__(
-        self,
-        meta: dict[str, Any],
-        batch: dict[str, Any],
-        nbytes: int,
-        producer: int = 0,
-        release: Callable[[], None] | None = None,
-    ) -> None:
-        self.meta = meta
-        self.batch = batch
-        self.nbytes = nbytes
-        self.producer = producer
-        self._release = release
+    meta: dict[str, Any]
+    batch: dict[str, Any]
+    nbytes: int
+    producer: int = 0
+    _release: Callable[[], None] | None = None
 
     def release(self) -> None:
         """Give the ring slot back to the producer (idempotent)."""

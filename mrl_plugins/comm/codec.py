@@ -44,10 +44,8 @@ Integers are narrowed from one pass in the usual case: the max of the values rea
 its signed min and max.
 
 Keep any field lossless with ``comm.lossless_fields: [old_per_token_logps, ...]`` (or
-``Codec(..., lossless_fields=...)``); ints and bools are lossless under every codec. Casts write
-straight into the destination buffer: integer casts and raw copies with numpy, float16/bfloat16
-casts with torch (numpy's float16 conversion is ~10x slower; it is used for float32 fields of at
-most 256 values, where torch's fixed cost dominates -- both round to nearest even).
+``Codec(..., lossless_fields=...)``); ints and bools are lossless under every codec. The casts themselves are
+written by :mod:`mrl_plugins.comm.frame`, straight into the destination buffer.
 """
 
 from __future__ import annotations
@@ -117,9 +115,6 @@ class Codec:
     def __repr__(self) -> str:
         return f"Codec({self.name!r}, lossless_fields={sorted(self.lossless_fields)!r})"
 
-    def __reduce__(self):  # picklable without its counters
-        return (Codec, (self.name, tuple(self.lossless_fields)))
-
     def choose(self, name: str, t: torch.Tensor, a: np.ndarray | None = None) -> FieldChoice:
         """Pick the wire representation of field ``name`` (a CPU tensor). Counts float fallbacks.
 
@@ -173,7 +168,7 @@ def _narrowest_int(a: np.ndarray, dt: torch.dtype) -> FieldChoice:
     return _raw(dt)
 
 
-def _fits(a: np.ndarray, fmax: float, scratch: dict | None, expect_neginf: bool) -> tuple[bool, bool]:
+def _fits(a: np.ndarray, fmax: float, scratch: dict, expect_neginf: bool) -> tuple[bool, bool]:
     """``(every finite value of a is within [-fmax, fmax], a holds -inf)``, reading the source only (the method:
     the module docstring's overflow guard). ``expect_neginf``: the field held -inf last time, so the min is skipped;
     the second item is that hint for the next call. ``scratch`` lends the mask buffer (:func:`_mask`)."""
@@ -200,20 +195,13 @@ def _fits(a: np.ndarray, fmax: float, scratch: dict | None, expect_neginf: bool)
     return below != below, False
 
 
-def _mask(a: np.ndarray, scratch: dict | None) -> np.ndarray:
-    """A bool array shaped like ``a``: a view of one reused buffer (no fresh pages per call)."""
-    if scratch is None:
-        return np.empty(a.shape, dtype=np.bool_)
-    views = scratch.get("views")
-    m = views.get(a.shape) if views is not None else None
-    if m is None:
-        buf = scratch.get("mask")
-        if buf is None or buf.size < a.size or views is None or len(views) >= 16:
-            if buf is None or buf.size < a.size:
-                buf = scratch["mask"] = np.empty(max(a.size, 1 << 16), dtype=np.bool_)
-            views = scratch["views"] = {}
-        m = views[a.shape] = buf[: a.size].reshape(a.shape)
-    return m
+def _mask(a: np.ndarray, scratch: dict) -> np.ndarray:
+    """A bool array shaped like ``a``: a view of one reused buffer, grown when ``a`` is larger (no fresh pages per
+    call)."""
+    buf = scratch.get("mask")
+    if buf is None or buf.size < a.size:
+        buf = scratch["mask"] = np.empty(max(a.size, 1 << 16), dtype=np.bool_)
+    return buf[: a.size].reshape(a.shape)
 
 
 def resolve_codec(name: str, transport: str) -> str:
