@@ -27,12 +27,6 @@ def parse_address(value: str, what: str = "rollout.rendezvous") -> tuple[str, in
 ENGINES = "mrl_rollout_register_engines"
 
 
-def _core_ids(cores: Any) -> bool:
-    """Whether ``cores`` is a list of distinct CPU core ids >= 0."""
-    ints = isinstance(cores, list) and all(isinstance(c, int) and not isinstance(c, bool) and c >= 0 for c in cores)
-    return ints and len(set(cores)) == len(cores)
-
-
 def configured_engine(pm: Any, config: Any) -> Any:
     """The :class:`~mrl_plugins.hookspecs.RolloutEngine` registration of ``config``'s ``rollout.engine``: its
     factory and what it declares it can do."""
@@ -103,7 +97,7 @@ class RolloutConfig(SchedulingSection, DeploymentSection, EngineSection):
                     f"rollout.{key}: an empty list leaves that side with no core; list at least one core or remove "
                     "the key (None: split the process's cores)"
                 )
-            if cores and not _core_ids(cores):
+            if cores and (min(cores) < 0 or len(set(cores)) != len(cores)):
                 raise ConfigError(f"rollout.{key}: {cores!r} invalid; a list of distinct CPU core ids >= 0")
         if self.remote_workers:
             parse_address(self.rendezvous)
@@ -209,7 +203,11 @@ class RolloutConfig(SchedulingSection, DeploymentSection, EngineSection):
                 f"{choices(RAY_OWN_RESOURCES)}: the launcher sets those from engine_threads and the device)"
             )
         cores = self.ray_worker_cores
-        if cores is not None and (not cores or not _core_ids(cores) or len(cores) < self.engine_threads):
+        if cores is not None and (
+            not isinstance(cores, list) or not cores or len(set(map(str, cores))) != len(cores)
+            or any(isinstance(c, bool) or not isinstance(c, int) or c < 0 for c in cores)
+            or len(cores) < self.engine_threads
+        ):  # fmt: skip
             raise ConfigError(
                 f"rollout.ray_worker_cores: {cores!r} invalid; a list of distinct CPU core ids >= 0, at least "
                 f"engine_threads ({self.engine_threads}) of them (each actor on a node binds engine_threads of them "
