@@ -19,7 +19,7 @@ import typing
 from pathlib import Path
 from typing import Any
 
-from mrl_plugins.config_fields import rule_text, user_fields
+from mrl_plugins.config_fields import is_internal, rule_text
 
 #: where ``python -m benchmarks.config_docs`` writes by default (relative to the working directory)
 DEFAULT_OUT = Path("docs") / "config.md"
@@ -46,6 +46,11 @@ entry points); on the command line `--plugins rollout=mrl,comm=upstream` (`mrl r
 options work together (the async pipeline, old/ref logprobs, transports, double buffering):
 [architecture.md](architecture.md).
 """
+
+
+def user_fields(cls: type) -> list[dataclasses.Field]:
+    """The fields of ``cls`` a user sets (its settings: no internal field, :mod:`mrl_plugins.config_fields`)."""
+    return [f for f in dataclasses.fields(cls) if not is_internal(f)]
 
 
 def _sections() -> list[tuple[str, type, str]]:

@@ -16,17 +16,13 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from mrl_plugins.config_fields import (  # noqa: F401 - the parser's names, re-exported
-    REMOVED_KEYS,
+from mrl_plugins.config_fields import (
     TOP,
     _check_internal,
     _check_removed,
-    _join,
     _nested,
-    _type_ok,
     check_fields,
     internal,
-    is_internal,
     section_from_dict,
 )
 from mrl_plugins.demo import tool_task

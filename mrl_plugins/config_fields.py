@@ -38,12 +38,7 @@ def internal(
     ``rules``: its value's ``choices`` / bounds, as a setting's metadata.
 
     A default of ``None`` on a derived field means "derive it when the config is loaded"."""
-    kwargs: dict[str, Any] = {"metadata": {"internal": why, **rules}}
-    if default_factory is not dataclasses.MISSING:
-        kwargs["default_factory"] = default_factory
-    else:
-        kwargs["default"] = default
-    return dataclasses.field(**kwargs)
+    return dataclasses.field(default=default, default_factory=default_factory, metadata={"internal": why, **rules})
 
 
 def is_internal(f: dataclasses.Field) -> bool:
@@ -51,22 +46,9 @@ def is_internal(f: dataclasses.Field) -> bool:
     return "internal" in f.metadata
 
 
-def user_fields(cls: type) -> list[dataclasses.Field]:
-    """The fields of ``cls`` a user sets (its settings)."""
-    return [f for f in dataclasses.fields(cls) if not is_internal(f)]
-
-
 def internal_allowed() -> bool:
     """Whether ``MRL_ALLOW_INTERNAL_KEYS`` lets this process's configs set internal fields."""
     return os.environ.get(INTERNAL_ENV, "").strip().lower() in ("1", "true", "yes")
-
-
-def internal_keys_in(cls: type, data: Any) -> list[tuple[str, str]]:
-    """``(key, why)`` of the internal fields of ``cls`` that the mapping ``data`` sets."""
-    if not isinstance(data, dict):
-        return []
-    whys = {f.name: f.metadata["internal"] for f in dataclasses.fields(cls) if is_internal(f)}
-    return [(k, whys[k]) for k in sorted(data, key=str) if k in whys]
 
 
 #: the path of the top level in error messages
@@ -242,10 +224,12 @@ def _join(path: str, key: str) -> str:
 def _check_internal(cls: type, data: Any, path: str) -> None:
     """A user's config that sets an internal field: one error saying it is none and what decides it instead
     (:mod:`mrl_plugins.config_fields`; ``MRL_ALLOW_INTERNAL_KEYS=1`` lets the tests and benchmarks set them)."""
-    if internal_allowed():
+    if internal_allowed() or not isinstance(data, dict):
         return
-    for key, why in internal_keys_in(cls, data):
-        raise ConfigError(f"{_join(path, key)} is not a setting (since 2026-12-04): {why}")
+    whys = {f.name: f.metadata["internal"] for f in dataclasses.fields(cls) if is_internal(f)}
+    for key in sorted(data, key=str):
+        if key in whys:
+            raise ConfigError(f"{_join(path, key)} is not a setting (since 2026-12-04): {whys[key]}")
 
 
 def _nested(cls: type, value: Any, path: str) -> Any:
@@ -256,17 +240,3 @@ def _nested(cls: type, value: Any, path: str) -> Any:
     if not isinstance(value, cls):
         _check_internal(cls, value, path)
     return section_from_dict(cls, value, path)
-
-
-__all__ = [
-    "INTERNAL_ENV",
-    "check_fields",
-    "fill_derived",
-    "REMOVED_KEYS",
-    "internal",
-    "internal_allowed",
-    "internal_keys_in",
-    "is_internal",
-    "section_from_dict",
-    "user_fields",
-]

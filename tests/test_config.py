@@ -313,8 +313,7 @@ USER_KEYS = 35
 
 
 def test_a_user_sets_about_thirty_keys_and_docs_list_exactly_those():
-    from benchmarks.config_docs import _sections
-    from mrl_plugins.config_fields import user_fields
+    from benchmarks.config_docs import _sections, user_fields
 
     keys = []
     for key, cls, _ in _sections():
