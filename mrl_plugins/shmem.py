@@ -40,8 +40,6 @@ _NAME_RE = re.compile(
     r"^mrl-(?P<stage>[a-z]+)-(?P<run>.+)-p(?P<pid>\d+)(n(?P<ns>\d+))?-[0-9a-f]{8}(\.[A-Za-z0-9_]+)*$"
 )
 _RUN_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
-_STAGE_RE = re.compile(r"^[a-z]{1,16}$")
-_ROLE_RE = re.compile(r"^[A-Za-z0-9_]+(\.[A-Za-z0-9_]+)*$")
 
 
 def shm_dir() -> str:
@@ -62,15 +60,10 @@ def safe_role(text: str) -> str:
 
 
 def new_path(stage: str, run_id: str, role: str = "", tag: str | None = None) -> str:
-    """A segment path owned by this process (``role``: dot-separated ``[A-Za-z0-9_]`` parts). ``tag`` (8 hex)
-    defaults to a random one; a fixed tag makes a second owner of the same name in this process collide."""
-    if not _STAGE_RE.match(stage):
-        raise ValueError(f"segment stage must be 1-16 lowercase letters, got {stage!r}")
-    if role and not _ROLE_RE.match(role):
-        raise ValueError(f"segment role must be dot-separated [A-Za-z0-9_] parts, got {role!r}")
+    """A segment path owned by this process (``stage``: lowercase letters; ``role``: dot-separated ``[A-Za-z0-9_]``
+    parts, e.g. :func:`safe_role`'s). ``tag`` (8 lowercase hex) defaults to a random one; a fixed tag makes a second
+    owner of the same name in this process collide. ``run_id`` is checked (:func:`check_run_id`)."""
     tag = secrets.token_hex(4) if tag is None else tag
-    if not re.fullmatch(r"[0-9a-f]{8}", tag):
-        raise ValueError(f"segment tag must be 8 lowercase hex digits, got {tag!r}")
     suffix = f".{role}" if role else ""
     ns = pid_namespace()
     owner = f"p{os.getpid()}" if ns is None else f"p{os.getpid()}n{ns}"
@@ -78,35 +71,26 @@ def new_path(stage: str, run_id: str, role: str = "", tag: str | None = None) ->
     return os.path.join(shm_dir(), name)
 
 
-def owner_pid(name: str, ns: int | None) -> int | None:
-    """The owner pid in a segment's file name when the owner ran in pid namespace ``ns`` (this process's:
-    :func:`~mrl_plugins._proc.pid_namespace`), else None (not one of ours, another namespace's, or a name that does
-    not say its namespace)."""
-    m = _NAME_RE.match(os.path.basename(name))
-    if m is None or ns is None or m.group("ns") is None or int(m.group("ns")) != ns:
-        return None
-    return int(m.group("pid"))
-
-
 def remove_stale(directory: str | None = None) -> list[str]:
     """Unlink segments (of any stage) whose owner pid in this pid namespace is gone (crashed runs); returns the
-    removed paths."""
+    removed paths. A name of another namespace, or one that does not say its namespace, is never judged."""
     directory = directory or shm_dir()
     removed: list[str] = []
+    ns = pid_namespace()
     try:
-        names = os.listdir(directory)
+        names = os.listdir(directory) if ns is not None else []
     except OSError:
         return removed
-    ns = pid_namespace()
     for name in names:
-        pid = owner_pid(name, ns)
-        if pid is not None and not pid_alive(pid):
-            path = os.path.join(directory, name)
-            try:
-                os.unlink(path)
-                removed.append(path)
-            except OSError:
-                pass
+        m = _NAME_RE.match(name)
+        if m is None or m["ns"] is None or int(m["ns"]) != ns or pid_alive(int(m["pid"])):
+            continue
+        path = os.path.join(directory, name)
+        try:
+            os.unlink(path)
+            removed.append(path)
+        except OSError:
+            pass
     return removed
 
 
