@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import queue
 import threading
 import time
 from collections.abc import Callable
@@ -96,6 +97,20 @@ class Heartbeat:
             self._thread.join(timeout=2 * self._interval + 1.0)
 
 
-def deadline_of(timeout: float | None, default: float) -> float:
-    """Absolute monotonic deadline for ``timeout`` (``None`` -> ``default``)."""
-    return time.monotonic() + (default if timeout is None else max(0.0, float(timeout)))
+def deadline_of(timeout: float | None, default: float) -> tuple[float, float]:
+    """``(seconds, absolute monotonic deadline)`` for ``timeout`` (``None`` -> ``default``)."""
+    t = default if timeout is None else timeout
+    return t, time.monotonic() + max(0.0, float(t))
+
+
+def queue_get(q: Any, deadline: float, check: Callable[[], None], timeout_error: Callable[[], Exception]) -> Any:
+    """``q.get()`` (a ``queue.Queue`` or ``multiprocessing.Queue``) in steps of at most 50 ms, calling ``check()``
+    (the peers' liveness; it raises) between them; ``timeout_error()`` is raised at ``deadline``."""
+    while True:
+        try:
+            return q.get(timeout=max(0.0, min(0.05, deadline - time.monotonic())))
+        except queue.Empty:
+            pass
+        check()
+        if time.monotonic() >= deadline:
+            raise timeout_error()

@@ -37,7 +37,7 @@ from mrl_plugins._net import gloo_group, td
 from mrl_plugins.errors import MrlError, StageTimeoutError
 from mrl_plugins.shmem import check_run_id
 
-from .base import ChannelClosedError, Heartbeat, PeerDeadError, Received, deadline_of
+from .base import ChannelClosedError, Heartbeat, PeerDeadError, Received, deadline_of, queue_get
 from .codec import make_codec
 from .config import CommConfig
 from .frame import FrameError, FramePlan, decode_frame
@@ -192,27 +192,17 @@ class DistConsumer:
                 )
         if closed == self.n and self._inbox.empty() and self._err is None:
             raise ChannelClosedError(f"all {self.n} torch_distributed producers closed")
+        if self._err is not None:
+            raise PeerDeadError(f"torch_distributed consumer: its store failed: {self._err}") from self._err
 
     def receive(self, timeout: float | None = None) -> Received:
         """Next frame from any producer; StageTimeoutError / PeerDeadError / FrameError as for ``shm``."""
-        t = self.config.receive_timeout_s if timeout is None else timeout
-        deadline = deadline_of(timeout, self.config.receive_timeout_s)
+        t, deadline = deadline_of(timeout, self.config.receive_timeout_s)
         t0 = time.perf_counter()
         try:
-            while True:
-                try:
-                    src, frame = self._inbox.get(timeout=max(0.0, min(0.05, deadline - time.monotonic())))
-                    break
-                except queue.Empty:
-                    pass
-                self._check_peers()
-                if self._err is not None:
-                    raise PeerDeadError(f"torch_distributed consumer: its store failed: {self._err}") from self._err
-                if time.monotonic() >= deadline:
-                    joined = sum(1 for g in self._joined if g)
-                    raise StageTimeoutError(
-                        f"torch_distributed consumer: no frame within {t} s ({joined} of {self.n} producers attached)"
-                    )
+            src, frame = queue_get(self._inbox, deadline, self._check_peers, lambda: StageTimeoutError(
+                f"torch_distributed consumer: no frame within {t} s ({sum(1 for g in self._joined if g)} of {self.n} "
+                "producers attached)"))  # fmt: skip
         finally:
             self._stats["wait_s"] += time.perf_counter() - t0
         try:
@@ -332,7 +322,7 @@ class DistProducer:
 
     def flush(self, timeout: float | None = None) -> None:
         """Wait until every queued frame was taken by the consumer (at most ``timeout`` s)."""
-        deadline = deadline_of(timeout, self.config.send_timeout_s)
+        _, deadline = deadline_of(timeout, self.config.send_timeout_s)
         while self._outbox.unfinished_tasks and self._err is None and self._tx.is_alive():
             if time.monotonic() >= deadline:
                 raise StageTimeoutError(f"torch_distributed producer {self.index}: flush timed out")

@@ -25,7 +25,7 @@ import torch
 from mrl_plugins.errors import MrlError, StageTimeoutError
 from mrl_plugins.shmem import check_run_id
 
-from .base import ChannelClosedError, Heartbeat, PeerDeadError, Received, deadline_of, pid_alive
+from .base import ChannelClosedError, Heartbeat, PeerDeadError, Received, deadline_of, pid_alive, queue_get
 from .config import CommConfig
 
 LOG = logging.getLogger("mrl_plugins.comm")
@@ -76,19 +76,13 @@ class QueueConsumer:
 
     def receive(self, timeout: float | None = None) -> Received:
         """Next batch (fields are owned arrays/tensors; ``release`` is a no-op)."""
-        deadline = deadline_of(timeout, self.config.receive_timeout_s)
+        t, deadline = deadline_of(timeout, self.config.receive_timeout_s)
         t0 = time.perf_counter()
-        while True:
-            try:
-                data = self.q.get(timeout=max(0.0, min(0.05, deadline - time.monotonic())))
-                break
-            except _queue.Empty:
-                pass
-            self._check_peers()
-            if time.monotonic() >= deadline:
-                self._stats["wait_s"] += time.perf_counter() - t0
-                raise StageTimeoutError(f"queue consumer: no batch within {timeout} s")
-        self._stats["wait_s"] += time.perf_counter() - t0
+        try:
+            data = queue_get(self.q, deadline, self._check_peers,
+                             lambda: StageTimeoutError(f"queue consumer: no batch within {t} s"))  # fmt: skip
+        finally:
+            self._stats["wait_s"] += time.perf_counter() - t0
         i, meta, fields = pickle.loads(data)
         batch = {k: _from_wire(kind, a) for k, (kind, a) in fields.items()}
         self._stats["frames"] += 1

@@ -177,7 +177,7 @@ class ShmConsumer:
         """Next frame from any producer (round robin); raises StageTimeoutError, PeerDeadError, FrameError."""
         if self.seg.buf is None:
             raise MrlError("receive on a closed shm consumer")
-        deadline = deadline_of(timeout, self.config.receive_timeout_s)
+        t, deadline = deadline_of(timeout, self.config.receive_timeout_s)
         buf = self.seg.buf
         t0 = time.perf_counter()
         waited = 0
@@ -195,7 +195,6 @@ class ShmConsumer:
                 self._check_peers(now)
             if now >= deadline:
                 self._stats["wait_s"] += time.perf_counter() - t0
-                t = self.config.receive_timeout_s if timeout is None else timeout
                 raise StageTimeoutError(
                     f"shm consumer: no frame within {t} s from {self.n} producer(s) (segment {self.seg.path})"
                 )
@@ -439,8 +438,7 @@ class ShmProducer:
 
     def _wait_space(self, head: int, timeout: float | None) -> None:
         buf = self.seg.buf
-        t = self.config.send_timeout_s if timeout is None else timeout
-        deadline = deadline_of(timeout, self.config.send_timeout_s)
+        t, deadline = deadline_of(timeout, self.config.send_timeout_s)
         t0 = time.perf_counter()
         next_check = 0.0
         spins = 0
