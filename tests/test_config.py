@@ -509,6 +509,11 @@ def test_core_lists_are_checked_against_the_process_cores():
             {"weight_sync": {"directory": "/tmp/w"}},
             r"^weight_sync\.directory: read by weight_sync\.transport 'directory' only \(this run's is 'shm'; 'auto'",
         ),
+        (
+            {"rollout": {"rendezvous": "10.0.0.1:29500"}},
+            r"^rollout\.rendezvous: '10\.0\.0\.1:29500' is where the trainer listens for remote workers, and "
+            r"rollout\.remote_workers is 0",
+        ),
     ],
 )
 def test_refusals_that_need_only_the_config_come_with_the_config(data, says):
@@ -516,6 +521,7 @@ def test_refusals_that_need_only_the_config_come_with_the_config(data, says):
         load_config(data)
     load_config({"mode": "hybrid", "rollout": {"rebalance": True, "workers": 2, "colocated_workers": 1}})
     load_config({"rollout": {"ref_logps": "engine", "workers": 0, "remote_workers": 1}})
+    load_config({"rollout": {"rendezvous": "10.0.0.1:29500", "remote_workers": 1}})
     remote = load_config({"weight_sync": {"directory": "/tmp/w"}, "rollout": {"workers": 0, "remote_workers": 1}})
     assert remote.weight_sync.transport == "directory"
     load_config({"weight_sync": {"directory": "/tmp/w", "transport": "directory"}})

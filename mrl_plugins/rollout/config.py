@@ -101,6 +101,11 @@ class RolloutConfig(SchedulingSection, DeploymentSection, EngineSection):
                 raise ConfigError(f"rollout.{key}: {cores!r} invalid; a list of distinct CPU core ids >= 0")
         if self.remote_workers:
             parse_address(self.rendezvous)
+        elif self.rendezvous != DeploymentSection.rendezvous:
+            raise ConfigError(
+                f"rollout.rendezvous: {self.rendezvous!r} is where the trainer listens for remote workers, and "
+                "rollout.remote_workers is 0; set rollout.remote_workers >= 1 or remove rendezvous"
+            )
         self._validate_launcher()
         if self.colocated_workers > self.workers:
             raise ConfigError(
