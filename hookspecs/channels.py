@@ -310,9 +310,7 @@ def check_end(obj: Any, protocol: type, what: str, who: str) -> Any:
     """``obj`` if it satisfies ``protocol`` (methods and attributes present), else a PluginError naming ``who``
     (the plugin) and ``what`` returned it."""
     if not isinstance(obj, protocol):
-        missing = [
-            n for n in getattr(protocol, "__protocol_attrs__", _protocol_attrs(protocol)) if not hasattr(obj, n)
-        ]
+        missing = [n for n in _protocol_attrs(protocol) if not hasattr(obj, n)]
         raise PluginError(
             f"{who}: {what} returned a {type(obj).__name__}, which is not a {protocol.__name__} "
             f"(missing: {', '.join(sorted(missing)) or '?'}; see mrl_plugins.hookspecs.channels)"

@@ -93,8 +93,7 @@ class Heartbeat:
     def stop(self) -> None:
         """Stop beating (waits at most two intervals for the thread)."""
         self._stop.set()
-        if self._thread is not threading.current_thread():
-            self._thread.join(timeout=2 * self._interval + 1.0)
+        self._thread.join(timeout=2 * self._interval + 1.0)
 
 
 def deadline_of(timeout: float | None, default: float) -> tuple[float, float]:

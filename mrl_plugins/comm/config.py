@@ -100,9 +100,6 @@ class CommConfig:
     @classmethod
     def from_dict(cls, d: dict[str, Any] | None) -> CommConfig:
         """Build and validate from a mapping (:func:`mrl_plugins.config_fields.section_from_dict`, the one parser)."""
-        d = dict(d or {})
-        if isinstance(d.get("lossless_fields"), tuple):
-            d["lossless_fields"] = list(d["lossless_fields"])
         return section_from_dict(cls, d, "comm")
 
     def to_dict(self) -> dict[str, Any]:

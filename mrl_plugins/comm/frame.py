@@ -277,18 +277,6 @@ def encode_frame(
     return out
 
 
-def peek_length(buf: memoryview | bytes) -> int:
-    """Total length of the frame at the start of ``buf`` (after a magic/version check)."""
-    if len(buf) < _FIXED.size:
-        raise FrameError(f"truncated frame: {len(buf)} bytes, the header alone is {_FIXED.size}")
-    magic, ver, _flags, _hl, total = struct.unpack_from("<4sHHIQ", buf, 0)
-    if magic != MAGIC:
-        raise FrameError(f"bad frame magic {bytes(magic)!r} (expected {MAGIC!r}): not an mrl frame or corrupted")
-    if ver != FORMAT_VERSION:
-        raise FrameError(f"unsupported frame format version {ver} (this build reads version {FORMAT_VERSION})")
-    return total
-
-
 def decode_frame(
     buf: memoryview | bytes | bytearray, *, copy: bool = False, raw_floats: list[str] | None = None
 ) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -303,8 +291,13 @@ def decode_frame(
     mv = memoryview(buf).cast("B")
     if mv.readonly:
         mv = memoryview(bytearray(mv))
-    total = peek_length(mv)
-    (_m, _v, flags, hlen, _t, version, seq, nf, nx, pcrc, hcrc, uid, model_id) = _FIXED.unpack_from(mv, 0)
+    if len(mv) < _FIXED.size:
+        raise FrameError(f"truncated frame: {len(mv)} bytes, the header alone is {_FIXED.size}")
+    (magic, ver, flags, hlen, total, version, seq, nf, nx, pcrc, hcrc, uid, model_id) = _FIXED.unpack_from(mv, 0)
+    if magic != MAGIC:
+        raise FrameError(f"bad frame magic {bytes(magic)!r} (expected {MAGIC!r}): not an mrl frame or corrupted")
+    if ver != FORMAT_VERSION:
+        raise FrameError(f"unsupported frame format version {ver} (this build reads version {FORMAT_VERSION})")
     if not _FIXED.size <= hlen <= len(mv):
         raise FrameError(f"bad frame layout: header_len={hlen} for a buffer of {len(mv)} bytes")
     hdr = bytearray(mv[:hlen])

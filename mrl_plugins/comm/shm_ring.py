@@ -82,13 +82,6 @@ def _layout(n_producers: int, slots: int, slot_bytes: int) -> tuple[int, int]:
     return data, data + n_producers * slots * slot_bytes
 
 
-def make_fifo(path: str) -> int:
-    """Create a FIFO owned by this process (registered for cleanup) and open it read-write, non-blocking."""
-    os.mkfifo(path, 0o600)
-    register(path)
-    return open_fifo(path)
-
-
 def open_fifo(path: str) -> int:
     """Open an existing FIFO read-write and non-blocking (never blocks, never gets EPIPE)."""
     return os.open(path, os.O_RDWR | os.O_NONBLOCK)
@@ -138,7 +131,10 @@ class ShmConsumer:
         # to "<seg>.s<i>" after releasing a slot of producer i. Waiters block in select() on them, so no
         # wake-up is lost and nobody burns a core polling.
         self._fifos = [self.seg.path + ".d"] + [f"{self.seg.path}.s{i}" for i in range(n_producers)]
-        fds = [make_fifo(f) for f in self._fifos]
+        for f in self._fifos:  # owned by this process: registered for cleanup
+            os.mkfifo(f, 0o600)
+            register(f)
+        fds = [open_fifo(f) for f in self._fifos]
         self._data_fd, self._space_fds = fds[0], fds[1:]
         self._read = [0] * n_producers  # next frame to read, per producer
         self._tail = [0] * n_producers  # frames released, per producer
@@ -295,17 +291,12 @@ class ShmConsumer:
 
     def close(self, unlink: bool = True) -> None:
         """Stop heartbeating, flag producers, unmap and (by default) remove the segment."""
-        if self.seg.buf is None:
-            if unlink:
-                for f in self._fifos:
-                    unlink_path(f)
-                self.seg.close(unlink_file=True)
-            return
-        self._hb.stop()
-        _U32.pack_into(self.seg.buf, _CLOSED_OFF, 1)
-        for fd in (self._data_fd, *self._space_fds):
-            kick(fd)  # blocked producers notice the close now
-            os.close(fd)
+        if self.seg.buf is not None:
+            self._hb.stop()
+            _U32.pack_into(self.seg.buf, _CLOSED_OFF, 1)
+            for fd in (self._data_fd, *self._space_fds):
+                kick(fd)  # blocked producers notice the close now
+                os.close(fd)
         if unlink:
             for f in self._fifos:
                 unlink_path(f)
