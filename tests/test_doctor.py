@@ -201,6 +201,13 @@ def test_config_file(tmp_path, capsys):
     assert cli(["--config", str(net)], env={}) == 0
     out = capsys.readouterr().out
     assert _lines(out)["ports"] == ["warn"] and "comm.transport=torch_distributed need(s) rendezvous ports" in out
+    remote = tmp_path / "remote.yaml"  # remote workers only: the placement gives the trainer its one thread
+    remote.write_text(
+        "rollout: {workers: 0, remote_workers: 2, rendezvous: '127.0.0.1:29555'}\ntrain: {device: cpu}\n"
+    )
+    cli(["--config", str(remote)], env={})
+    out = capsys.readouterr().out
+    assert "1 = 1 threads over 1 process(es) (trainer: rollout.trainer_cores; 2 remote worker(s) not counted" in out
 
 
 def test_module_entry_point():

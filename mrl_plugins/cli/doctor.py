@@ -53,8 +53,9 @@ def inputs_from_config(data: Mapping[str, Any]) -> dict[str, Any]:
     ``processes`` = 1 trainer + ``rollout.workers`` (0 workers: the engine runs inside the trainer). ``card_plan``:
     the device index of each process -- the trainer on ``train.device``'s index (``npu:2`` -> 2, else 0), the workers
     where the adapter puts them (:func:`mrl_plugins.device.placement.accelerator_indices`, one training rank).
-    ``threads_cfg``: (trainer threads or 0 for the default, its source, engine threads): with workers the
-    trainer keeps one thread per core of ``rollout.trainer_cores``, else ``train.threads``. ``network``: the
+    ``threads_cfg``: (trainer threads or 0 for the default, its source, engine threads): with workers (local or
+    remote) the trainer keeps one thread per core of ``rollout.trainer_cores``, else ``train.threads``; remote
+    workers are not counted among this host's processes (they run where ``mrl worker`` starts them). ``network``: the
     transports (``auto`` resolved) that cross hosts and need rendezvous ports.
     """
     cfg = load_config(dict(data))
@@ -64,10 +65,11 @@ def inputs_from_config(data: Mapping[str, Any]) -> dict[str, Any]:
     out["processes"] = 1 + rc.workers
     base = dev.parse_device_spec(cfg.train.device)[1] or 0
     out["card_plan"] = [base] + accelerator_indices(cfg.mode, rc.workers, colocated, base)[: rc.workers]
-    if rc.workers:
+    if rc.workers or rc.remote_workers:
         out["threads_cfg"] = (rc.trainer_threads, "rollout.trainer_cores", rc.engine_threads)
     else:
         out["threads_cfg"] = (cfg.train.threads, "train.threads", rc.engine_threads)
+    out["remote_workers"] = rc.remote_workers
     out["network"] = [
         f"{section}.transport={getattr(cfg, section).transport}"
         for section, names in NETWORK_TRANSPORTS.items()
@@ -212,6 +214,10 @@ def _inputs_from_args(args: argparse.Namespace, env: Mapping[str, str], data: Ma
         inputs.threads_source = f"trainer: {src}" + (
             ", workers: rollout.engine_threads" if inputs.processes > 1 else ""
         )
+        if cfg.get("remote_workers"):
+            inputs.threads_source += (
+                f"; {cfg['remote_workers']} remote worker(s) not counted: they run where mrl worker starts them"
+            )
     if visible is None and cfg.get("processes") == inputs.processes:
         inputs.card_plan = cfg.get("card_plan")
     return inputs
