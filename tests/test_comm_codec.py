@@ -115,16 +115,16 @@ def test_neginf_hint_never_changes_a_choice():
     assert wire(lp) == torch.float16 and "lp" in codec._neginf  # hint set: next check counts first
     bad = lp.clone()
     bad[3, 3] = -70000.0  # finite and out of range, next to -inf
-    assert wire(bad) == torch.float32 and codec.fallbacks == 1
+    assert wire(bad) == torch.float32  # a fallback
     plain = lp.clone()
     plain[0, 0] = -1.0  # no -inf any more
     assert wire(plain) == torch.float16 and "lp" not in codec._neginf
     big = plain.clone()
     big[1, 1] = -70000.0
-    assert wire(big) == torch.float32 and codec.fallbacks == 2
+    assert wire(big) == torch.float32
     pos = lp.clone()
     pos[2, 2] = 70000.0  # out of range above while the hint skips the min
-    assert wire(lp) == torch.float16 and wire(pos) == torch.float32 and codec.fallbacks == 3
+    assert wire(lp) == torch.float16 and wire(pos) == torch.float32
 
 
 @pytest.mark.parametrize("n", [_NP_HALF_MAX, _NP_HALF_MAX + 1, _NP_RESTORE_SMALL - 1, _NP_RESTORE_SMALL + 5])
@@ -178,8 +178,8 @@ def test_consumer_side_fallback_count_from_the_frame_header():
     codec = Codec("fp16", lossless_fields=["kept"])
     raw_floats: list[str] = []
     decode_frame(encode_frame(batch, {}, codec), raw_floats=raw_floats)
-    assert sorted(raw_floats) == ["big", "kept"] and codec.fallbacks == 1
-    assert codec.fallbacks_among(raw_floats) == 1  # what the consumer counts, without the producer's counters
+    assert sorted(raw_floats) == ["big", "kept"]
+    assert codec.fallbacks_among(raw_floats) == 1  # what the consumer counts: 'big' ('kept' is lossless)
     assert Codec("raw").fallbacks_among(raw_floats) == 0
 
 
@@ -196,5 +196,6 @@ def test_auto_codec_is_raw_in_memory_and_fp16_on_the_network(transport, expected
     auto = {c.name: c for c in CommPlugin().mrl_comm_register_codecs()}["auto"]
     assert make_codec(cfg).name == auto.factory(cfg).name == expected
     assert make_codec(cfg, "bf16").name == "bf16"  # a named codec is what it names, on any transport
-    plan = FramePlan({"logps": torch.tensor([-1.5, 1e6])}, {}, make_codec(cfg))
-    assert plan.fallbacks == (1 if expected == "fp16" else 0)  # 1e6 does not fit fp16: sent as fp32
+    raw_floats: list[str] = []
+    decode_frame(encode_frame({"logps": torch.tensor([-1.5, 1e6])}, {}, make_codec(cfg)), raw_floats=raw_floats)
+    assert make_codec(cfg).fallbacks_among(raw_floats) == (1 if expected == "fp16" else 0)  # 1e6 does not fit fp16

@@ -98,8 +98,8 @@ def test_round_trip_views_and_stats():
     cons = shm_factory(_cfg(codec="raw"), n_producers=1, run_id=RUN)
     prod = cons.producer_handle(0).attach()
     try:
-        for seq in range(3):
-            assert prod.send(_batch(0, seq), {"model_id": "policy", "version": 2, "seq": seq}) > 0
+        sent = [prod.send(_batch(0, seq), {"model_id": "policy", "version": 2, "seq": seq}) for seq in range(3)]
+        assert all(n > 0 for n in sent)
         for seq in range(3):
             with cons.receive(timeout=5) as r:
                 assert r.meta["seq"] == seq and r.meta["version"] == 2
@@ -108,7 +108,7 @@ def test_round_trip_views_and_stats():
             assert r.released
         st = cons.stats()
         assert st["frames"] == 3 and st["corrupt"] == 0 and st["queue_depth"] == 0
-        assert prod.stats()["frames"] == 3 and prod.stats()["bytes"] == st["bytes"]
+        assert st["bytes"] == sum(sent)  # the frame bytes each send returned
         with pytest.raises(StageTimeoutError, match="no frame within 0.2 s"):
             cons.receive(timeout=0.2)
     finally:
@@ -330,7 +330,7 @@ def test_queue_transport_in_process_keeps_dtypes():
         assert prod.send(batch, {"seq": 9}) > 0
         r = cons.receive(timeout=10)
         assert r.meta["seq"] == 9 and torch.equal(r.batch["b"], batch["b"]) and torch.equal(r.batch["m"], batch["m"])
-        assert cons.stats()["frames"] == 1 and prod.stats()["frames"] == 1
+        assert cons.stats()["frames"] == 1
     finally:
         prod.close()
         cons.close()

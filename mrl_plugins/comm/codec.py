@@ -36,8 +36,9 @@ the values below -65504 must all be -inf (their max, a masked reduction, is -inf
 values above 65504 must all be +inf; nan compares false. A field that held -inf in its previous
 frame skips the min (a speed hint only; the answer is the same). It never inspects the cast result
 for inf, because NPUs before Ascend 910B saturate to 65504 instead of producing inf. A field that
-does not fit is sent in its original dtype, bit-exact, and counted (``fallbacks``). Values are
-never clamped. inf/-inf/nan already in the source are preserved by the casts.
+does not fit is sent in its original dtype, bit-exact, and counted by the consumer from the frame
+(``fallbacks``, :meth:`Codec.fallbacks_among`). Values are never clamped. inf/-inf/nan already in the source are
+preserved by the casts.
 
 Integers are narrowed from one pass in the usual case: the max of the values read as unsigned
 (numpy's SIMD max) is their max when none is negative; a field with a negative value is sized from
@@ -80,7 +81,6 @@ class FieldChoice:
 
     method: int
     wire_dtype: torch.dtype
-    fallback: bool = False
 
 
 @functools.lru_cache(maxsize=64)
@@ -95,7 +95,7 @@ _CASTS = {d: FieldChoice(CAST, d) for d in (torch.int8, torch.int16, torch.int32
 
 
 class Codec:
-    """Chooses per field how a tensor is sent. Stateless apart from its counters and the -inf speed hint.
+    """Chooses per field how a tensor is sent. Stateless apart from its scratch buffer and the -inf speed hint.
 
     :param name: ``"raw"``, ``"fp16"`` or ``"bf16"``.
     :param lossless_fields: names never cast to a lossy dtype.
@@ -107,7 +107,6 @@ class Codec:
         self.name = name
         self.target = _LOSSY_TARGET[name]
         self.lossless_fields = frozenset(lossless_fields)
-        self.fallbacks = 0
         self._fmax = _FMAX[self.target] if self.target is not None else 0.0
         self._scratch: dict[str, np.ndarray] = {}
         self._neginf: set[str] = set()  # float fields that held -inf in their last frame (a speed hint)
@@ -116,7 +115,7 @@ class Codec:
         return f"Codec({self.name!r}, lossless_fields={sorted(self.lossless_fields)!r})"
 
     def choose(self, name: str, t: torch.Tensor, a: np.ndarray | None = None) -> FieldChoice:
-        """Pick the wire representation of field ``name`` (a CPU tensor). Counts float fallbacks.
+        """Pick the wire representation of field ``name`` (a CPU tensor).
 
         ``a``: a numpy view of ``t`` if the caller already has one (saves making it again).
         """
@@ -135,9 +134,7 @@ class Codec:
                 self._neginf.discard(name)
             if fits:
                 return _CASTS[self.target]
-            self.fallbacks += 1
-            return FieldChoice(RAW, dt, fallback=True)
-        return _raw(dt)
+        return _raw(dt)  # also a float that does not fit: an overflow-guard fallback
 
     def fallbacks_among(self, raw_floats: Iterable[str]) -> int:
         """How many of the float fields a frame carried in their own dtype (``decode_frame(raw_floats=...)``)

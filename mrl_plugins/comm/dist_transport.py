@@ -267,7 +267,6 @@ class DistProducer:
         self._outbox: queue.Queue = queue.Queue(maxsize=config.ring_slots)
         self._tx = threading.Thread(target=self._run, name=f"mrl-comm-dist{h.index}-tx", daemon=True)
         self._tx.start()
-        self._stats = dict.fromkeys(("frames", "bytes", "raw_bytes", "fallbacks", "wait_s"), 0)
         self._hb = Heartbeat(self._beat, config.heartbeat_interval_s, f"mrl-comm-dist{h.index}-hb")
 
     def _beat(self) -> None:
@@ -305,19 +304,12 @@ class DistProducer:
         frame = torch.empty(plan.nbytes, dtype=torch.uint8)
         plan.write_into(frame.numpy().data)
         hdr = torch.tensor([plan.nbytes], dtype=torch.int64)
-        t0 = time.perf_counter()
         try:
             self._outbox.put((hdr, frame), timeout=t)
         except queue.Full:
             raise StageTimeoutError(
                 f"torch_distributed producer {self.index}: {self.config.ring_slots} frames unreceived for {t} s"
             ) from None
-        finally:
-            self._stats["wait_s"] += time.perf_counter() - t0
-        self._stats["frames"] += 1
-        self._stats["bytes"] += plan.nbytes
-        self._stats["raw_bytes"] += plan.raw_nbytes
-        self._stats["fallbacks"] += plan.fallbacks
         return plan.nbytes
 
     def flush(self, timeout: float | None = None) -> None:
@@ -327,10 +319,6 @@ class DistProducer:
             if time.monotonic() >= deadline:
                 raise StageTimeoutError(f"torch_distributed producer {self.index}: flush timed out")
             time.sleep(0.005)
-
-    def stats(self) -> dict[str, float]:
-        """Counters: frames, bytes, raw_bytes, fallbacks, wait_s, queue_depth."""
-        return {**self._stats, "queue_depth": self._outbox.qsize()}
 
     def close(self, timeout: float = 10.0) -> None:
         """Flush (bounded), mark closed in the store and stop heartbeating."""

@@ -179,15 +179,11 @@ class FramePlan:
                 raise FrameError(f"meta {k!r}: extra metadata must be int, got {type(v).__name__}")
             self.extras.append((_enc_name(k, 32, "meta key"), int(v)))
         self.fields: list[tuple] = []
-        self.fallbacks = 0
-        self.fallback_fields: list[str] = []
-        self.raw_nbytes = 0
         off = _align(_FIXED.size + _EXTRA.size * len(self.extras) + _FIELD.size * len(batch))
         self.header_len = off
         body = [_EXTRA.pack(k, v) for k, v in self.extras]  # the header after its fixed part
         fields = self.fields
         choose = codec.choose if codec is not None else None
-        raw_nbytes = 0
         for name, value in batch.items():
             bname = _enc_name(name, 64, "field name")
             t, a, kind = _as_tensor(name, value)
@@ -204,11 +200,7 @@ class FramePlan:
             else:
                 choice = choose(name, t, a)
                 method, wire = choice.method, choice.wire_dtype
-                if choice.fallback:
-                    self.fallbacks += 1
-                    self.fallback_fields.append(name)
             nbytes = (numel + 7) // 8 if method == BITPACK else numel * wire.itemsize
-            raw_nbytes += numel * dt.itemsize
             if a is not None and (
                 method == RAW
                 or wire in _NP_WIRE
@@ -224,7 +216,6 @@ class FramePlan:
                 )
             )
             off = (off + nbytes + ALIGN - 1) & -ALIGN
-        self.raw_nbytes = raw_nbytes
         self.nbytes = off
         body.append(bytes(self.header_len - _FIXED.size - sum(map(len, body))))
         self._header_body = b"".join(body)

@@ -145,7 +145,6 @@ class QueueProducer:
         self.config = config
         h.pids[h.index] = os.getpid()
         h.state[h.index] = _ATTACHED
-        self._stats = dict.fromkeys(("frames", "bytes", "raw_bytes", "fallbacks", "wait_s"), 0)
         self._hb = Heartbeat(self._beat, config.heartbeat_interval_s, f"mrl-comm-qproducer{h.index}-hb")
         self._closed = False
 
@@ -156,31 +155,18 @@ class QueueProducer:
         """Pickle and enqueue; blocks up to ``timeout`` when the queue is full."""
         fields = {k: _to_wire(v) for k, v in batch.items()}
         data = pickle.dumps((self.index, dict(meta), fields), protocol=pickle.HIGHEST_PROTOCOL)
-        t = self.config.send_timeout_s if timeout is None else timeout
-        t0 = time.perf_counter()
-        deadline = time.monotonic() + t
-        try:
-            while True:
-                try:
-                    self.h.q.put(data, timeout=max(0.0, min(0.25, deadline - time.monotonic())))
-                    break
-                except _queue.Full:
-                    if not pid_alive(self.h.consumer_pid):
-                        raise PeerDeadError(
-                            f"queue producer {self.index}: consumer pid {self.h.consumer_pid} is dead"
-                        ) from None
-                    if time.monotonic() >= deadline:
-                        raise StageTimeoutError(f"queue producer {self.index}: queue full for {t} s") from None
-        finally:
-            self._stats["wait_s"] += time.perf_counter() - t0
-        self._stats["frames"] += 1
-        self._stats["bytes"] += len(data)
-        self._stats["raw_bytes"] += sum(a.nbytes for _k, a in fields.values())
-        return len(data)
-
-    def stats(self) -> dict[str, float]:
-        """Counters: frames, bytes, raw_bytes, fallbacks (always 0), wait_s."""
-        return dict(self._stats)
+        t, deadline = deadline_of(timeout, self.config.send_timeout_s)
+        while True:
+            try:
+                self.h.q.put(data, timeout=max(0.0, min(0.25, deadline - time.monotonic())))
+                return len(data)
+            except _queue.Full:
+                if not pid_alive(self.h.consumer_pid):
+                    raise PeerDeadError(
+                        f"queue producer {self.index}: consumer pid {self.h.consumer_pid} is dead"
+                    ) from None
+                if time.monotonic() >= deadline:
+                    raise StageTimeoutError(f"queue producer {self.index}: queue full for {t} s") from None
 
     def close(self) -> None:
         """Flush the queue's feeder thread (at most ``send_timeout_s``; not waited for once the consumer is dead)

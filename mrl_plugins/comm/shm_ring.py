@@ -380,7 +380,6 @@ class ShmProducer:
         _U64.pack_into(buf, self._cb + 8, os.getpid())
         _F64.pack_into(buf, self._cb + 16, time.monotonic())
         _U32.pack_into(buf, self._cb + 24, _ATTACHED)
-        self._stats = dict.fromkeys(("frames", "bytes", "raw_bytes", "fallbacks", "wait_s"), 0)
         self._hb = Heartbeat(self._beat, config.heartbeat_interval_s, f"mrl-comm-producer{index}-hb")
 
     def _beat(self) -> None:
@@ -412,7 +411,6 @@ class ShmProducer:
                 f"frame of {plan.nbytes} bytes does not fit a ring slot of {self.slot_bytes - _SLOT_HDR} bytes: "
                 f"raise comm.slot_bytes to at least {plan.nbytes + _SLOT_HDR}"
             )
-        self._stats["fallbacks"] += plan.fallbacks
         head = self._head
         if head - _U64.unpack_from(buf, self._cb + 128)[0] >= self.slots:
             self._wait_space(head, timeout)
@@ -422,44 +420,30 @@ class ShmProducer:
         self._head = head + 1
         _U64.pack_into(buf, self._cb, head + 1)
         kick(self._data_fd)
-        self._stats["frames"] += 1
-        self._stats["bytes"] += n
-        self._stats["raw_bytes"] += plan.raw_nbytes
         return n
 
     def _wait_space(self, head: int, timeout: float | None) -> None:
         buf = self.seg.buf
         t, deadline = deadline_of(timeout, self.config.send_timeout_s)
-        t0 = time.perf_counter()
         next_check = 0.0
         spins = 0
-        try:
-            while head - _U64.unpack_from(buf, self._cb + 128)[0] >= self.slots:
-                now = time.monotonic()
-                if now >= next_check:
-                    next_check = now + 0.05
-                    why = self._consumer_gone()
-                    if why:
-                        raise PeerDeadError(f"shm producer {self.index}: {why}")
-                if now >= deadline:
-                    raise StageTimeoutError(
-                        f"shm producer {self.index}: ring full ({self.slots} slots) for {t} s; the consumer is "
-                        "not keeping up"
-                    )
-                spins += 1
-                if spins <= 2:
-                    time.sleep(0)
-                else:
-                    wait_fd(self._space_fd, min(deadline - now, next_check - now + 1e-3))
-        finally:
-            self._stats["wait_s"] += time.perf_counter() - t0
-
-    def stats(self) -> dict[str, float]:
-        """Counters: frames, bytes, raw_bytes, fallbacks, wait_s, queue_depth."""
-        out = dict(self._stats)
-        if self.seg.buf is not None:
-            out["queue_depth"] = self._head - _U64.unpack_from(self.seg.buf, self._cb + 128)[0]
-        return out
+        while head - _U64.unpack_from(buf, self._cb + 128)[0] >= self.slots:
+            now = time.monotonic()
+            if now >= next_check:
+                next_check = now + 0.05
+                why = self._consumer_gone()
+                if why:
+                    raise PeerDeadError(f"shm producer {self.index}: {why}")
+            if now >= deadline:
+                raise StageTimeoutError(
+                    f"shm producer {self.index}: ring full ({self.slots} slots) for {t} s; the consumer is not "
+                    "keeping up"
+                )
+            spins += 1
+            if spins <= 2:
+                time.sleep(0)
+            else:
+                wait_fd(self._space_fd, min(deadline - now, next_check - now + 1e-3))
 
     def close(self) -> None:
         """Mark this producer closed (not dead) and unmap."""
