@@ -56,6 +56,13 @@ def _dist_child(handle, n: int, hang: bool) -> None:
     prod.close()
 
 
+def _consumer_child(q) -> None:
+    torch.set_num_threads(1)
+    cons = dist_factory(_cfg(), n_producers=1, run_id=RUN)
+    q.put(cons.producer_handle(0))
+    time.sleep(120)  # until killed
+
+
 def _join(p, timeout: float = 30.0) -> None:
     p.join(timeout=timeout)
     if p.is_alive():
@@ -230,3 +237,33 @@ def test_torch_distributed_close_is_bounded_when_the_consumer_stopped_receiving(
         assert cons._master.check(["closed/0/1"])  # marked closed for the consumer
     finally:
         cons.close()
+
+
+@pytest.mark.slow
+def test_torch_distributed_producer_outlives_its_consumer_quietly(monkeypatch):
+    """The consumer's process dies, and its store with it: the producer's heartbeat (a store write) stops without
+    an unhandled exception in its thread, the sends report the dead peer (PeerDeadError) and close() returns."""
+    import threading
+
+    errors: list = []
+    monkeypatch.setattr(threading, "excepthook", lambda args: errors.append(args.exc_value))
+    q = CTX.Queue()
+    child = CTX.Process(target=_consumer_child, args=(q,), daemon=True)
+    child.start()
+    try:
+        prod = q.get(timeout=60).attach(timeout=30)
+        os.kill(child.pid, signal.SIGKILL)
+        child.join(10)
+        deadline = time.monotonic() + 10
+        while prod._hb._thread.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not prod._hb._thread.is_alive() and errors == []  # stopped, quietly
+        with pytest.raises(PeerDeadError, match="sending failed"):
+            for seq in range(200):
+                prod.send(_batch(seq), {"seq": seq}, timeout=5)
+                time.sleep(0.05)
+        prod.close()
+        assert errors == []
+    finally:
+        _join(child, timeout=5)
+        q.close()

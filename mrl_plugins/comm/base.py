@@ -73,7 +73,9 @@ def owned(v: Any) -> Any:
 
 
 class Heartbeat:
-    """A daemon thread calling ``beat()`` every ``interval`` seconds until :meth:`stop`."""
+    """A daemon thread calling ``beat()`` every ``interval`` seconds until :meth:`stop`, or until a beat fails: the
+    mapping was closed under it, or the peer's store is gone with the peer (torch's store errors are RuntimeErrors).
+    Nobody is left to read the beats then; the transfer itself reports the dead peer."""
 
     def __init__(self, beat: Callable[[], None], interval: float, name: str) -> None:
         self._beat = beat
@@ -87,7 +89,7 @@ class Heartbeat:
         while not self._stop.wait(self._interval):
             try:
                 self._beat()
-            except (ValueError, OSError, BufferError):  # the mapping was closed under us
+            except (ValueError, OSError, BufferError, RuntimeError):
                 return
 
     def stop(self) -> None:

@@ -3,7 +3,7 @@
 Every producer has a group of its own with the consumer, two ranks on the consumer's ``TCPStore`` (so it works
 beside, and independent of, any default group the trainer already has): the consumer is rank 0, the producer
 rank 1. Each batch goes as two messages: a length header and the encoded frame (:mod:`mrl_plugins.comm.frame`,
-codec applied, crc32c-checked on receipt).
+codec applied, its checksum (``comm.checksum``, xxh3 by default) checked on receipt).
 
 Rejoinable: a producer that attaches takes the next *incarnation* number of its index (``join/<i>`` in the store)
 and forms the pair group of that incarnation; the consumer starts a receiver for each new incarnation it sees, so a
@@ -24,6 +24,7 @@ producer is watched again).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import threading
@@ -333,8 +334,9 @@ class DistProducer:
                 pass  # the thread is abandoned (daemon); its frames were not taken
             self._tx.join(timeout=1.0)
             self._hb.stop()
-            # the frames handed to the wire by this incarnation
-            self._store.set(f"closed/{self.index}/{self.incarnation}", str(self._sent))
+            # the frames handed to the wire by this incarnation (no one to tell when the consumer's store is gone)
+            with contextlib.suppress(RuntimeError):
+                self._store.set(f"closed/{self.index}/{self.incarnation}", str(self._sent))
             self._pg = None
 
 
