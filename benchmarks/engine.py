@@ -206,7 +206,7 @@ def _engine_main(name: str, opts: dict, conn: Any) -> None:
                 w0, c0 = time.perf_counter(), time.process_time()
                 out = engine.generate(prompts, opts["generations"])
                 conn.send(("gen", {"wall_s": time.perf_counter() - w0, "cpu_s": time.process_time() - c0,
-                                   "tokens": out.num_tokens}))  # fmt: skip
+                                   "tokens": sum(map(len, out.completion_ids))}))  # fmt: skip
             elif cmd == "apply":
                 version += 1
                 with torch.no_grad():

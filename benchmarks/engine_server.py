@@ -254,7 +254,7 @@ def _serve(conn: Any, spec: _ServerSpec) -> None:
                 prompts, num_generations = payload
                 with guard_oom(reservation, device.type), device.stream_context(applied.stream):
                     out = engine.generate(prompts, num_generations)
-                reply: Any = (out.prompt_ids, out.completion_ids, out.logprobs, out.seconds)
+                reply: Any = (out.prompt_ids, out.completion_ids, out.logprobs)
             elif op == "update_weights":
                 reply = copy_weights(engine.model, torch.load(io.BytesIO(payload), weights_only=True))
             elif op == "binding":
@@ -364,10 +364,7 @@ class EngineServer:
     # --------------------------------------------------------------------------------------------- requests
     def request(self, prompts: list[list[int]], num_generations: int = 1, timeout: float = 60.0) -> EngineOutput:
         """Generate on the server; StageTimeoutError if it dies or does not answer within ``timeout`` seconds."""
-        prompt_ids, completion_ids, logprobs, seconds = self._call(
-            "generate", ([list(p) for p in prompts], num_generations), timeout
-        )
-        return EngineOutput(prompt_ids, completion_ids, logprobs, seconds=seconds)
+        return EngineOutput(*self._call("generate", ([list(p) for p in prompts], num_generations), timeout))
 
     def update_weights(self, named_tensors: Iterable[tuple[str, Any]], timeout: float = 60.0) -> int:
         """Copy weights into the server's model (serialised with ``torch.save``); returns the bytes copied."""

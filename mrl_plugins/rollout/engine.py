@@ -117,12 +117,6 @@ class EngineOutput:
     prompt_ids: list[list[int]]
     completion_ids: list[list[int]]
     logprobs: list[list[float]]
-    seconds: float = 0.0
-
-    @property
-    def num_tokens(self) -> int:
-        """Completion tokens generated (EOS included)."""
-        return sum(len(c) for c in self.completion_ids)
 
 
 def process_logits(scores: Any, params: SamplingParams, seen: Any = None) -> Any:
@@ -317,14 +311,11 @@ class TransformersEngine:
     # ------------------------------------------------------------------------------------------------ generate
     def generate(self, prompts: list[list[int]], num_generations: int = 1) -> EngineOutput:
         """Sample ``num_generations`` completions per prompt; prompt-major order, EOS kept, logprob per token."""
-        import time
-
         _check_prompts(prompts, num_generations)
-        start = time.perf_counter()
         repeated = [list(p) for p in prompts for _ in range(num_generations)]
         with inference_mode(self.model):
             completions, logprobs = self._sample(repeated)
-        return EngineOutput(repeated, completions, logprobs, seconds=time.perf_counter() - start)
+        return EngineOutput(repeated, completions, logprobs)
 
     def score(self, prompts: list[list[int]], completions: list[list[int]]) -> list[list[float]]:
         """Teacher-forced log-probabilities of ``completions[i]`` after ``prompts[i]`` under this engine's model.

@@ -279,7 +279,6 @@ class VLLMEngine:
         docstring."""
         _check_prompts(prompts, num_generations)
         filters = self.params.filters()
-        start = time.perf_counter()
         flat = [[int(t) for t in p] for p in prompts for _ in range(num_generations)]
         base = None if self.seed is None else int(self.seed) + self._calls * len(flat)
         params = [self._sampling_params(None if base is None else base + i) for i in range(len(flat))]
@@ -300,7 +299,7 @@ class VLLMEngine:
                 temperature=self.params.temperature,
                 pad_id=self.params.resolved_pad(),
             )
-        return EngineOutput(flat, completions, logprobs, seconds=time.perf_counter() - start)
+        return EngineOutput(flat, completions, logprobs)
 
     def close(self) -> None:
         """Release vLLM's engine and the private config folder (idempotent)."""
