@@ -287,7 +287,7 @@ def check_ports(table: Mapping[str, int], network: Sequence[str] = ()) -> list[C
         return [Check("ok", "ports", "none assigned (no network transport configured)")]
     by_port: dict[int, list[str]] = {}
     for name, port in table.items():
-        by_port.setdefault(check_port_number(name, port), []).append(name)
+        by_port.setdefault(port, []).append(name)  # checked by check_port_number when the table was read
     checks = []
     for port, names in sorted(by_port.items()):
         if len(names) > 1:
@@ -315,10 +315,9 @@ def _fraction(name: str, value: Any) -> float:
     return f
 
 
-def check_memory(reserve_root: float | None, reserve: Mapping[str, float], cards_shared: bool) -> list[Check]:
+def check_memory(root: float | None, reserve: Mapping[str, float], cards_shared: bool) -> list[Check]:
     """Fractions of one card's memory: root/system reserve <= 0.20 and everything summed <= 1 (no clamping)."""
-    shares = {name: _fraction(name, f) for name, f in reserve.items()}
-    root = None if reserve_root is None else _fraction("root", reserve_root)
+    shares = {name: _fraction(name, f) for name, f in reserve.items()}  # --peak's come unchecked; root: argparse's
     if root is None and not shares:
         if cards_shared:
             return [Check("warn", "memory", "processes share a card but no reservation was given: without explicit "

@@ -124,7 +124,7 @@ def triage(
       1 when rollout and training take turns, 2 when both times are recorded and overlap) is the argument, else
       the run's ``lanes``, else the smallest whole number consistent with the times, ``ceil(busy / window)``, and
       at least 2 when the split's flag ``generate_overlapped`` is set (rollout workers generate while it trains);
-      ``lanes`` must be an integer >= 1 (the run's a whole number >= 1) and ``high_util`` in [0.5, 1] (ConfigError).
+      the run's ``lanes`` must be a whole number >= 1 (ConfigError; ``mrl doctor`` checks its --lanes, --high-util).
     * communication wait share: ``comm_wait_s`` (else ``weight_sync + transfer``) / window; ``wait`` (idle,
       waiting for experience) is reported as the idle share and counts against utilisation, not communication.
     * verdicts, in order: comm wait > 30% -> communication (compress first, then overlap); utilisation < 50% ->
@@ -132,10 +132,6 @@ def triage(
       (argument or the run's ``target_*``) -> kernels; >= ``high_util`` otherwise -> compute-bound; else no clear
       bottleneck.
     """
-    if lanes is not None and (isinstance(lanes, bool) or not isinstance(lanes, int) or lanes < 1):
-        raise ConfigError(f"lanes: must be an integer >= 1, got {lanes!r}")
-    if not 0.5 <= high_util <= 1:  # under 0.5 the verdict is scheduling whatever the threshold (nan: refused too)
-        raise ConfigError(f"high_util: must be a fraction in [0.5, 1], got {high_util!r}")
     where = f"report run {name!r}"
     split = run.get("time_split")
     if not isinstance(split, Mapping):
