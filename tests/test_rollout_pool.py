@@ -147,20 +147,21 @@ def test_moving_a_worker_drains_its_queue_to_the_others_and_keeps_serving():
         pool.collect(pool.submit(PROMPTS, 2))
         old_pid = pool.pids[0]
         ticket = pool.submit(PROMPTS * 2, 2)  # half of it queued on worker 0
-        pool.move_worker(0, {"cores": [0], "threads": 1})
+        pool.move_worker(0, {"cores": [0], "threads": 1})  # returns after the restart, without waiting for it
         res = pool.collect(ticket)
         assert len(res.completion_ids) == len(PROMPTS) * 2 * 2
         assert res.prompt_ids == [p for p in PROMPTS * 2 for _ in range(2)]
         assert pool.pids[0] != old_pid
+        pool.wait_ready()  # the moved worker reports ready (at most rollout.start_timeout_s)
         assert psutil.Process(pool.pids[0]).cpu_affinity() == [0]
         res = pool.collect(pool.submit(PROMPTS, 1))  # both workers serve again
-        assert len(res.completion_ids) == len(PROMPTS)
+        assert len(res.completion_ids) == len(PROMPTS) and not pool.workers.draining
     finally:
         pool.close()
 
 
 def test_a_move_does_not_wait_for_the_chunks_already_handed_to_the_other_workers(monkeypatch):
-    """``move_worker(wait=False)`` stops the worker after the chunk it is generating: the chunks still queued to it
+    """``move_worker`` stops the worker after the chunk it is generating: the chunks still queued to it
     (handed to the other worker) are dropped, not generated again while the trainer waits for it to exit."""
     from tests.pool_helpers import SlowEngine
 
@@ -174,7 +175,7 @@ def test_a_move_does_not_wait_for_the_chunks_already_handed_to_the_other_workers
         first, second = pool.submit(PROMPTS, 1), pool.submit(PROMPTS, 1)  # two chunks per worker: one generating
         time.sleep(0.5)
         start = time.monotonic()
-        pool.move_worker(0, place, wait=False)
+        pool.move_worker(0, place)
         took = time.monotonic() - start
         # before: the rest of the chunk it generates plus the queued one (> 2 x delay - 0.5 s); now: that rest only
         assert took < delay + 1.0, took

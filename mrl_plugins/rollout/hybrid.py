@@ -119,7 +119,7 @@ class HybridBalancer:
             move.wait_share,
             self.window,
         )
-        self.pool.move_worker(move.worker, place, wait=False)
+        self.pool.move_worker(move.worker, place)
         self.pools[move.worker] = move.to
         self.placements[move.worker] = dict(place)
         self.shares.clear()  # judge the new placement on fresh measurements

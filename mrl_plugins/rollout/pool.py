@@ -166,12 +166,12 @@ class WorkerPool:
         for t, chunk, prompts in self._unanswered(i):
             self._send(i, t, chunk, prompts)
 
-    def wait_ready(self, progress: Any = None, *, first: float = 1.0, every: float = 5.0) -> float:
+    def wait_ready(self, progress: Any = None) -> float:
         """Block until every worker is ready, at most ``rollout.start_timeout_s`` from the pool's start (a worker
-        that fails meanwhile raises as in :meth:`collect`); ``progress(seconds since the start)`` after ``first`` s
-        of waiting, then every ``every`` s. Returns the seconds waited."""
+        that fails meanwhile raises as in :meth:`collect`); ``progress(seconds since the start)`` after 1 s of
+        waiting, then every 5 s. Returns the seconds waited."""
         start = time.monotonic()
-        deadline, note = self.started_at + self.cfg.rollout.start_timeout_s, start + first
+        deadline, note = self.started_at + self.cfg.rollout.start_timeout_s, start + 1.0
         while not self.ready:
             self.check_workers()
             now = time.monotonic()
@@ -183,7 +183,7 @@ class WorkerPool:
                 )
             if progress is not None and now >= note:
                 progress(now - self.started_at)
-                note = now + every
+                note = now + 5.0
             self._drain_events()
             # None: the last worker became ready meanwhile (the loop condition sees it)
             waiting = next((e for e in self.workers.ready_events if not e.is_set()), None)
@@ -197,13 +197,13 @@ class WorkerPool:
             GenerateRequest(t.req_id, chunk, prompts, t.num_generations, t.model_id, t.min_version, self.score_with)
         )
 
-    def move_worker(self, i: int, placement: dict, *, wait: bool = True) -> None:
+    def move_worker(self, i: int, placement: dict) -> None:
         """Move worker ``i`` to ``placement`` (``cores``/``threads``/``env``/``device``, as the adapter builds
         them) without stopping the service: new requests skip it, its unanswered chunks are handed to the other
         workers first, then it is stopped and restarted in its new place (hybrid mode: shifting capacity between
-        the colocated and the dedicated pool; a local worker). ``wait=True`` returns once it is ready again, at
-        most ``rollout.start_timeout_s``; ``wait=False`` returns after the restart and lets it take requests when
-        it reports ready (a StageTimeoutError surfaces from a later call if it does not within that bound)."""
+        the colocated and the dedicated pool; a local worker). Returns after the restart; it takes requests again
+        when it reports ready (a StageTimeoutError surfaces from a later call if it does not within
+        ``rollout.start_timeout_s``)."""
         from mrl_plugins.errors import ConfigError
 
         workers = self.workers
@@ -227,12 +227,6 @@ class WorkerPool:
             workers.draining.discard(i)
             raise
         self._new_process(i)
-        if wait:
-            while workers.moving(i):
-                if not workers.procs[i].is_alive():
-                    self.check_workers()
-                self._drain_events()
-                time.sleep(0.05)
         self._dispatch()
 
     # ------------------------------------------------------------------ weights

@@ -410,7 +410,7 @@ class PoolRuntime:
             say = f"waiting for {what} to start: {seconds:.0f} s so far, at most {bound:g} s (1.5 x timeout_s)"
             print(f"mrl-plugins: {say}", file=sys.stderr, flush=True)
 
-        waited = pool.wait_ready(progress, first=1.0, every=5.0)
+        waited = pool.wait_ready(progress)
         if waited >= 1.0:
             since = time.monotonic() - pool.started_at
             print(f"mrl-plugins: {what} ready {since:.1f} s after the start; generating with it", file=sys.stderr)

@@ -283,9 +283,6 @@ class WorkerSupervisor:
         self._start(i)
         self._moving[i] = (deadline, timeout, placement)
 
-    def moving(self, i: int) -> bool:
-        return i in self._moving
-
     def moved(self) -> None:
         """Workers that finished moving take requests again; one that is not ready in time is an error."""
         for i, (deadline, timeout, placement) in list(self._moving.items()):
