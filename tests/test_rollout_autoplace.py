@@ -299,7 +299,7 @@ def test_a_default_run_measures_its_placement_and_a_hybrid_one_says_why_it_keeps
     runtime = trainer._mrl_state.runtime
     trainer.train()
     assert runtime.where.controller is not None and runtime.where.served_count == {"split": 0, "turns": 4, "warmup": 0}
-    assert not runtime.started
+    assert runtime._pool is None  # no pool started
     codes = [h["mrl/rollout/placement"] for h in trainer.state.log_history if "loss" in h]
     assert codes == [1, 1, 1, 1]
 
@@ -482,7 +482,7 @@ def test_split_lends_the_idle_workers_core_to_the_trainer(tmp_path, monkeypatch,
 
     def on_first_split(*a, **k):
         nonlocal orig_submit
-        if orig_submit is None and runtime.started:
+        if orig_submit is None and runtime._pool is not None:
             orig_submit = runtime.pool.submit
             runtime.pool.submit = watch_submit
 

@@ -100,7 +100,7 @@ def test_process_state_changes_only_while_training(tmp_path, capsys):
     assert line in err, err
     assert _process_state() == before
     runtime = trainer._mrl_state.runtime
-    assert not runtime.started
+    assert runtime._pool is None  # no pool started
     assert {p.pid for p in psutil.Process().children(recursive=True)} == children  # nothing spawned yet
 
     seen = {}
@@ -166,7 +166,7 @@ def test_second_enable_stops_the_first_pool(tmp_path):
     second = _trainer(tmp_path / "b")
     mrl_plugins.enable(second, _colocate())
     assert all(_gone(p) for p in pids) and _shm(run_id) == []
-    assert not first._mrl_state.runtime.started
+    assert first._mrl_state.runtime._pool is None
     again = second._mrl_state.runtime.pool
     pids, run_id = list(again.pids), again.run_id
     mrl_plugins.enable(second, _colocate())  # the same trainer again (a notebook cell run twice)
@@ -275,7 +275,7 @@ def test_warmup_engine_is_transformers_whatever_the_rollout_engine(tmp_path, ins
     mrl_plugins.enable(trainer, _colocate(engine="slow", local_warmup=True))  # asked for: the light engine
     runtime = trainer._mrl_state.runtime
     assert isinstance(runtime._local_factory(), TransformersEngine)
-    assert not runtime.started
+    assert runtime._pool is None  # no pool started
 
 
 SCRIPT = textwrap.dedent(

@@ -191,10 +191,6 @@ class PoolRuntime:
 
     # ---------------------------------------------------------------- lifetime
     @property
-    def started(self) -> bool:
-        return self._pool is not None
-
-    @property
     def pool(self) -> Any:
         """The worker pool, started on first use."""
         if self._pool is None:
