@@ -59,6 +59,20 @@ def make_pool(
     return pool, model, tok, sampling, pm, ctx
 
 
+def record_sources(runtime: Any) -> list[str]:
+    """Who generated each batch, in order, as the runtime tells its Placement (``served``'s tag: ``split``,
+    ``turns`` or ``warmup``; a lookahead of the split taken while taking turns counts as ``split``)."""
+    sources: list[str] = []
+    served = runtime.where.served
+
+    def record(t0: float, blocked: float, engine_s: float, tag: str | None) -> None:
+        sources.append(tag or "split")
+        served(t0, blocked, engine_s, tag)
+
+    runtime.where.served = record
+    return sources
+
+
 def steer_placement(runtime: Any, at: dict[int, str]) -> Any:
     """A TrainerCallback forcing placement auto's arrangement at the end of the given steps (``{step: "split" |
     "turns"}``); at the step end after a forced split it waits (at most 120 s) for the workers to be ready."""

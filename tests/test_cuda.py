@@ -267,6 +267,7 @@ def test_grpo_trainer_on_cuda_with_placement_auto_the_default(tmp_path):
     import mrl_plugins
     from mrl_plugins.config import load_config
     from mrl_plugins.run import build_trainer
+    from tests.pool_helpers import record_sources
 
     steps = 16  # long enough for the controller to explore the split (4 x (probe + 1) generations)
     cfg = load_config({"train": {"model": "qwen2-tiny", "steps": steps, "output_dir": str(tmp_path)}})
@@ -275,10 +276,11 @@ def test_grpo_trainer_on_cuda_with_placement_auto_the_default(tmp_path):
     mrl_plugins.enable(trainer, "colocate")
     runtime = trainer._mrl_state.runtime
     assert runtime.where.controller is not None and runtime.where.arrangement == "turns"
+    sources = record_sources(runtime)
     trainer.train()
     history = [h for h in trainer.state.log_history if "reward" in h]
     assert len(history) == steps
     assert all(h["mrl/rollout/placement"] in (0, 1) for h in history)
     assert sum(h.get("mrl/rollout/turns_batches", 0) for h in history) >= 4  # the first steps: turns, on the GPU
     assert runtime.where.controller.decisions  # measured and decided at least once
-    assert sum(runtime.where.served_count.values()) == steps, runtime.where.served_count
+    assert len(sources) == steps, sources

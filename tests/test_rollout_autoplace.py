@@ -293,12 +293,14 @@ def test_a_default_run_measures_its_placement_and_a_hybrid_one_says_why_it_keeps
     import mrl_plugins
     from mrl_plugins.config import load_config
     from mrl_plugins.run import build_trainer
+    from tests.pool_helpers import record_sources
 
     trainer = placement_run(tmp_path, 4, {"workers": 1})
     assert "placement auto: this split or taking turns" in capfd.readouterr().err
     runtime = trainer._mrl_state.runtime
+    sources = record_sources(runtime)
     trainer.train()
-    assert runtime.where.controller is not None and runtime.where.served_count == {"split": 0, "turns": 4, "warmup": 0}
+    assert runtime.where.controller is not None and sources == ["turns"] * 4
     assert runtime._pool is None  # no pool started
     codes = [h["mrl/rollout/placement"] for h in trainer.state.log_history if "loss" in h]
     assert codes == [1, 1, 1, 1]
@@ -322,14 +324,17 @@ def test_a_run_too_short_for_the_split_never_starts_its_workers(tmp_path, caplog
     import logging
 
     trainer = placement_run(tmp_path, steps, {"workers": 1, "placement": "auto"})
+    from tests.pool_helpers import record_sources
+
     runtime = trainer._mrl_state.runtime
+    sources = record_sources(runtime)
     started: list[int] = []
     real_start = runtime._start_pool
-    runtime._start_pool = lambda: (started.append(runtime.where.served_count["turns"]), real_start())[1]
+    runtime._start_pool = lambda: (started.append(sources.count("turns")), real_start())[1]
     with caplog.at_level(logging.INFO, logger="mrl_plugins.rollout"):
         trainer.train()
     # kept (keep_arrangement): every batch from the trainer's own model
-    assert runtime.where.served_count["turns"] == steps
+    assert sources.count("turns") == steps
     assert started == ([0] if starts else [])  # at the first generation, before it is generated
     said = [r.getMessage() for r in caplog.records if "too few for the split" in r.getMessage()]
     assert said == ([] if starts else [f"mrl-plugins placement: {steps} generations left: too few for the split to "
@@ -347,6 +352,8 @@ def test_grpo_run_switches_arrangement_without_losing_samples(tmp_path, monkeypa
     import torch
     from transformers import TrainerCallback
 
+    from tests.pool_helpers import record_sources
+
     steps = 16
     trainer = placement_run(tmp_path, steps, {"workers": 1, "placement": "auto", "local_warmup": True})
     state = trainer._mrl_state
@@ -355,13 +362,14 @@ def test_grpo_run_switches_arrangement_without_losing_samples(tmp_path, monkeypa
     runtime.where.share.lend_cpu = False  # the split keeps the trainer on its own core here (lending: the next test)
     gen = trainer.vllm_generation
     calls: list[dict] = []
+    sources = record_sources(runtime)
     orig_generate = runtime.generate
 
     def generate(prompts, num_generations, model_id):
         result = orig_generate(prompts, num_generations, model_id)
         calls.append(
             {
-                "arr": runtime.where.last_source,
+                "arr": sources[-1],
                 "asked": [list(p) for p in prompts],
                 "got": [list(p) for p in result.prompt_ids],
                 "n": len(result.completion_ids),
@@ -420,7 +428,7 @@ def test_grpo_run_switches_arrangement_without_losing_samples(tmp_path, monkeypa
         assert c["got"] == c["asked"] and c["n"] == len(c["asked"])
     assert len({tuple(map(tuple, c["asked"])) for c in calls}) == steps  # no batch served twice
     split = [c for c in calls if c["arr"] == "split"]
-    assert runtime.where.served_count["split"] >= 3 and runtime.where.served_count["turns"] >= 2 + (steps - 9)
+    assert sources.count("split") >= 3 and sources.count("turns") >= 2 + (steps - 9)
     assert all(0 <= c["current"] - c["version"] <= 1 for c in split)
     assert all(c["version"] == c["current"] for c in calls if c["arr"] == "turns")
     totals = state.ctx.metrics.totals

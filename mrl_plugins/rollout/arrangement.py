@@ -237,8 +237,6 @@ class Placement:
         self.start_deferred = False  # taking turns: the workers start at the first generation (or never)
         self._was_ready = False  # the pool has reported ready once: no more warm-up
         self._last: tuple[float, float, float, str | None] | None = None  # (start, blocked s, engine s, tag)
-        self.served_count = {"split": 0, "turns": 0, "warmup": 0}  # batches per arrangement (tests, reports)
-        self.last_source = ""
 
     # ---------------------------------------------------------------- the pool's lifetime
     def defer_start(self) -> bool:
@@ -289,8 +287,6 @@ class Placement:
     def served(self, t0: float, blocked: float, engine_s: float, tag: str | None) -> None:
         """A batch handed to the host: who generated it (``tag``: split, turns, warmup; None: a lookahead of the
         split taken while taking turns), how long the host was blocked and the engine ran."""
-        self.last_source = tag or "split"
-        self.served_count[self.last_source] += 1
         self._last = (t0, blocked, engine_s, tag)
 
     def waited(self, seconds: float) -> None:
