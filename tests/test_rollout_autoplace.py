@@ -572,7 +572,9 @@ def test_foreground_gives_every_worker_thread_its_priority_back():
     child = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         pool = types.SimpleNamespace(pids=[child.pid], ready=True)
-        where = Placement(StageContext(config=load_config({}), metrics=StageMetrics()), lambda: None)
+        ctx = StageContext(config=load_config({}), metrics=StageMetrics())
+        where = Placement(ctx, lambda: None, controller=None, warmup=False, budgets=None, lend=False,
+                          idle=lambda: False, balancer_factory=None, interval=lambda: 1)  # fmt: skip
         where._background_start(None, lambda: pool)
         assert where.background and set(_task_nices(child.pid).values()) == {19}
         child.stdin.write("go\n")

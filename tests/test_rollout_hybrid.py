@@ -38,6 +38,25 @@ def test_between_the_thresholds_nothing_moves():
     assert decide([0.1, 0.2, 0.1], [COLOCATED, DEDICATED, DEDICATED], **KW) is None
 
 
+def _driven(balancer, monkeypatch):
+    """``observe(wait_s, now)``: one generation of ``balancer`` at ``now`` on its clock; returns whether it moved a
+    worker (``rollout/hybrid/moves``; where to: ``balancer.pools``)."""
+    import types
+
+    from mrl_plugins.rollout import hybrid
+
+    clock = [0.0]
+    monkeypatch.setattr(hybrid, "time", types.SimpleNamespace(monotonic=lambda: clock[0]))
+
+    def observe(wait_s: float, now: float) -> bool:
+        clock[0] = now
+        moves = balancer.metrics.totals.get("rollout/hybrid/moves", 0)
+        balancer.observe(wait_s)
+        return balancer.metrics.totals.get("rollout/hybrid/moves", 0) > moves
+
+    return observe
+
+
 def test_bad_settings_are_refused():
     from mrl_plugins.config import load_config
     from mrl_plugins.errors import ConfigError
@@ -50,7 +69,7 @@ def test_bad_settings_are_refused():
 
 @pytest.mark.slow
 @require_trl
-def test_no_decision_while_a_worker_moves():
+def test_no_decision_while_a_worker_moves(monkeypatch):
     """Two workers: a move leaves one active worker until the moved one is ready again; a decision meanwhile (which
     would move the other one) waits, and the generations meanwhile are not measured."""
     from mrl_plugins.rollout.hybrid import HybridBalancer
@@ -59,27 +78,32 @@ def test_no_decision_while_a_worker_moves():
         pytest.skip("needs 2 cores")
     shared, own = {"cores": [0], "threads": 1}, {"cores": [1], "threads": 1}
     # spawned: the moved worker takes seconds to be ready again
-    pool, model, *_ = make_pool({"rollout": {"start_method": "spawn"}}, placements=[shared, own])
+    pool, model, *_, ctx = make_pool({"rollout": {"start_method": "spawn"}}, placements=[shared, own])
     try:
         pool.publish(0, list(model.named_parameters()))
         pool.wait_ready()
-        balancer = HybridBalancer(pool, [shared, own], [COLOCATED, DEDICATED], shared, window=1, high=0.5, low=0.1)
-        balancer.observe(0.0, now=10.0)
-        assert balancer.observe(0.0, now=11.0) == Move(0, DEDICATED, 0.0)  # trainer-bound: worker 0 moves out
+        balancer = HybridBalancer(pool, [shared, own], [COLOCATED, DEDICATED], shared, window=1, high=0.5, low=0.1,
+                                  metrics=ctx.metrics)  # fmt: skip
+        observe = _driven(balancer, monkeypatch)
+        observe(0.0, now=10.0)
+        assert observe(0.0, now=11.0) and balancer.pools == [DEDICATED, DEDICATED]  # trainer-bound: worker 0 moves out
         assert pool.workers.draining == {0}
-        assert balancer.observe(0.9, now=12.0) is None  # generation-bound, but worker 0 is still moving
+        assert not observe(0.9, now=12.0)  # generation-bound, but worker 0 is still moving
         assert list(balancer.shares) == []
         pool.wait_ready()
         assert len(pool.collect(pool.submit(PROMPTS, 1)).completion_ids) == len(PROMPTS)
         assert not pool.workers.draining
-        assert balancer.observe(0.9, now=13.0) == Move(1, COLOCATED, 0.9)  # decisions again once it is ready
+        assert observe(0.9, now=13.0) and balancer.pools == [DEDICATED, COLOCATED]  # decisions again once it is ready
+        assert ctx.metrics.totals["rollout/hybrid/wait_share"] == pytest.approx(0.9)
     finally:
         pool.close()
 
 
 @pytest.mark.slow
 @require_trl
-def test_balancer_moves_a_worker_of_a_live_pool_without_stopping_the_service():
+def test_balancer_moves_a_worker_of_a_live_pool_without_stopping_the_service(monkeypatch, caplog):
+    import logging
+
     import psutil
 
     from mrl_plugins.rollout.hybrid import HybridBalancer
@@ -87,17 +111,22 @@ def test_balancer_moves_a_worker_of_a_live_pool_without_stopping_the_service():
     if len(os.sched_getaffinity(0)) < 2:
         pytest.skip("needs 2 cores")
     shared, own = {"cores": [0], "threads": 1}, {"cores": [1], "threads": 1}
-    pool, model, *_ = make_pool(placements=[shared, own])
+    pool, model, *_, ctx = make_pool(placements=[shared, own])
     try:
         pool.publish(0, list(model.named_parameters()))
         pool.collect(pool.submit(PROMPTS, 1))
-        balancer = HybridBalancer(pool, [shared, own], [COLOCATED, DEDICATED], shared, window=2, high=0.5, low=0.1)
+        balancer = HybridBalancer(pool, [shared, own], [COLOCATED, DEDICATED], shared, window=2, high=0.5, low=0.1,
+                                  metrics=ctx.metrics)  # fmt: skip
+        observe = _driven(balancer, monkeypatch)
         old_pid = pool.pids[0]
         in_flight = pool.submit(PROMPTS * 2, 2)
-        assert balancer.observe(0.0, now=10.0) is None  # first call only starts the clock
-        assert balancer.observe(0.01, now=11.0) is None  # window not full yet
-        move = balancer.observe(0.02, now=12.0)  # trainer hardly waits: give the trainer's cores back
-        assert move == Move(0, DEDICATED, pytest.approx(0.015))
+        assert not observe(0.0, now=10.0)  # first call only starts the clock
+        assert "rollout/hybrid/wait_share" not in ctx.metrics.totals
+        assert not observe(0.01, now=11.0)  # window not full yet
+        assert ctx.metrics.totals["rollout/hybrid/wait_share"] == pytest.approx(0.01)  # 0.01 s of 1 s
+        with caplog.at_level(logging.INFO, logger="mrl_plugins.rollout"):
+            assert observe(0.06, now=13.0)  # trainer hardly waits: give the trainer's cores back
+        assert "hybrid: worker 0 -> dedicated pool (mean wait share 0.02 over 2 generations)" in caplog.text
         assert balancer.pools == [DEDICATED, DEDICATED] and balancer.placements[0] == own
         res = pool.collect(in_flight)  # answered in full while worker 0 restarts on its new cores
         assert len(res.completion_ids) == len(PROMPTS) * 2 * 2
@@ -109,7 +138,7 @@ def test_balancer_moves_a_worker_of_a_live_pool_without_stopping_the_service():
         assert psutil.Process(pool.pids[0]).cpu_affinity() == [1]
         res = pool.collect(pool.submit(PROMPTS * 2, 1))  # worker 0 takes its share again
         assert len(res.completion_ids) == len(PROMPTS) * 2
-        assert balancer.observe(0.0, now=13.0) is None  # window restarted after the move
+        assert not observe(0.0, now=14.0) and list(balancer.shares) == [0.0]  # window restarted after the move
     finally:
         pool.close()
 

@@ -215,13 +215,13 @@ class Placement:
         ctx: Any,
         model: Callable[[], Any],
         *,
-        controller: Any = None,
-        warmup: bool = False,
-        budgets: dict[str, tuple[list[int], int]] | None = None,
-        lend: bool = False,
-        idle: Callable[[], bool] = lambda: False,
-        balancer_factory: Callable[[Any], Any] | None = None,
-        interval: Callable[[], int] = lambda: 1,
+        controller: Any,
+        warmup: bool,
+        budgets: dict[str, tuple[list[int], int]] | None,
+        lend: bool,
+        idle: Callable[[], bool],
+        balancer_factory: Callable[[Any], Any] | None,
+        interval: Callable[[], int],
     ) -> None:
         from .autoplace import SPLIT
 

@@ -96,21 +96,21 @@ class HybridBalancer:
         self.shares: deque[float] = deque(maxlen=window)
         self._last: float | None = None
 
-    def observe(self, wait_s: float, now: float | None = None) -> Move | None:
+    def observe(self, wait_s: float) -> None:
         """Record one generation (the trainer waited ``wait_s`` for it); move a worker when the policy says so."""
-        now = time.monotonic() if now is None else now
+        now = time.monotonic()
         last, self._last = self._last, now
         if last is None or now <= last:
-            return None
+            return
         share = min(1.0, max(0.0, wait_s / (now - last)))
         if self.metrics is not None:
             self.metrics.gauge("rollout/hybrid/wait_share", share)
         if self.pool.workers.draining:  # a move in progress (a restart, up to the engine's start): no decision,
-            return None  # and its generations judge neither placement
+            return  # and its generations judge neither placement
         self.shares.append(share)
         move = decide(list(self.shares), self.pools, window=self.window, high=self.high, low=self.low)
         if move is None:
-            return None
+            return
         place = self.colocated if move.to == COLOCATED else self._free_slot()
         log.info(
             "hybrid: worker %d -> %s pool (mean wait share %.2f over %d generations)",
@@ -126,7 +126,6 @@ class HybridBalancer:
         if self.metrics is not None:
             self.metrics.add("rollout/hybrid/moves", 1)
             self.metrics.gauge("rollout/hybrid/colocated_workers", self.pools.count(COLOCATED))
-        return move
 
     def _free_slot(self) -> dict:
         used = [p for p, kind in zip(self.placements, self.pools) if kind == DEDICATED]
