@@ -22,6 +22,8 @@ from mrl_plugins.rollout.autoplace import (
 from tests.marks import require_trl
 
 TWO = Scaling(train=1.7, generate=1.06)  # 1 -> 2 threads, as measured on the development machine
+#: generations left: too few to repay exploring (< EXPLORE_PAYBACK x (probe + 1)), enough to switch (> probe + 1)
+SHORT = 11
 
 
 def test_default_scaling_follows_the_measured_speedups_per_doubling():
@@ -78,19 +80,19 @@ def test_median_ignores_one_slow_step():
 
 
 def test_controller_probes_then_checks_every_interval_and_reports(metrics_sink):
-    c = PlacementController(TWO, initial=TURNS, interval=4, probe=2, margin=0.1, explore=False, metrics=metrics_sink)
+    c = PlacementController(TWO, initial=TURNS, interval=4, probe=2, margin=0.1, metrics=metrics_sink)
     c.observe(Sample(TURNS, 9.0, 0.2, 8.8))  # the first interval is a transition: skipped
     c.observe(Sample(TURNS, 0.3, 0.2, 0.1))
-    assert c.check() == TURNS and not c.decisions  # one sample < probe
+    assert c.check(SHORT) == TURNS and not c.decisions  # one sample < probe
     c.observe(Sample(TURNS, 0.3, 0.2, 0.1))
-    assert c.check() == TURNS and len(c.decisions) == 1  # the probe decision
+    assert c.check(SHORT) == TURNS and len(c.decisions) == 1  # the probe decision (not explored: SHORT)
     assert metrics_sink.gauges["rollout/placement_measured_steps_per_s"] == pytest.approx(1 / 0.3)
     assert "rollout/placement_projected_split_steps_per_s" in metrics_sink.gauges
     for _ in range(3):
         c.observe(Sample(TURNS, 0.3, 0.2, 0.1))
-        assert c.check() == TURNS and len(c.decisions) == 1  # next check after `interval` samples
+        assert c.check(SHORT) == TURNS and len(c.decisions) == 1  # next check after `interval` samples
     c.observe(Sample(TURNS, 0.3, 0.2, 0.1))
-    c.check()
+    c.check(SHORT)
     assert len(c.decisions) == 2 and metrics_sink.sums.get("rollout/placement_switches", 0) == 0
     c.report()
     assert metrics_sink.gauges["rollout/placement"] == 1
@@ -113,11 +115,11 @@ def test_controller_switches_measures_afresh_and_calibrates(metrics_sink):
 
 
 def test_alternating_noise_near_a_tie_does_not_flap(metrics_sink):
-    c = PlacementController(TWO, initial=SPLIT, interval=3, probe=3, margin=0.1, explore=False, metrics=metrics_sink)
+    c = PlacementController(TWO, initial=SPLIT, interval=3, probe=3, margin=0.1, metrics=metrics_sink)
     tie = (0.3 / 1.7 + 0.1 / 1.06) * 1.03  # split about as fast as turns would be
     for i in range(60):
         c.observe(Sample(SPLIT, tie * (1.04 if i % 2 else 0.96), 0.3, 0.1))
-        c.check()
+        c.check(SHORT)  # not explored
     assert metrics_sink.sums.get("rollout/placement_switches", 0) == 0
     assert len(c.decisions) == (60 - 1) // 3  # the first interval is a transition
 
@@ -494,7 +496,6 @@ def test_split_lends_the_idle_workers_core_to_the_trainer(tmp_path, monkeypatch,
             orig_submit = runtime.pool.submit
             runtime.pool.submit = watch_submit
 
-    runtime.where.controller.on_decision = on_first_split
     orig_generate = runtime.generate
 
     def generate(*a, **k):

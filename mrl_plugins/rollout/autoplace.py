@@ -46,7 +46,6 @@ from __future__ import annotations
 import logging
 import math
 import statistics
-from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -189,9 +188,7 @@ class PlacementController:
     interval: int = 10
     margin: float = 0.1
     probe: int = 3
-    explore: bool = True
     metrics: Any = None
-    on_decision: Callable[[Decision], None] | None = None
     current: str = field(init=False)
     decisions: list[Decision] = field(default_factory=list, init=False)
 
@@ -247,7 +244,7 @@ class PlacementController:
         target = other(self.current)
         calibration = self.calibration[target]
         measured_other = self._explored_from[1] if fresh else None
-        explore = self.explore and target not in self._ever and measured_other is None
+        explore = target not in self._ever and measured_other is None
         if generations_left is not None and generations_left < EXPLORE_PAYBACK * (self.probe + 1):
             explore = False  # too few generations left to repay trying a possibly slower arrangement
         decision = decide(
@@ -270,8 +267,6 @@ class PlacementController:
             self.metrics.gauge("rollout/placement_measured_steps_per_s", decision.measured_steps_per_s)
             for a, v in decision.projected_steps_per_s.items():
                 self.metrics.gauge(f"rollout/placement_projected_{a}_steps_per_s", v)
-        if self.on_decision is not None:
-            self.on_decision(decision)
         if decision.switch:
             self._pending = (target, decision.raw_projection_s)
             self._switch(target)
