@@ -145,8 +145,10 @@ def test_balancer_moves_a_worker_of_a_live_pool_without_stopping_the_service(mon
 
 @pytest.mark.slow
 @require_trl
-def test_hybrid_grpo_run_rebalances_and_trains(tmp_path):
-    """Thresholds set so that any real run counts as trainer-bound: the colocated worker must move out."""
+def test_hybrid_grpo_run_rebalances_and_trains(tmp_path, monkeypatch):
+    """Thresholds set so that any real run counts as trainer-bound: the colocated worker must move out. The run
+    trains past the workers' start bound first: a move later than that is no start to wait for (the other worker
+    serves while the moved one restarts)."""
     import torch
 
     import mrl_plugins
@@ -159,12 +161,14 @@ def test_hybrid_grpo_run_rebalances_and_trains(tmp_path):
     cfg = load_config({"train": {"model": "tiny", "steps": 10, "output_dir": str(tmp_path)}})
     trainer = build_trainer(cfg, enable_plugins=False, output_dir=str(tmp_path))
     rollout = {"workers": 2, "colocated_workers": 1, "rebalance": True, "rebalance_window": 2}
-    rollout |= {"rebalance_low": 0.98, "rebalance_high": 0.99}
+    rollout |= {"rebalance_low": 0.98, "rebalance_high": 0.99, "start_timeout_s": 30.0}
+    monkeypatch.setenv("MRL_ALLOW_INTERNAL_KEYS", "1")  # start_timeout_s: derived from timeout_s otherwise
     mrl_plugins.enable(trainer, {"mode": "hybrid", "rollout": rollout})
     pool = trainer._mrl_state.runtime.pool
     deadline = time.monotonic() + 120
     while not pool.ready and time.monotonic() < deadline:  # tiny steps would all finish during the warm-up
         time.sleep(0.05)
+    time.sleep(max(0.0, pool.started_at + 31.0 - time.monotonic()))  # past the start bound
     trainer.train()
     hist = [h for h in trainer.state.log_history if "loss" in h]
     assert len(hist) == 10

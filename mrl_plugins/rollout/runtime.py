@@ -394,10 +394,14 @@ class PoolRuntime:
         return pool
 
     def _wait_for_workers(self, pool: Any) -> None:
-        """Wait for the workers to be ready, saying so on stderr after a second and every 5 s (at most
-        ``rollout.start_timeout_s`` from their start)."""
+        """Wait for the workers' first start, saying so on stderr after a second and every 5 s (at most
+        ``rollout.start_timeout_s`` from their start). Once they were all ready, a worker that moves or restarts holds
+        up nothing here: a moving one takes no request until ready, a restarted one's requests wait in its queue
+        (``collect`` bounds them), and the start bound, counted from the pool's start, is no bound for it."""
         import sys
 
+        if pool.ready_s is not None:
+            return
         what = f"{pool.n} rollout worker{'s' if pool.n != 1 else ''} ({self.cfg.engine} engine)"
 
         bound = self.cfg.start_timeout_s
