@@ -155,6 +155,10 @@ def train_process_state(state: State) -> Iterator[dict]:
             now = signal.getsignal(sig)
             if now is not before and (now in ours or getattr(now, "__module__", "").startswith("mrl_plugins")):
                 signal.signal(sig, before if before is not None else signal.SIG_DFL)
+        if main:
+            from mrl_plugins import shmem
+
+            shmem.forget_signal_handlers()  # they chained to ours, which holds this trainer
         if saved_affinity is not None:
             import torch
 

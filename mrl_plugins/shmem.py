@@ -98,7 +98,8 @@ def remove_stale(directory: str | None = None) -> list[str]:
 
 _owned: set[str] = set()
 _lock = threading.Lock()
-_installed = False
+_exit_hooked = False  # unlink_all registered with atexit
+_signals = False  # our SIGTERM/SIGINT handlers installed, chained to _previous
 _previous: dict[int, Any] = {}
 
 
@@ -110,13 +111,27 @@ def register(path: str) -> None:
 
 
 def unlink(path: str) -> None:
-    """Remove a segment file (missing is fine) and forget it."""
+    """Remove a segment file (missing is fine) and forget it; the last one takes our signal handlers off."""
     with _lock:
         _owned.discard(path)
+        last = not _owned
     try:
         os.unlink(path)
     except FileNotFoundError:
         pass
+    if last:
+        _handlers_off()
+
+
+def _handlers_off() -> None:
+    """No segment left to remove: our handlers give way to those they chained to, where ours are still the
+    process's (on the main thread, the one that may set them; else they stay, harmless)."""
+    if not _signals or threading.current_thread() is not threading.main_thread():
+        return
+    if all(signal.getsignal(sig) is _on_signal for sig in _previous):
+        for sig, prev in _previous.items():
+            signal.signal(sig, prev if prev is not None else signal.SIG_DFL)
+        forget_signal_handlers()
 
 
 def unlink_all() -> None:
@@ -132,14 +147,14 @@ def unlink_all() -> None:
 
 
 def _install() -> None:
-    global _installed
+    global _exit_hooked, _signals
     with _lock:
-        if _installed:
+        if not _exit_hooked:
+            _exit_hooked = True
+            atexit.register(unlink_all)
+        if _signals or threading.current_thread() is not threading.main_thread():
             return
-        _installed = True
-    atexit.register(unlink_all)
-    if threading.current_thread() is not threading.main_thread():
-        return
+        _signals = True
     for sig in (signal.SIGTERM, signal.SIGINT):
         try:
             prev = signal.getsignal(sig)
@@ -149,6 +164,19 @@ def _install() -> None:
             signal.signal(sig, _on_signal)
         except (ValueError, OSError):  # not allowed here (embedded interpreter)
             _previous.pop(sig, None)
+
+
+def forget_signal_handlers() -> None:
+    """Ours were taken off and the handlers before them put back (``train()`` ended:
+    :func:`~mrl_plugins.adapters.trl_lifetime.train_process_state`): forget what ours chained to (a handler of that
+    ``train()``, holding its trainer, which would stay alive until exit); the next segment installs ours again. Where
+    ours are still installed (they were before ``train()``), their chain stays."""
+    global _signals
+    if any(signal.getsignal(sig) is _on_signal for sig in _previous):
+        return
+    with _lock:
+        _previous.clear()
+        _signals = False
 
 
 def _on_signal(signum: int, frame: object) -> None:

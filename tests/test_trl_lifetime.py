@@ -129,6 +129,27 @@ def test_process_state_changes_only_while_training(tmp_path, capsys):
     assert _shm(seen["run_id"]) == []
 
 
+def test_a_trained_trainer_is_not_kept_alive(tmp_path, monkeypatch):
+    """After train() nothing of the plugins' holds the trainer: it and its model go when the caller drops them (the
+    shared-memory cleanup handlers, installed with train()'s first segment, chained to train()'s SIGTERM handler and
+    kept it, so every trained trainer lived until exit)."""
+    import weakref
+
+    import mrl_plugins
+    from mrl_plugins import shmem
+
+    monkeypatch.setattr(shmem, "_signals", False)  # as in a fresh process: train() makes the first segment
+    monkeypatch.setattr(shmem, "_previous", {})
+    trainer = _trainer(tmp_path, steps=2)
+    mrl_plugins.enable(trainer, {"mode": "colocate", "rollout": {"workers": 0}})  # weights over shared memory
+    trainer.train()
+    assert trainer._mrl_state.pm.selected["weight_sync"] == "mrl" and trainer.vllm_generation.version == 1
+    trainer_ref, model_ref = weakref.ref(trainer), weakref.ref(trainer.model)
+    del trainer
+    gc.collect()
+    assert trainer_ref() is None and model_ref() is None
+
+
 @TWO_CORES
 @pytest.mark.slow
 def test_untrained_trainer_releases_workers_when_collected(tmp_path):
