@@ -32,12 +32,12 @@ import json
 import pickle
 import queue
 import socket
-import threading
 import time
 from typing import Any
 
 from mrl_plugins._net import td
 from mrl_plugins._proc import wait_until
+from mrl_plugins.comm.base import Heartbeat
 from mrl_plugins.errors import ConfigError, MrlError, StageTimeoutError, choices
 
 from .config import parse_address
@@ -254,18 +254,8 @@ def serve(address: str, index: int, *, device: str | None = None, cores: list[in
     spec.cores = cores
     if threads is not None:
         spec.threads = threads
-    stop = threading.Event()
-
-    def beat() -> None:
-        while not stop.wait(HEARTBEAT_S):
-            try:
-                store.add(f"{PREFIX}/hb/{index}", 1)
-            except Exception:  # the trainer (and its store) is gone: the worker loop notices too
-                return
-
-    store.add(f"{PREFIX}/hb/{index}", 1)
-    hb = threading.Thread(target=beat, name="mrl-remote-heartbeat", daemon=True)
-    hb.start()
+    # beats once now, then every HEARTBEAT_S; stops when the trainer (and its store) is gone: the worker loop notices
+    hb = Heartbeat(lambda: store.add(f"{PREFIX}/hb/{index}", 1), HEARTBEAT_S, "mrl-remote-heartbeat")
     errors = _Reported(StoreQueue(store, f"err/{index}"))
     try:
         worker_main(spec, requests, errors, None, ready, StoreQueue(store, f"ev/{index}"))
@@ -276,5 +266,4 @@ def serve(address: str, index: int, *, device: str | None = None, cores: list[in
         first, _, rest = errors.text.strip().partition("\n")
         raise WorkerFailed(f"worker {index} failed: {first}", rest) from None
     finally:
-        stop.set()
-        hb.join(2)
+        hb.stop()
